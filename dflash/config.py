@@ -83,8 +83,14 @@ class DrafterConfig:
     """Cap on the anchors of one packet (all its sequences together); None = no cap."""
     mask_token_id: int | None = None
     """None = drafter checkpoint, then the tokenizer's mask token, then the first row past the vocab."""
+    hidden_size: int | None = None
+    """Must equal the target's (the drafter reuses its embedding and lm_head); None = the target's."""
     intermediate_size: int | None = None
     """None = the target's intermediate size."""
+    num_heads: int | None = None
+    """None = the target's attention heads (likewise num_kv_heads, head_dim)."""
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
     attention: str = "auto"
     """auto (flex on CUDA, sdpa on CPU), flex or sdpa."""
     dtype: str = "auto"
@@ -220,3 +226,120 @@ def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore under the ``schema`` group."""
     cs = ConfigStore.instance()
     cs.store(name="dflash_schema", node=Config)
+
+
+_CHOICES = {
+    "topology.backend": ("auto", "nccl", "gloo"),
+    "topology.device": ("auto", "cpu", "cuda"),
+    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "drafter.dtype": ("auto", "float32", "bfloat16"),
+    "drafter.attention": ("auto", "sdpa", "flex"),
+    "data.overlong": ("truncate", "skip"),
+    "train.on_nonfinite": ("error", "skip"),
+    "logging.mode": ("online", "offline", "disabled"),
+}
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def config_problems(cfg: Config, world_size: int) -> list[str]:
+    """Every problem that the config alone shows (no model, no file read); empty when valid."""
+    p: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            p.append(msg)
+
+    for key, allowed in _CHOICES.items():
+        val = _get(cfg, key)
+        need(val in allowed, f"{key}={val!r} is not one of {list(allowed)}; set {key}=<one of them>")
+    t = cfg.topology
+    need(t.num_targets >= 1, f"topology.num_targets={t.num_targets}: need at least 1 target; set topology.num_targets=1 or more")
+    need(t.num_drafters >= 1, f"topology.num_drafters={t.num_drafters}: need at least 1 drafter; set topology.num_drafters=1")
+    ranks = t.num_targets + t.num_drafters
+    need(
+        world_size == ranks,
+        f"topology.num_targets={t.num_targets} + topology.num_drafters={t.num_drafters} = {ranks} ranks but the "
+        f"launch has WORLD_SIZE={world_size}; run torchrun --nproc_per_node {ranks} or set "
+        f"topology.num_targets={max(world_size - t.num_drafters, 0)}",
+    )
+    need(t.max_in_flight >= 1, f"topology.max_in_flight={t.max_in_flight}: must be >= 1")
+    need(t.init_timeout_s > 0 and t.step_timeout_s > 0, "topology.init_timeout_s and topology.step_timeout_s must be > 0")
+    tg = cfg.target
+    if tg.layer_ids is not None:
+        need(len(tg.layer_ids) > 0, "target.layer_ids=[] is empty; list at least one tapped layer or set target.layer_ids=null")
+        need(min(tg.layer_ids, default=0) >= 0, f"target.layer_ids={tg.layer_ids} has a negative id; tap ids are decoder layer indices >= 0")
+        need(len(set(tg.layer_ids)) == len(tg.layer_ids), f"target.layer_ids={tg.layer_ids} has duplicates; list each tapped layer once")
+    else:
+        need(tg.num_taps >= 1, f"target.num_taps={tg.num_taps}: must be >= 1")
+    if tg.trust_remote_code:
+        rev = tg.revision or ""
+        need(
+            len(rev) == 40 and all(c in "0123456789abcdef" for c in rev.lower()),
+            f"target.trust_remote_code=true needs target.revision=<40-hex commit hash> (got {tg.revision!r}) so the code that runs is pinned",
+        )
+    d = cfg.drafter
+    need(d.num_layers >= 1, f"drafter.num_layers={d.num_layers}: must be >= 1")
+    need(d.block_size >= 2, f"drafter.block_size={d.block_size}: must be >= 2 (slot 0 is the given token)")
+    need(d.num_anchors >= 1, f"drafter.num_anchors={d.num_anchors}: must be >= 1")
+    if d.max_anchors_per_packet is not None:
+        need(d.max_anchors_per_packet >= 1, f"drafter.max_anchors_per_packet={d.max_anchors_per_packet}: must be >= 1 or null")
+    if d.mask_token_id is not None:
+        need(d.mask_token_id >= 0, f"drafter.mask_token_id={d.mask_token_id}: must be >= 0 or null")
+    dt = cfg.data
+    need(dt.max_length >= 2, f"data.max_length={dt.max_length}: must be >= 2")
+    need(
+        dt.token_budget >= dt.max_length,
+        f"data.token_budget={dt.token_budget} < data.max_length={dt.max_length}: a packet must hold the longest sample; "
+        f"set data.token_budget={dt.max_length} or more",
+    )
+    need(dt.num_epochs >= 1, f"data.num_epochs={dt.num_epochs}: must be >= 1")
+    need(0.0 <= dt.max_skip_fraction <= 1.0, f"data.max_skip_fraction={dt.max_skip_fraction}: must be in [0, 1]")
+    if dt.num_samples is not None:
+        need(dt.num_samples >= 1, f"data.num_samples={dt.num_samples}: must be >= 1 or null")
+    need(dt.num_eval_prompts >= 0, f"data.num_eval_prompts={dt.num_eval_prompts}: must be >= 0")
+    lo = cfg.loss
+    need(min(lo.ce, lo.kl, lo.verifier_ce) >= 0, f"loss.ce/kl/verifier_ce = {lo.ce}/{lo.kl}/{lo.verifier_ce}: must be >= 0")
+    need(lo.ce + lo.kl + lo.verifier_ce > 0, "loss.ce, loss.kl and loss.verifier_ce are all 0: nothing to train; set loss.ce=1.0")
+    need(lo.temperature > 0, f"loss.temperature={lo.temperature}: must be > 0")
+    need(lo.gamma > 0, f"loss.gamma={lo.gamma}: must be > 0")
+    if lo.chunk_size is not None:
+        need(lo.chunk_size >= 1, f"loss.chunk_size={lo.chunk_size}: must be >= 1 or null (from loss.mem_budget_gib)")
+    need(lo.mem_budget_gib > 0, f"loss.mem_budget_gib={lo.mem_budget_gib}: must be > 0")
+    o = cfg.optim
+    need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
+    need(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+    need(0.0 <= o.warmup_ratio < 1.0, f"optim.warmup_ratio={o.warmup_ratio}: must be in [0, 1)")
+    need(o.max_grad_norm > 0, f"optim.max_grad_norm={o.max_grad_norm}: must be > 0")
+    need(o.grad_accum_steps >= 1, f"optim.grad_accum_steps={o.grad_accum_steps}: must be >= 1")
+    tr = cfg.train
+    if tr.max_steps is not None:
+        need(tr.max_steps >= 1, f"train.max_steps={tr.max_steps}: must be >= 1 or null (whole data plan)")
+    need(tr.save_every >= 1, f"train.save_every={tr.save_every}: must be >= 1")
+    need(tr.keep_checkpoints >= 2, f"train.keep_checkpoints={tr.keep_checkpoints}: keep at least 2 so a damaged newest one has a fallback")
+    need(tr.log_every >= 1, f"train.log_every={tr.log_every}: must be >= 1")
+    need(cfg.eval.every >= 0, f"eval.every={cfg.eval.every}: must be >= 0 (0 = off)")
+    return p
+
+
+def raise_problems(problems: list[str], what: str) -> None:
+    if problems:
+        lines = "\n".join(f"  - {m}" for m in problems)
+        raise ValueError(f"{len(problems)} {what} problem(s):\n{lines}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Raise one ValueError listing every config problem (run on every rank before any model loads)."""
+    raise_problems(config_problems(cfg, world_size), "config")
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """The composed DictConfig as the typed ``Config`` (interpolations resolved)."""
+    obj = OmegaConf.to_object(dcfg)
+    assert isinstance(obj, Config)
+    return obj

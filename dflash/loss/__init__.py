@@ -1,0 +1,5 @@
+"""Losses of the drafter."""
+
+from dflash.loss.verifier import VerifierLossOutput, VerifierLossStats, default_chunk_size, verifier_loss
+
+__all__ = ["VerifierLossOutput", "VerifierLossStats", "default_chunk_size", "verifier_loss"]

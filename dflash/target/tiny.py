@@ -13,9 +13,9 @@ import fcntl
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -1,0 +1,34 @@
+# Two entry points on a fresh machine with Python 3.11: `make demo` and `make test`.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel on these machines; on a GPU host use TORCH_SPEC="torch==2.13.0" with the CUDA index.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast lint bench-loss clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/torchrun --standalone --nproc_per_node 3 -m dflash.train
+
+test: $(BIN)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+
+test-fast: $(BIN)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not slow and not multiproc and not faults"
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check dflash tests scripts
+
+bench-loss: $(BIN)/.installed
+	$(BIN)/python scripts/bench_loss.py
+
+clean:
+	rm -rf $(VENV) outputs .cache

@@ -1,0 +1,709 @@
+"""Drafter checkpoints: atomic save, verified load, resume selection, contract check, RNG state.
+
+Only the drafter leader calls ``save_checkpoint``. Target ranks hold no training state; they
+restart from ``TrainState.next_packet``.
+
+Layout of one checkpoint::
+
+    root/step_00000012/
+        model.safetensors   drafter weights (safetensors, no pickle)
+        optimizer.pt        torch.save of tensors and primitives (loads with weights_only=True)
+        scheduler.json      LR scheduler state (scheduler.pt with weights_only=True if not JSON)
+        train_state.json    TrainState
+        rng.pt              python / numpy / torch CPU / CUDA generator states (weights_only)
+        contract.json       what must not change across a resume (checked by check_contract)
+        config.yaml         the resolved config of the run that wrote it
+        COMPLETE            JSON {"files": {name: {"size", "sha256"}}, ...}, written last
+
+The save is atomic, and a checkpoint counts only once its COMPLETE marker exists:
+
+1. Write every file into ``root/.step_00000012.tmp-<pid>/`` and fsync each one.
+2. Rename that directory to ``step_00000012`` and fsync ``root``.
+3. Write COMPLETE (tmp file, fsync, rename, fsync the directory).
+4. Retention runs only after that.
+
+A crash at any point leaves either no ``step_*`` directory or one without COMPLETE, and both are
+ignored. Loading checks the size and sha256 of every file against COMPLETE before
+deserialising anything. The only deserialisers used are safetensors, json and
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle  # only for pickle.UnpicklingError; nothing is unpickled outside weights_only
+import random
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MARKER = "COMPLETE"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_JSON = "scheduler.json"
+SCHEDULER_PT = "scheduler.pt"
+TRAIN_STATE_FILE = "train_state.json"
+RNG_FILE = "rng.pt"
+CONTRACT_FILE = "contract.json"
+CONFIG_FILE = "config.yaml"
+REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAIN_STATE_FILE, RNG_FILE, CONTRACT_FILE, CONFIG_FILE)
+
+_STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
+_STRAY_RE = re.compile(r"^\.step_(\d{8,})\.(tmp|old)-\d+$")
+_HASH_CHUNK = 16 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, damaged or cannot be written."""
+
+
+@dataclass
+class TrainState:
+    """Training progress, stored as JSON in every checkpoint."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    next_packet: int = 0
+    """Global packet counter: packets < next_packet are consumed; targets restart here."""
+    tokens_seen: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Bad-input counters by reason, kept across resume."""
+    nonfinite_steps: int = 0
+    wandb_run_id: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown TrainState fields {unknown}")
+        for required in ("step", "next_packet"):
+            if required not in d:
+                raise ValueError(f"TrainState field {required!r} is missing")
+        return cls(**{k: d[k] for k in names if k in d})
+
+
+@dataclass
+class LoadedCheckpoint:
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    scheduler_state: dict
+    train_state: TrainState
+    rng_state: dict
+    contract: dict
+    path: Path
+    config_yaml: str = ""
+
+    @property
+    def step(self) -> int:
+        return self.train_state.step
+
+
+# --------------------------------------------------------------------------------------------
+# Small filesystem helpers
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP_DIR_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, dir)`` for every ``step_*`` directory, newest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        step = _step_of(p)
+        if step is not None and p.is_dir() and not p.is_symlink():
+            out.append((step, p))
+    return sorted(out, reverse=True)
+
+
+def _is_marked(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+# --------------------------------------------------------------------------------------------
+# Validation of what goes into torch.save (so it always loads back with weights_only=True)
+
+_PRIMITIVES = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _check_weights_only_tree(obj: Any, where: str) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_sparse or obj.layout != torch.strided:
+            raise TypeError(f"{where}: only dense tensors can be checkpointed (got layout {obj.layout})")
+        return
+    if isinstance(obj, _PRIMITIVES):
+        return
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, str | int):
+                raise TypeError(f"{where}: key {k!r} has type {type(k).__name__}; only str/int keys")
+            _check_weights_only_tree(v, f"{where}[{k!r}]")
+        return
+    if isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _check_weights_only_tree(v, f"{where}[{i}]")
+        return
+    raise TypeError(
+        f"{where}: {type(obj).__name__} cannot be checkpointed; only tensors, numbers, strings, "
+        "None and dicts/lists/tuples of them load with torch.load(weights_only=True)"
+    )
+
+
+def _plain(obj: Any) -> Any:
+    """Convert mapping subclasses (OrderedDict, defaultdict) to dict and tuples kept as is."""
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_plain(v) for v in obj)
+    return obj
+
+
+def _model_tensors(model_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors; tensors sharing storage are cloned (safetensors refuses them)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, t in model_state.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"model_state[{name!r}] is a {type(t).__name__}, not a tensor")
+        t = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if t.numel() and key in seen:
+            t = t.clone()
+        elif t.numel():
+            seen.add(key)
+        out[name] = t
+    return out
+
+
+def _json_roundtrips(obj: Any) -> str | None:
+    """JSON text of ``obj`` if it reads back equal (with tuples allowed to become lists)."""
+    try:
+        text = json.dumps(obj, indent=1, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    try:
+        if json.loads(text) == _tuples_to_lists(obj):
+            return text
+    except Exception:
+        pass
+    return None
+
+
+def _tuples_to_lists(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {k: _tuples_to_lists(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_tuples_to_lists(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# Save
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    scheduler_state: dict,
+    train_state: TrainState,
+    rng_state: dict,
+    contract: dict,
+    config_yaml: str,
+    keep: int = 2,
+) -> Path:
+    """Write ``root/step_<step>`` atomically and return its path. Older checkpoints beyond the
+    newest ``keep`` and leftovers of interrupted saves are removed after the new one is complete.
+
+    Raises ``CheckpointError`` (the temporary directory is removed) when writing fails, e.g. on
+    ENOSPC, and ``TypeError``/``ValueError`` for state that cannot be checkpointed safely.
+    """
+    if keep < 2:
+        raise ValueError(f"train.keep_checkpoints={keep} must be >= 2; set train.keep_checkpoints=2")
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    if train_state.step != step:
+        raise ValueError(f"train_state.step={train_state.step} differs from the checkpoint step {step}")
+
+    # Validate everything before touching the disk.
+    optimizer_state = _plain(optimizer_state)
+    _check_weights_only_tree(optimizer_state, "optimizer_state")
+    rng_state = _plain(rng_state)
+    _check_weights_only_tree(rng_state, "rng_state")
+    scheduler_state = _plain(scheduler_state)
+    scheduler_json = _json_roundtrips(scheduler_state)
+    if scheduler_json is None:
+        _check_weights_only_tree(scheduler_state, "scheduler_state")
+    train_state_json = json.dumps(train_state.to_dict(), indent=1, sort_keys=True)
+    contract_json = json.dumps(contract, indent=1, sort_keys=True)
+    tensors = _model_tensors(model_state)
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(step)
+    final = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    old = root / f".{name}.old-{os.getpid()}"
+    t0 = time.perf_counter()
+    moved_aside = False
+    try:
+        if tmp.exists():
+            _rmtree(tmp)
+        tmp.mkdir()
+
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
+        _fsync_file(tmp / MODEL_FILE)
+        del tensors
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        _fsync_file(tmp / OPTIMIZER_FILE)
+        if scheduler_json is not None:
+            _write_bytes(tmp / SCHEDULER_JSON, scheduler_json.encode())
+        else:
+            torch.save(scheduler_state, tmp / SCHEDULER_PT)
+            _fsync_file(tmp / SCHEDULER_PT)
+        _write_bytes(tmp / TRAIN_STATE_FILE, train_state_json.encode())
+        torch.save(rng_state, tmp / RNG_FILE)
+        _fsync_file(tmp / RNG_FILE)
+        _write_bytes(tmp / CONTRACT_FILE, contract_json.encode())
+        _write_bytes(tmp / CONFIG_FILE, config_yaml.encode())
+
+        files = {}
+        for p in sorted(tmp.iterdir()):
+            size, digest = _file_digest(p)
+            files[p.name] = {"size": size, "sha256": digest}
+        marker = json.dumps(
+            {"format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files},
+            indent=1,
+            sort_keys=True,
+        ).encode()
+        _fsync_dir(tmp)
+
+        # Re-saving a step: move the old one aside (hidden, so never picked) before the rename.
+        if final.exists():
+            if old.exists():
+                _rmtree(old)
+            os.rename(final, old)
+            moved_aside = True
+        os.rename(tmp, final)
+        _fsync_dir(root)
+
+        marker_tmp = final / f".{MARKER}.tmp"
+        _write_bytes(marker_tmp, marker)
+        os.rename(marker_tmp, final / MARKER)
+        _fsync_dir(final)
+    except BaseException as e:
+        _rmtree(tmp)
+        if moved_aside and not _is_marked(final):
+            # The new copy never got its marker: put the previous copy of this step back.
+            try:
+                _rmtree(final)
+                os.rename(old, final)
+            except OSError:
+                logger.exception("could not restore the previous copy of %s from %s", final, old)
+        if not isinstance(e, Exception) or isinstance(e, TypeError | ValueError):
+            raise
+        raise CheckpointError(f"writing checkpoint step {step} under {root} failed: {e!r}") from e
+
+    _rmtree(old)
+    _apply_retention(root, step, keep)
+    logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - t0)
+    return final
+
+
+def _apply_retention(root: Path, new_step: int, keep: int) -> None:
+    """Delete stray tmp/old dirs, unmarked step dirs, complete checkpoints beyond the newest
+    ``keep`` and checkpoints newer than the one just saved (an abandoned timeline, after a resume
+    from an older checkpoint; left in place they would be picked by the next auto-resume)."""
+    marked: list[tuple[int, Path]] = []
+    for step, path in _list_step_dirs(root):
+        if step > new_step:
+            logger.warning(
+                "removing checkpoint %s: it is newer than the step %d just saved "
+                "(left from a run that was resumed from an older checkpoint)",
+                path,
+                new_step,
+            )
+            _rmtree(path)
+        elif not _is_marked(path):
+            logger.info("removing incomplete checkpoint dir %s (no %s marker)", path, MARKER)
+            _rmtree(path)
+        else:
+            marked.append((step, path))
+    for _, path in marked[keep:]:
+        _rmtree(path)
+    for p in root.iterdir():
+        if _STRAY_RE.match(p.name) and p.is_dir():
+            logger.info("removing leftover of an interrupted save: %s", p)
+            _rmtree(p)
+    try:
+        _fsync_dir(root)
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# Load
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest ``step_*`` directory with a COMPLETE marker (not verified), or None."""
+    for _, path in _list_step_dirs(Path(root)):
+        if _is_marked(path):
+            return path
+    return None
+
+
+def _read_marker(path: Path) -> dict:
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"{path} is incomplete: no {MARKER} marker")
+    try:
+        meta = json.loads(marker.read_text())
+        files = meta["files"]
+        if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        ):
+            raise ValueError("bad 'files' table")
+    except Exception as e:
+        raise CheckpointError(f"{marker}: unreadable marker ({e!r})") from e
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{marker}: format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+    step = _step_of(path)
+    if step is not None and meta.get("step") != step:
+        raise CheckpointError(f"{marker}: step {meta.get('step')!r} does not match directory {path.name}")
+    return meta
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """Check every file against COMPLETE (presence, size, sha256). Returns the marker; raises
+    ``CheckpointError`` naming each bad file and its problem."""
+    path = Path(path)
+    meta = _read_marker(path)
+    files: dict[str, dict] = meta["files"]
+    problems = []
+    for req in REQUIRED_FILES:
+        if req not in files:
+            problems.append(f"{path / req}: not listed in {MARKER}")
+    if SCHEDULER_JSON not in files and SCHEDULER_PT not in files:
+        problems.append(f"{path / SCHEDULER_JSON}: not listed in {MARKER}")
+    for fname, expect in files.items():
+        if "/" in fname or fname.startswith("."):
+            problems.append(f"{path}: bad file name {fname!r} in {MARKER}")
+            continue
+        p = path / fname
+        if not p.is_file():
+            problems.append(f"{p}: missing")
+            continue
+        size = p.stat().st_size
+        if size != expect["size"]:
+            problems.append(f"{p}: size {size} bytes, {MARKER} says {expect['size']} (truncated or modified)")
+            continue
+        _, digest = _file_digest(p)
+        if digest != expect["sha256"]:
+            problems.append(f"{p}: sha256 mismatch (corrupted or modified)")
+    if problems:
+        raise CheckpointError("checkpoint failed verification:\n  " + "\n  ".join(problems))
+    return meta
+
+
+def _deserialise(p: Path, what: str, fn: Any) -> Any:
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as e:
+        # torch's message advises weights_only=False; never do that. Keep only the reason.
+        text = str(e)
+        m = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. Please use|\n\n|$)", text, re.S)
+        reason = " ".join((m.group(1) if m else text.splitlines()[0]).split())
+        raise CheckpointError(
+            f"{p}: cannot load {what}: refused by torch.load(weights_only=True) ({reason}); the file "
+            "holds more than tensors and primitives (a foreign or crafted pickle) and was not executed"
+        ) from None
+    except Exception as e:
+        raise CheckpointError(f"{p}: cannot load {what} ({type(e).__name__}: {e})") from e
+
+
+def _torch_load(p: Path, map_location: Any) -> Any:
+    # weights_only=True explicitly: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD cannot override it.
+    return torch.load(p, map_location=map_location, weights_only=True, mmap=False)
+
+
+def load_checkpoint(path: Path, *, map_location: Any = "cpu") -> LoadedCheckpoint:
+    """Verify (sizes + sha256 against COMPLETE), then deserialise one checkpoint directory."""
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    files = meta["files"]
+
+    from safetensors.torch import load_file
+
+    device = str(map_location) if isinstance(map_location, str | torch.device) else "cpu"
+    model_state = _deserialise(
+        path / MODEL_FILE, "model weights", lambda: load_file(path / MODEL_FILE, device=device)
+    )
+    optimizer_state = _deserialise(
+        path / OPTIMIZER_FILE, "optimizer state", lambda: _torch_load(path / OPTIMIZER_FILE, map_location)
+    )
+    if SCHEDULER_JSON in files:
+        scheduler_state = _deserialise(
+            path / SCHEDULER_JSON, "scheduler state", lambda: json.loads((path / SCHEDULER_JSON).read_text())
+        )
+    else:
+        scheduler_state = _deserialise(
+            path / SCHEDULER_PT, "scheduler state", lambda: _torch_load(path / SCHEDULER_PT, "cpu")
+        )
+    train_state = _deserialise(
+        path / TRAIN_STATE_FILE,
+        "train state",
+        lambda: TrainState.from_dict(json.loads((path / TRAIN_STATE_FILE).read_text())),
+    )
+    rng_state = _deserialise(path / RNG_FILE, "RNG state", lambda: _torch_load(path / RNG_FILE, "cpu"))
+    contract = _deserialise(
+        path / CONTRACT_FILE, "contract", lambda: json.loads((path / CONTRACT_FILE).read_text())
+    )
+    config_yaml = _deserialise(path / CONFIG_FILE, "config", lambda: (path / CONFIG_FILE).read_text())
+    if (
+        not isinstance(optimizer_state, dict)
+        or not isinstance(rng_state, dict)
+        or not isinstance(contract, dict)
+    ):
+        raise CheckpointError(f"{path}: optimizer, rng and contract states must be dicts")
+    step = _step_of(path)
+    if step is not None and train_state.step != step:
+        raise CheckpointError(
+            f"{path / TRAIN_STATE_FILE}: step {train_state.step} does not match {path.name}"
+        )
+    return LoadedCheckpoint(
+        model_state=model_state,
+        optimizer_state=optimizer_state,
+        scheduler_state=scheduler_state,
+        train_state=train_state,
+        rng_state=rng_state,
+        contract=contract,
+        path=path,
+        config_yaml=config_yaml,
+    )
+
+
+def find_resume_checkpoint(root: Path, *, map_location: Any = "cpu") -> LoadedCheckpoint | None:
+    """The newest complete checkpoint under ``root`` that verifies and loads.
+
+    Directories without COMPLETE (a save that was interrupted) and hidden tmp dirs are skipped.
+    A damaged complete checkpoint is reported with ``logger.warning`` (naming the file and the
+    problem), and the previous one is tried. Returns None when there is no complete checkpoint.
+    Raises ``CheckpointError`` naming every file when complete checkpoints exist but none loads.
+    """
+    root = Path(root)
+    failures: list[str] = []
+    for _, path in _list_step_dirs(root):
+        if not _is_marked(path):
+            logger.warning("ignoring %s: no %s marker (an interrupted save)", path, MARKER)
+            continue
+        try:
+            ckpt = load_checkpoint(path, map_location=map_location)
+        except CheckpointError as e:
+            logger.warning("checkpoint %s is damaged, trying the previous one: %s", path, e)
+            failures.append(str(e))
+            continue
+        if failures:
+            logger.warning(
+                "resuming from %s (step %d) after skipping %d damaged checkpoint(s)",
+                path,
+                ckpt.step,
+                len(failures),
+            )
+        return ckpt
+    if failures:
+        raise CheckpointError(
+            f"no checkpoint under {root} can be loaded; every complete one is damaged:\n"
+            + "\n".join(failures)
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Contract
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, Mapping) and d:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def _show(v: Any) -> str:
+    if v is _MISSING:
+        return "<missing>"
+    try:
+        return json.dumps(v, sort_keys=True)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+def check_contract(saved: dict, current: dict, *, allow_change: bool) -> list[str]:
+    """Differences between the contract saved in a checkpoint and the current run's, as
+    ``"field: saved=X current=Y"`` (nested fields dotted). Raises ``ValueError`` naming every
+    changed field unless ``allow_change``; then returns the list for the caller to log."""
+    a = _flatten(_tuples_to_lists(saved))
+    b = _flatten(_tuples_to_lists(current))
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
+        if va is _MISSING or vb is _MISSING or va != vb:
+            diffs.append(f"{key}: saved={_show(va)} current={_show(vb)}")
+    if diffs and not allow_change:
+        raise ValueError(
+            "the checkpoint was written by a run with a different contract:\n  "
+            + "\n  ".join(diffs)
+            + "\nResuming would mix incompatible state. To accept the change on purpose, set "
+            "train.allow_contract_change=true (the differences are then logged)."
+        )
+    return diffs
+
+
+# --------------------------------------------------------------------------------------------
+# RNG state
+
+
+def capture_rng_state() -> dict:
+    """Python, numpy, torch CPU and (if CUDA is initialised) every CUDA generator, as tensors and
+    primitives only, so that ``rng.pt`` loads with ``weights_only=True``."""
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "python": {
+            "version": version,
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "torch": torch.get_rng_state(),
+    }
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        np = None
+    if np is not None:
+        s = np.random.get_state(legacy=False)
+        state["numpy"] = {
+            "bit_generator": s["bit_generator"],
+            "key": torch.from_numpy(s["state"]["key"].astype(np.int64)),
+            "pos": int(s["state"]["pos"]),
+            "has_gauss": int(s["has_gauss"]),
+            "gauss": float(s["gauss"]),
+        }
+    # Only when CUDA is already initialised: touching the generators would create a context on
+    # every visible GPU.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of ``capture_rng_state``."""
+    py = state["python"]
+    internal = py["internal"]
+    internal = tuple(int(x) for x in (internal.tolist() if isinstance(internal, torch.Tensor) else internal))
+    random.setstate((int(py["version"]), internal, py["gauss_next"]))
+    torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        key = s["key"].numpy() if isinstance(s["key"], torch.Tensor) else np.asarray(s["key"])
+        np.random.set_state(
+            {
+                "bit_generator": s["bit_generator"],
+                "state": {"key": key.astype(np.uint32), "pos": int(s["pos"])},
+                "has_gauss": int(s["has_gauss"]),
+                "gauss": float(s["gauss"]),
+            }
+        )
+    cuda = state.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available():
+            logger.warning("checkpoint has CUDA RNG states but CUDA is not available; not restored")
+            return
+        n = torch.cuda.device_count()
+        if len(cuda) != n:
+            logger.warning("checkpoint has %d CUDA RNG states, %d devices visible", len(cuda), n)
+        for i, s in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(s.cpu(), i)

@@ -1,0 +1,240 @@
+"""The embedded default corpus: stdlib code prompts, responses regenerated greedily by the target.
+
+Real DFlash data is made by regenerating the assistant responses with the target, so that the
+training labels follow the target's own (greedy) distribution. This module does the same offline:
+prompts are snippets cut from CPython's standard-library sources (``stdlib_text_files``) wrapped
+in a few instruction templates, and the target answers them with batched greedy ``generate``.
+The result is a chat JSONL (``{"messages": [user, assistant]}`` per line) like any other source.
+
+The build is deterministic (seed, stdlib files, target weights), atomic, guarded by a file lock
+and idempotent: a ``<out>.meta.json`` sidecar records the parameters and a fingerprint of the
+target, and an identical request reuses the file.
+
+Where the training sample can differ from what the target generated (so the data token at a
+supervised position is not the target's greedy token there):
+- re-tokenization: the response is stored as text; BPE re-tokenization of the decoded text (and
+  of the prompt/response boundary in the rendered chat text) may not reproduce the generated ids;
+- responses cut by ``max_new_tokens`` still end with the template's end-of-turn token, which the
+  target did not produce there;
+- numerics: batched, left-padded, KV-cached decoding and the full-sequence prefill of training are
+  different kernels, so near-ties of the argmax can flip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from dflash.data.chat import prompt_ids
+from dflash.target.tiny import file_lock, stdlib_text_files
+
+log = logging.getLogger(__name__)
+
+CORPUS_VERSION = 1
+PROMPT_TEMPLATES = (
+    "Continue this code:\n{code}",
+    "Complete the following Python code:\n{code}",
+    "What comes next in {name}?\n{code}",
+    "Here is a snippet from {name}. Continue it.\n{code}",
+    "Explain and then continue:\n{code}",
+)
+_TARGET_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+_FULL_HASH_LIMIT = 256 << 20
+
+
+def target_fingerprint(target_dir: Path) -> str:
+    """sha256 over the target's config, tokenizer and weight files (big files: size + head + tail)."""
+    target_dir = Path(target_dir)
+    files = [target_dir / f for f in _TARGET_FILES if (target_dir / f).exists()]
+    files += sorted(target_dir.glob("*.safetensors")) + sorted(target_dir.glob("*.bin"))
+    if not files:
+        raise ValueError(f"{target_dir} has no model or tokenizer files; is target.path right?")
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}\0".encode())
+        with open(f, "rb") as fh:
+            if size <= _FULL_HASH_LIMIT:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(1 << 20))
+                fh.seek(size - (1 << 20))
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def embedded_corpus_path(
+    cache_root: Path, target_dir: str | os.PathLike, num_prompts: int, max_new_tokens: int, seed: int
+) -> Path:
+    """Where the corpus for these parameters lives under the data cache."""
+    key = json.dumps([str(Path(target_dir).resolve()), num_prompts, max_new_tokens, seed])
+    return Path(cache_root) / "embedded" / f"corpus-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
+
+
+def make_prompts(num_prompts: int, seed: int) -> list[str]:
+    """num_prompts user messages: 1-12 consecutive non-blank-ended lines of a stdlib file in a
+    random template. Deterministic for a seed and a Python installation."""
+    rng = random.Random(seed)
+    files = stdlib_text_files()
+    lines_of: dict[Path, list[str]] = {}
+    prompts: list[str] = []
+    while len(prompts) < num_prompts:
+        f = rng.choice(files)
+        if f not in lines_of:
+            lines_of[f] = f.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        lines = lines_of[f]
+        k = rng.randint(1, 12)
+        start = rng.randrange(max(1, len(lines) - k))
+        code = "".join(lines[start : start + k]).strip("\n")
+        if len(code.strip()) < 8:
+            continue
+        template = rng.choice(PROMPT_TEMPLATES)
+        prompts.append(template.format(code=code, name=f.name))
+    return prompts
+
+
+@torch.inference_mode()
+def generate_greedy(
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64
+) -> tuple[list[list[int]], list[bool]]:
+    """Greedy responses to token-id prompts: (ids without the eos, finished-with-eos flags).
+
+    Prompts are sorted by length and batched with left padding (fewer pad tokens); the result is in
+    the input order. Generation stops at ``tokenizer.eos_token_id`` (``<|im_end|>`` for ChatML).
+    """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if eos is None:
+        raise ValueError("the target tokenizer has no eos_token: greedy regeneration cannot stop")
+    pad = eos if pad is None else pad
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    done: list[bool] = [False] * len(prompts)
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        input_ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = prompts[i]
+            input_ids[row, width - len(p) :] = torch.tensor(p)
+            attention[row, width - len(p) :] = 1
+        gen = model.generate(
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention.to(model.device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )[:, width:]
+        for row, i in enumerate(idx):
+            ids = gen[row].cpu().tolist()
+            if eos in ids:
+                ids, done[i] = ids[: ids.index(eos)], True
+            out[i] = ids
+    return out, done
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Temporarily run torch CPU ops on n threads (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_embedded_corpus(
+    target_dir: Path,
+    out_path: Path,
+    *,
+    num_prompts: int,
+    max_new_tokens: int,
+    seed: int,
+    device: str | None = None,
+) -> Path:
+    """Build (or reuse) the embedded chat JSONL at ``out_path`` with the target at ``target_dir``.
+
+    Each line is ``{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}``; the
+    assistant content is the target's greedy response (fp32, batched, left-padded, stop at eos,
+    at most max_new_tokens), decoded with special tokens kept. Safe to call from every rank: one
+    builds under a file lock, the others wait and reuse. ``device``: None = cuda when available,
+    else cpu. On CPU generation runs on one thread: these small decode steps gain nothing from
+    more, and with the cores shared (other ranks, other jobs) 2 threads measured 5-8x slower.
+    """
+    target_dir, out_path = Path(target_dir), Path(out_path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if num_prompts < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"data.embedded_num_prompts={num_prompts} and data.embedded_max_new_tokens="
+            f"{max_new_tokens} must be >= 1"
+        )
+    meta_path = out_path.with_name(out_path.name + ".meta.json")
+    want = {
+        "version": CORPUS_VERSION,
+        "num_prompts": num_prompts,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "python": sys.version.split()[0],
+        "device": torch.device(device).type,
+        "target": target_fingerprint(target_dir),
+    }
+
+    def ready() -> bool:
+        return out_path.exists() and meta_path.exists() and json.loads(meta_path.read_text()) == want
+
+    if ready():
+        return out_path
+    with file_lock(out_path.parent / f".{out_path.name}.lock"):
+        if ready():
+            return out_path
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(device)
+        users = make_prompts(num_prompts, seed)
+        convs = [[{"role": "user", "content": u}] for u in users]
+        prompts = [prompt_ids(tokenizer, c) for c in convs]
+        with _torch_threads(1 if torch.device(device).type == "cpu" else torch.get_num_threads()):
+            responses, finished = generate_greedy(model, tokenizer, prompts, max_new_tokens)
+        del model
+        tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for conv, ids in zip(convs, responses, strict=True):
+                text = tokenizer.decode(ids, skip_special_tokens=False)
+                fh.write(json.dumps({"messages": conv + [{"role": "assistant", "content": text}]}) + "\n")
+        os.replace(tmp, out_path)
+        meta_tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}")
+        meta_tmp.write_text(json.dumps(want, indent=1))
+        os.replace(meta_tmp, meta_path)
+        log.info(
+            "embedded corpus: %d prompts x <=%d tokens (%d finished with eos) in %.1fs -> %s",
+            num_prompts,
+            max_new_tokens,
+            sum(finished),
+            time.perf_counter() - t0,
+            out_path,
+        )
+    return out_path

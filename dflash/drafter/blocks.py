@@ -1,0 +1,177 @@
+"""Anchors, noise blocks, label positions and the attention mask of DFlash training.
+
+Shape legend: B rows, S context tokens per row, N blocks per row, bs block size, Q = N * bs.
+A row may hold several packed documents; ``doc_ids [B, S]`` numbers them (-1 = padding) and is
+derived from the RoPE position ids, which restart at 0 for every document.
+
+Rules (reference spec, dflash_training.md sections 2.2-2.5):
+- anchor p is eligible when loss_mask[p] = loss_mask[p+1] = 1 and p+1 is in the same document;
+- block n = ``[x_{a_n}, MASK x (bs-1)]`` at positions pos(a_n) + k; slot k predicts the token AT
+  a_n + k (same position, no shift); slot 0 is given and never supervised;
+- a block sees the context of its own document strictly before its anchor (j < a_n) and its own bs
+  slots (bidirectional), nothing else: visibility is keyed on the anchor, never on the block index,
+  so overlapping anchors never see each other's futures. A padding block (anchor -1) sees only
+  itself, so no query row is ever fully masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.drafter.attention import AttentionMask
+
+
+def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] position ids restarting at 0 per document -> [B, S] document index (0, 1, ...)."""
+    return torch.cumsum((position_ids == 0).long(), dim=1) - 1
+
+
+def eligible_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: loss_mask[p] and loss_mask[p+1] and doc[p] == doc[p+1] (last position never)."""
+    m = loss_mask.bool()
+    out = torch.zeros_like(m)
+    out[:, :-1] = m[:, :-1] & m[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] >= 0)
+    return out
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator,
+    max_total: int | None = None,
+) -> torch.Tensor:
+    """Up to ``num_anchors`` eligible anchors per document, uniform without replacement, sorted.
+
+    ``max_total`` caps the anchors of a row (all its documents), subsampling uniformly.
+    Returns [B, N] int64 positions, padded with -1 (N = the largest count over rows, >= 1).
+    """
+    B, S = loss_mask.shape
+    elig = eligible_anchors(loss_mask, doc_ids).cpu()
+    docs = doc_ids.cpu().clamp(min=0)
+    keys = torch.rand((B, S), generator=generator, dtype=torch.float64)
+    rows: list[torch.Tensor] = []
+    for b in range(B):
+        cand = elig[b].nonzero().squeeze(1)
+        if cand.numel() == 0:
+            rows.append(cand)
+            continue
+        d = docs[b, cand]
+        # Sort by (document, random key): the first num_anchors of each document are its sample.
+        order = torch.argsort(d.double() * 2.0 + keys[b, cand], stable=True)
+        cand, d = cand[order], d[order]
+        first = torch.searchsorted(d, d, right=False)
+        rank = torch.arange(cand.numel()) - first
+        chosen = cand[rank < num_anchors]
+        if max_total is not None and chosen.numel() > max_total:
+            pick = torch.randperm(chosen.numel(), generator=generator)[:max_total]
+            chosen = chosen[pick]
+        rows.append(torch.sort(chosen).values)
+    width = max(1, max(r.numel() for r in rows))
+    out = torch.full((B, width), -1, dtype=torch.long)
+    for b, r in enumerate(rows):
+        out[b, : r.numel()] = r
+    return out.to(loss_mask.device)
+
+
+@dataclass
+class Blocks:
+    """Everything derived from the anchors of one batch.
+
+    block_ids [B, Q]: token ids of the noise blocks; block_positions [B, Q]: RoPE positions;
+    label_pos [B, N, bs]: absolute position each slot predicts (clamped into the row);
+    label_valid [B, N, bs] bool: slot k >= 1 of a real block, inside the row and the anchor's
+    document (the loss mask is applied on top of this).
+    """
+
+    anchors: torch.Tensor
+    block_ids: torch.Tensor
+    block_positions: torch.Tensor
+    label_pos: torch.Tensor
+    label_valid: torch.Tensor
+
+
+def make_blocks(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    doc_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+) -> Blocks:
+    """Noise blocks ``[x_a, MASK x (bs-1)]`` at positions pos(a)+k and their label positions."""
+    B, S = input_ids.shape
+    N = anchors.shape[1]
+    valid = anchors >= 0
+    a = anchors.clamp(min=0)
+    k = torch.arange(block_size, device=input_ids.device)
+    block_ids = torch.full((B, N, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block_ids[..., 0] = torch.where(valid, input_ids.gather(1, a), mask_token_id)
+    block_positions = position_ids.gather(1, a).unsqueeze(-1) + k
+    pos = a.unsqueeze(-1) + k  # [B, N, bs]
+    inside = pos < S
+    pos_c = pos.clamp(max=S - 1)
+    same_doc = doc_ids.gather(1, pos_c.view(B, -1)).view(B, N, block_size) == doc_ids.gather(1, a).unsqueeze(-1)
+    label_valid = valid.unsqueeze(-1) & inside & same_doc & (k >= 1)
+    return Blocks(
+        anchors=anchors,
+        block_ids=block_ids.view(B, N * block_size),
+        block_positions=block_positions.view(B, N * block_size),
+        label_pos=pos_c,
+        label_valid=label_valid,
+    )
+
+
+def _allow(q_idx, kv_idx, anchors_flat, q_doc, kv_doc, S: int, block_size: int):
+    """The visibility predicate shared by the dense and the flex mask (tensor or scalar indices)."""
+    n = q_idx // block_size
+    a = anchors_flat[n]
+    ctx = (kv_idx < S) & (kv_idx < a) & (kv_doc == q_doc[n])
+    own = (kv_idx >= S) & ((kv_idx - S) // block_size == n)
+    return ctx | own
+
+
+def dense_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> AttentionMask:
+    """Boolean [B, 1, Q, S + Q] mask (True = attend) for SDPA."""
+    B, S = doc_ids.shape
+    N = anchors.shape[1]
+    Q = N * block_size
+    q_idx = torch.arange(Q, device=anchors.device).view(Q, 1)
+    kv_idx = torch.arange(S + Q, device=anchors.device).view(1, S + Q)
+    masks = []
+    for b in range(B):
+        kv_doc = torch.cat([doc_ids[b], torch.full((Q,), -2, device=doc_ids.device, dtype=doc_ids.dtype)])
+        q_doc = torch.where(anchors[b] >= 0, doc_ids[b].gather(0, anchors[b].clamp(min=0)), -3)
+        masks.append(_allow(q_idx, kv_idx, anchors[b], q_doc, kv_doc[kv_idx], S, block_size))
+    return AttentionMask(dense=torch.stack(masks).unsqueeze(1))
+
+
+def flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> AttentionMask:
+    """Block-sparse ``BlockMask`` for flex_attention (one head dimension: H=None)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, S = doc_ids.shape
+    N = anchors.shape[1]
+    Q = N * block_size
+    pad = torch.full((B, Q), -2, device=doc_ids.device, dtype=doc_ids.dtype)
+    kv_doc = torch.cat([doc_ids, pad], dim=1)
+    q_doc = torch.where(anchors >= 0, doc_ids.gather(1, anchors.clamp(min=0)), -3)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return _allow(q_idx, kv_idx, anchors[b], q_doc[b], kv_doc[b, kv_idx], S, block_size)
+
+    block_mask = create_block_mask(
+        mask_mod, B, None, Q, S + Q, device=anchors.device, _compile=anchors.device.type == "cuda"
+    )
+    return AttentionMask(block_mask=block_mask)
+
+
+def build_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, kind: str) -> AttentionMask:
+    """kind 'sdpa' (dense) or 'flex' (block-sparse)."""
+    if kind == "flex":
+        return flex_mask(anchors, doc_ids, block_size)
+    if kind == "sdpa":
+        return dense_mask(anchors, doc_ids, block_size)
+    raise ValueError(f"drafter.attention={kind!r}: expected 'sdpa' or 'flex'")

@@ -1,0 +1,134 @@
+"""Export and import a drafter in the public DFlash checkpoint layout (as the ``*-DFlash-b16`` drafters).
+
+``config.json``: the Qwen3-style config of the drafter layers plus ``architectures:
+["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` (layers of the target) and
+``dflash_config: {target_layer_ids, mask_token_id}``. ``model.safetensors``: only the drafter's own
+tensors (``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
+``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
+``fc.weight``, ``hidden_norm.weight``, ``norm.weight``); no embedding and no lm_head. SGLang
+(``--speculative-algorithm DFLASH``) and vLLM load this directory next to the target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.drafter.model import DFlashDraftModel, DrafterArch
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def drafter_state(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
+    """The drafter's own tensors under their public names (RoPE tables are non-persistent buffers)."""
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype) -> dict:
+    cfg = arch.qwen3_config().to_dict()
+    for key in ("transformers_version", "_name_or_path", "output_hidden_states", "return_dict", "id2label",
+                "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder"):
+        cfg.pop(key, None)
+    cfg.update(
+        architectures=[ARCHITECTURE],
+        model_type="qwen3",
+        dtype=str(dtype).removeprefix("torch."),
+        use_cache=False,
+        block_size=arch.block_size,
+        num_target_layers=target_num_layers,
+        dflash_config={
+            "target_layer_ids": list(arch.target_layer_ids),
+            "mask_token_id": arch.mask_token_id,
+            "block_size": arch.block_size,
+        },
+    )
+    if arch.partial_rotary_factor != 1.0:
+        cfg["partial_rotary_factor"] = arch.partial_rotary_factor
+    return cfg
+
+
+def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, target_num_layers: int) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` atomically (tmp dir, then rename) to ``out_dir``."""
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = drafter_state(model)
+    dtype = next(iter(state.values())).dtype
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(export_config(model.arch, target_num_layers, dtype), indent=2))
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        tmp.rename(out)
+    return out
+
+
+def arch_from_export(config: dict) -> DrafterArch:
+    """The DrafterArch described by an exported ``config.json`` (ValueError naming a missing field)."""
+    if ARCHITECTURE not in config.get("architectures", []):
+        raise ValueError(f"config.json architectures={config.get('architectures')} is not [{ARCHITECTURE!r}]")
+    dcfg = config.get("dflash_config") or {}
+    try:
+        return DrafterArch(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            vocab_size=config["vocab_size"],
+            target_layer_ids=list(dcfg["target_layer_ids"]),
+            block_size=config.get("block_size", dcfg.get("block_size")),
+            mask_token_id=dcfg["mask_token_id"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=config.get("max_position_embeddings", 32768),
+            rope_parameters=config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e6)},
+            partial_rotary_factor=config.get("partial_rotary_factor", 1.0),
+            initializer_range=config.get("initializer_range", 0.02),
+        )
+    except KeyError as e:
+        raise ValueError(f"exported drafter config.json lacks field {e.args[0]!r}") from None
+
+
+def load_exported(path: str | os.PathLike) -> tuple[DrafterArch, dict[str, torch.Tensor]]:
+    """Read an exported drafter directory: (architecture, tensors by public name)."""
+    d = Path(path)
+    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
+        raise ValueError(f"drafter.init_from={str(d)!r} is not an exported drafter (needs config.json and model.safetensors)")
+    arch = arch_from_export(json.loads((d / "config.json").read_text()))
+    return arch, load_file(str(d / "model.safetensors"))
+
+
+def warm_start_problems(saved: DrafterArch, current: DrafterArch) -> list[str]:
+    """Why a saved drafter cannot initialise the current one (empty when it can)."""
+    p = []
+    for field, fix in (
+        ("hidden_size", "train a drafter for this target instead"),
+        ("target_layer_ids", "set target.layer_ids to the saved ids"),
+        ("mask_token_id", "set drafter.mask_token_id to the saved id"),
+        ("num_layers", "set drafter.num_layers to the saved value"),
+        ("intermediate_size", "set drafter.intermediate_size to the saved value"),
+        ("num_heads", "set drafter.num_heads to the saved value"),
+        ("num_kv_heads", "set drafter.num_kv_heads to the saved value"),
+        ("head_dim", "set drafter.head_dim to the saved value"),
+    ):
+        a, b = getattr(saved, field), getattr(current, field)
+        if a != b:
+            p.append(f"drafter.init_from: {field} of the saved drafter is {a}, this run needs {b}; {fix}")
+    return p
+
+
+def load_into(model: DFlashDraftModel, state: dict[str, torch.Tensor]) -> None:
+    """Copy exported tensors into ``model`` (exact names and shapes required)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"drafter tensors do not match: missing={missing[:5]} unexpected={unexpected[:5]}")

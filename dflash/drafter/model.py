@@ -1,0 +1,248 @@
+"""The DFlash draft model: architecture only (no distributed code, no optimizer, no loss).
+
+Shape legend: B batch rows, S context tokens, Q query (block) tokens = N blocks x block_size,
+H hidden size, n_tap tapped target layers, nh / nkv query / key-value heads, hd head dim.
+
+A stack of Qwen3-style decoder layers as wide as the target with "KV injection": queries come from
+the block tokens only, keys and values from ``[context; block]`` where
+``context = hidden_norm(fc(concat of the tapped target hidden states))`` is computed once and shared
+by every layer (the context rows are never updated across layers). q/k RMSNorm, the target's RoPE,
+GQA, no biases, an own final norm. Embedding and lm_head are the target's, frozen, and live outside
+this module. Parameter names follow the public DFlash checkpoint layout
+(``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from dflash.drafter.attention import AttentionMask, attend
+
+
+@dataclass
+class DrafterArch:
+    """Everything that fixes the drafter's tensors and its train/serve contract."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    partial_rotary_factor: float = 1.0
+    initializer_range: float = 0.02
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def qwen3_config(self) -> Qwen3Config:
+        """The Qwen3 config of the drafter layers (what the public ``config.json`` carries)."""
+        return Qwen3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            initializer_range=self.initializer_range,
+            attention_bias=False,
+            tie_word_embeddings=False,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RotaryEmbedding(nn.Module):
+    """The target's RoPE (same theta and scaling), with optional partial rotary dims."""
+
+    def __init__(self, arch: DrafterArch) -> None:
+        super().__init__()
+        cfg = arch.qwen3_config()
+        self.rotary_dim = int(arch.head_dim * arch.partial_rotary_factor)
+        cfg.head_dim = self.rotary_dim
+        self.inner = Qwen3RotaryEmbedding(cfg)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, L] -> cos, sin [B, L, rotary_dim] in x's dtype."""
+        return self.inner(x, position_ids)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, hd]; cos/sin [B, L, rd] rotate the first rd dims (rd == hd unless partial)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+
+
+class KVCache:
+    """Per-layer context keys/values (after k_norm and RoPE) of the accepted tokens, for decoding.
+
+    Only context rows are cached; block rows are never stored, which is the same as cropping the
+    cache back after every draft call.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        k = self.keys[0]
+        return 0 if k is None else k.shape[2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append context rows [B, nkv, L, hd] to layer ``layer``; returns all cached rows."""
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, arch: DrafterArch) -> None:
+        super().__init__()
+        h, hd = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, hd
+        self.q_proj = nn.Linear(h, arch.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, arch.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, arch.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(arch.num_heads * hd, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(hd, eps=arch.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(hd, eps=arch.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """x [B, Q, H] normed block states, context [B, S, H] -> [B, Q, H].
+
+        Keys/values are ``[cached context; context; block]``; ``mask`` is None only for decoding,
+        where every block slot sees all cached and new context and its whole block.
+        """
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), *rope_q)
+        k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads)), *rope_ctx)
+        v_ctx = self._heads(self.v_proj(context), self.num_kv_heads)
+        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), *rope_q)
+        v_blk = self._heads(self.v_proj(x), self.num_kv_heads)
+        if cache is not None:
+            k_ctx, v_ctx = cache.extend(layer, k_ctx, v_ctx)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        out = attend(q, k, v, mask, scale=1.0 / math.sqrt(self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.num_heads * self.head_dim))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, arch: DrafterArch) -> None:
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.self_attn = DFlashAttention(arch)
+        self.post_attention_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.mlp = Qwen3MLP(arch.qwen3_config())
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache, layer) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_ctx, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """Block-diffusion drafter conditioned on tapped target hidden states."""
+
+    def __init__(self, arch: DrafterArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.layers = nn.ModuleList(DFlashDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.fc = nn.Linear(arch.num_taps * arch.hidden_size, arch.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(arch)
+        self.reset_parameters()
+
+    @property
+    def block_size(self) -> int:
+        return self.arch.block_size
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal(0, initializer_range) linears, unit norms (HF ``post_init`` convention)."""
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    w = torch.randn(module.weight.shape, generator=gen) * self.arch.initializer_range
+                    module.weight.copy_(w)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, S, n_tap*H] concatenated tapped target states -> [B, S, H] context rows."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        target_hidden: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: AttentionMask | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Drafter final hidden states of the block slots.
+
+        noise_embeds [B, Q, H]: target embedding of ``[x_anchor, MASK x (bs-1)]`` per block;
+        target_hidden [B, S, n_tap*H] (S may be 0 when decoding with a warm cache);
+        context_positions [B, S] and block_positions [B, Q] are RoPE positions;
+        mask: training mask over keys ``[context (S); blocks (Q)]`` (see attention.py) or None for
+        decoding with ``cache``. Returns [B, Q, H] after the drafter's final norm.
+        """
+        context = self.context(target_hidden.to(self.fc.weight.dtype))
+        x = noise_embeds.to(self.fc.weight.dtype)
+        rope_q = self.rotary_emb(x, block_positions)
+        rope_ctx = self.rotary_emb(x, context_positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, context, rope_q, rope_ctx, mask, cache, i)
+        return self.norm(x)
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+

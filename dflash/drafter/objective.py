@@ -1,0 +1,146 @@
+"""The DFlash training objective for one batch, callable on its own with explicit anchors.
+
+``dflash_loss`` is exactly what the trainer runs for every packet, so a step can be reproduced
+and compared with other DFlash implementations on identical inputs. Shape legend: B rows, S
+tokens per row, N blocks per row, bs block size, R supervised rows (slots with weight > 0), H hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.config import LossConfig
+from dflash.drafter.blocks import build_mask, doc_ids_from_positions, make_blocks
+from dflash.drafter.model import DFlashDraftModel
+from dflash.loss.verifier import verifier_loss
+
+TERMS = ("ce", "kl", "verifier_ce")
+
+
+@dataclass
+class ObjectiveOutput:
+    """loss: sum_r w_r*l_r / sum_r w_r for this batch (differentiable; 0 if nothing is supervised).
+
+    Sums for aggregation over micro-batches and ranks (no grad, float64 on CPU unless noted):
+    weight_sum (sum_r w_r), loss_sum (sum_r w_r*l_r), slot_count / slot_hit / slot_hit_verifier
+    [bs] (supervised slots and argmax hits per slot, no decay), tau_sum / tau_verifier_sum (sum over
+    real blocks of 1 + length of the longest prefix of hit slots), num_blocks, term_sums [3]
+    (weighted sums of the per-row ce, kl and verifier_ce; 0 for a term that was not computed).
+    """
+
+    loss: torch.Tensor
+    weight_sum: torch.Tensor
+    loss_sum: torch.Tensor
+    slot_count: torch.Tensor
+    slot_hit: torch.Tensor
+    slot_hit_verifier: torch.Tensor
+    tau_sum: torch.Tensor
+    tau_verifier_sum: torch.Tensor
+    num_blocks: torch.Tensor
+    term_sums: torch.Tensor
+    num_rows: int
+
+
+def slot_weights(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """[bs] exp(-(k-1)/gamma) for k >= 1, 0 for the given slot k = 0."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def prefix_accept(hits: torch.Tensor) -> torch.Tensor:
+    """[..., bs] slot hits (slot 0 ignored) -> [...] 1 + length of the leading run of hits."""
+    return 1 + torch.cumprod(hits[..., 1:].long(), dim=-1).sum(-1)
+
+
+def dflash_loss(
+    drafter: DFlashDraftModel,
+    aux_hidden: torch.Tensor,
+    final_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    loss_cfg: LossConfig,
+    position_ids: torch.Tensor | None = None,
+    attention: str = "sdpa",
+    verifier_metrics: bool = True,
+) -> ObjectiveOutput:
+    """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss.
+
+    aux_hidden [B, S, n_tap*H] tapped target states; final_hidden [B, S, H] post-norm target state;
+    input_ids / loss_mask [B, S]; anchors [B, N] int64 (-1 = no block); embed_weight / lm_head_weight
+    [V, H] frozen target tensors; position_ids [B, S] restart at 0 per packed document (default: one
+    document per row, positions 0..S-1). Slot k of the block at anchor a predicts input_ids[a+k]
+    with weight exp(-(k-1)/gamma) * loss_mask[a+k]; its verifier row is final_hidden[a+k-1].
+    ``verifier_metrics`` computes the verifier argmax (accuracy and tau_hat against the target's
+    greedy token) even when the loss itself needs no verifier logits.
+    """
+    B, S = input_ids.shape
+    bs = drafter.block_size
+    if position_ids is None:
+        position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+    doc_ids = doc_ids_from_positions(position_ids)
+    blocks = make_blocks(input_ids, position_ids, doc_ids, anchors, bs, drafter.arch.mask_token_id)
+    mask = build_mask(anchors, doc_ids, bs, attention)
+
+    noise = torch.nn.functional.embedding(blocks.block_ids, embed_weight)
+    hidden = drafter(noise, aux_hidden, position_ids, blocks.block_positions, mask)  # [B, Q, H]
+
+    N = anchors.shape[1]
+    flat_pos = blocks.label_pos.view(B, N * bs)
+    supervised = blocks.label_valid & loss_mask.gather(1, flat_pos).view(B, N, bs).bool()
+    weights = supervised.float() * slot_weights(bs, loss_cfg.gamma, hidden.device)
+    rows = supervised.view(-1).nonzero().squeeze(1)  # indices into [B*N*bs]
+    labels = input_ids.gather(1, flat_pos).reshape(-1)[rows]
+    need_verifier = loss_cfg.kl > 0 or loss_cfg.verifier_ce > 0 or verifier_metrics
+    verifier_rows = None
+    if need_verifier:
+        prev = (flat_pos - 1).clamp(min=0)
+        row_b = torch.arange(B, device=hidden.device).repeat_interleave(N * bs)[rows]
+        verifier_rows = final_hidden[row_b, prev.reshape(-1)[rows]]
+    out = verifier_loss(
+        hidden.reshape(B * N * bs, -1)[rows],
+        verifier_rows,
+        lm_head_weight,
+        labels,
+        weights.view(-1)[rows],
+        ce=loss_cfg.ce,
+        kl=loss_cfg.kl,
+        verifier_ce=loss_cfg.verifier_ce,
+        temperature=loss_cfg.temperature,
+        chunk_size=loss_cfg.chunk_size,
+        mem_budget_gib=loss_cfg.mem_budget_gib,
+        compile=loss_cfg.compile,
+    )
+    with torch.no_grad():
+        w_rows = weights.view(-1)[rows].double()
+        weight_sum = w_rows.sum()
+        hit = torch.zeros(B * N * bs, dtype=torch.bool, device=hidden.device)
+        hit[rows] = out.stats.data_hit
+        hit = hit.view(B, N, bs)
+        hit_v = torch.zeros_like(hit)
+        if need_verifier:
+            hit_v.view(-1)[rows] = out.stats.verifier_hit
+        real = anchors >= 0
+        term_sums = torch.zeros(3, dtype=torch.float64, device=hidden.device)
+        for i, name in enumerate(TERMS):
+            if name in out.terms:
+                term_sums[i] = out.terms[name].double() * weight_sum
+        return ObjectiveOutput(
+            loss=out.loss,
+            weight_sum=weight_sum,
+            loss_sum=out.loss.detach().double() * weight_sum,
+            slot_count=supervised.sum(dim=(0, 1)).double(),
+            slot_hit=hit.sum(dim=(0, 1)).double(),
+            slot_hit_verifier=hit_v.sum(dim=(0, 1)).double(),
+            tau_sum=prefix_accept(hit)[real].double().sum(),
+            tau_verifier_sum=prefix_accept(hit_v)[real].double().sum(),
+            num_blocks=real.sum().double(),
+            term_sums=term_sums,
+            num_rows=int(rows.numel()),
+        )

@@ -1,0 +1,336 @@
+"""DrafterTrainer: recv packets -> DFlash objective -> optimizer step -> metrics -> checkpoint.
+
+One optimizer step of drafter d consumes the packets ``Topology.packets_of_step(step, rank)``.
+Each packet is one packed row of several sequences; its loss numerator (sum_r w_r*l_r) is
+back-propagated, and at the step boundary the gradients (all-reduced over the drafters when M > 1)
+are divided by the global weight sum, so the loss is the global token mean whatever the packing.
+Anchors come from a generator seeded with (train.seed, packet index): a resumed run samples
+exactly what the uninterrupted run sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from dflash.checkpoint import (
+    TrainState,
+    capture_rng_state,
+    check_contract,
+    find_resume_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from dflash.config import Config
+from dflash.dist.init import DistContext, set_timeout
+from dflash.dist.transport import DrafterLink, Packet, PacketSpec, agree_on_start, all_reduce_sum
+from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
+from dflash.drafter.export import export_drafter, load_exported, load_into
+from dflash.drafter.model import DFlashDraftModel, num_parameters
+from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
+from dflash.drafter.optim import build_optimizer, build_scheduler
+from dflash.metrics import (
+    MetricLogger,
+    NullLogger,
+    StepTimer,
+    build_logger,
+    make_progress_bar,
+    peak_memory_gib,
+    reset_peak_memory,
+)
+from dflash.setup import RunSetup, resolve_path, torch_dtype
+from dflash.target.loader import load_embed_and_head
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def packet_positions(seq_lens: torch.Tensor) -> torch.Tensor:
+    """[S] sequence lengths -> [T] RoPE positions restarting at 0 for every packed sequence."""
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    total = int(seq_lens.sum())
+    return torch.arange(total, device=seq_lens.device) - torch.repeat_interleave(starts, seq_lens)
+
+
+def anchor_generator(seed: int, packet: int) -> torch.Generator:
+    """Anchors of packet g depend only on (seed, g): resume samples exactly what a straight run does."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + packet)
+
+
+class DrafterTrainer:
+    """The drafter role (rank >= num_targets). ``run()`` trains, ``close()`` releases everything."""
+
+    def __init__(self, cfg: Config, setup: RunSetup, ctx: DistContext, run_dir: Path) -> None:
+        self.cfg, self.setup, self.ctx, self.run_dir = cfg, setup, ctx, run_dir
+        self.topology = setup.topology
+        self.device = ctx.device
+        self.is_leader = ctx.rank == self.topology.leader_rank
+        self.stop_requested = False
+        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
+        self.autocast_dtype = torch_dtype(cfg.drafter.dtype, self.device)
+        self.attention = cfg.drafter.attention
+        if self.attention == "auto":
+            self.attention = "flex" if self.device.type == "cuda" else "sdpa"
+
+        embed, head = load_embed_and_head(setup.target_path, revision=cfg.target.revision)
+        self.embed = embed.to(self.device, self.target_dtype)
+        self.head = head.to(self.device, self.target_dtype)
+        torch.manual_seed(cfg.train.seed)
+        self.model = DFlashDraftModel(setup.arch)
+        self.model.reset_parameters(seed=cfg.train.seed)
+        if cfg.drafter.init_from:
+            _, state = load_exported(resolve_path(cfg.drafter.init_from))
+            load_into(self.model, state)
+            log.info("warm start from %s", cfg.drafter.init_from)
+        self.model.to(self.device)
+        self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
+        self.state = TrainState(step=0, next_packet=0, tokens_seen=0, skipped=dict(setup.dataset.skipped),
+                                nonfinite_steps=0, wandb_run_id=None, extra={})
+        self._resume()
+        self.spec = PacketSpec(
+            num_taps=len(setup.layer_ids), hidden_size=setup.meta.hidden_size, dtype=self.target_dtype,
+            max_tokens=cfg.data.token_budget, device=self.device,
+        )
+        self.link = DrafterLink(self.topology, ctx.rank, self.spec, cfg.topology.init_timeout_s)
+        self.logger: MetricLogger = NullLogger()
+        if self.is_leader:
+            self.logger = build_logger(cfg.logging, True, run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.name)
+        log.info("drafter: %.2fM trainable parameters, attention=%s, %d steps from step %d",
+                 num_parameters(self.model) / 1e6, self.attention, setup.num_steps, self.state.step)
+
+    # ---------------------------------------------------------------- lifecycle
+    def _on_signal(self, signum: int, frame: object) -> None:
+        log.warning("drafter rank %d: got signal %d; stopping at the next step boundary", self.ctx.rank, signum)
+        self.stop_requested = True
+
+    def _resume(self) -> None:
+        mode = self.cfg.train.resume
+        ckpt_root = self.run_dir / "checkpoints"
+        if mode == "never":
+            return
+        loaded = find_resume_checkpoint(ckpt_root) if mode == "auto" else load_checkpoint(Path(resolve_path(mode)))
+        if loaded is None:
+            return
+        changes = check_contract(loaded.contract, self.setup.contract, allow_change=self.cfg.train.allow_contract_change)
+        for c in changes:
+            log.warning("resuming with a changed contract (train.allow_contract_change=true): %s", c)
+        self.model.load_state_dict(loaded.model_state)
+        self.optimizer.load_state_dict(loaded.optimizer_state)
+        self.scheduler.load_state_dict(loaded.scheduler_state)
+        restore_rng_state(loaded.rng_state)
+        self.state = loaded.train_state
+        log.info("resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet)
+
+    def close(self) -> None:
+        self.logger.close()
+        for s, h in self._previous_handlers.items():
+            signal.signal(s, h)
+
+    # ---------------------------------------------------------------- one step
+    def _forward_packet(self, packet: Packet) -> ObjectiveOutput:
+        ids = packet.input_ids.to(self.device).unsqueeze(0)
+        mask = packet.loss_mask.to(self.device).unsqueeze(0)
+        pos = packet_positions(packet.seq_lens.to(self.device)).unsqueeze(0)
+        anchors = sample_anchors(
+            mask, doc_ids_from_positions(pos), self.cfg.drafter.num_anchors,
+            anchor_generator(self.cfg.train.seed, packet.index), self.cfg.drafter.max_anchors_per_packet,
+        )
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32):
+            return dflash_loss(
+                self.model, packet.aux_hidden.unsqueeze(0), packet.final_hidden.unsqueeze(0), ids, mask, anchors,
+                self.embed, self.head, self.cfg.loss, position_ids=pos, attention=self.attention,
+            )
+
+    def _grads_to_mean(self, weight_sum: float) -> None:
+        """All-reduce gradients over drafters (sum), then divide by the global weight sum."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.topology.num_drafters > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            all_reduce_sum(self.ctx, flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
+        for g in grads:
+            g.mul_(scale)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step over this drafter's packets of ``step``; returns metrics (global)."""
+        cfg = self.cfg
+        timer = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=False)
+        packets = self.topology.packets_of_step(step, self.ctx.rank)
+        sums: dict[str, torch.Tensor] = {}
+        target_stats: dict[int, tuple[float, float]] = {}
+        wait = 0.0
+        tokens = 0
+        stop_flag = 0.0
+        for i, g in enumerate(packets):
+            packet = self.link.recv(g)
+            wait += self.link.last_wait_s
+            self.link.ack(g)
+            nxt = packets[i + 1] if i + 1 < len(packets) else self.topology.packets_of_step(step + 1, self.ctx.rank)[0]
+            if step + 1 < self.setup.num_steps or i + 1 < len(packets):
+                self.link.prefetch(nxt)
+            target_stats[self.topology.producer_of(g)] = (packet.forward_s, packet.peak_mem_bytes / 2**30)
+            stop_flag = max(stop_flag, float(packet.flags & 1))
+            if packet.num_skipped_nonfinite:
+                self.state.skipped["nonfinite_hidden"] = self.state.skipped.get("nonfinite_hidden", 0) + packet.num_skipped_nonfinite
+            tokens += int(packet.input_ids.numel())
+            if packet.input_ids.numel() == 0:
+                continue
+            out = self._forward_packet(packet)
+            loss = out.loss * out.weight_sum.to(out.loss.dtype)
+            if cfg.fault.nan_at_step is not None and step + 1 == cfg.fault.nan_at_step:
+                loss = loss * float("nan")
+            loss.backward()
+            for name in ("weight_sum", "loss_sum", "slot_count", "slot_hit", "slot_hit_verifier", "tau_sum",
+                         "tau_verifier_sum", "num_blocks", "term_sums"):
+                v = getattr(out, name).detach().double().cpu().reshape(-1)
+                sums[name] = sums[name] + v if name in sums else v
+            if not math.isfinite(float(out.loss_sum)) or (cfg.fault.nan_at_step is not None and step + 1 == cfg.fault.nan_at_step):
+                sums["nonfinite"] = torch.ones(1, dtype=torch.float64)
+        bs = self.setup.arch.block_size
+        for name, size in (("weight_sum", 1), ("loss_sum", 1), ("slot_count", bs), ("slot_hit", bs), ("slot_hit_verifier", bs),
+                           ("tau_sum", 1), ("tau_verifier_sum", 1), ("num_blocks", 1), ("term_sums", 3), ("nonfinite", 1)):
+            sums.setdefault(name, torch.zeros(size, dtype=torch.float64))
+        local = torch.cat([sums[k] for k in sorted(sums)] + [torch.tensor([float(tokens), stop_flag + float(self.stop_requested), wait])])
+        if self.topology.num_drafters > 1:
+            local = all_reduce_sum(self.ctx, local)
+        offset = 0
+        agg: dict[str, torch.Tensor] = {}
+        for k in sorted(sums):
+            agg[k] = local[offset:offset + sums[k].numel()]
+            offset += sums[k].numel()
+        tokens_all, stop_all, wait_all = local[offset:offset + 3].tolist()
+        if stop_all > 0:
+            self.stop_requested = True
+        weight_sum = float(agg["weight_sum"])
+        self._grads_to_mean(weight_sum)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
+        nonfinite = agg["nonfinite"].item() > 0 or not math.isfinite(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if nonfinite:
+            self.state.nonfinite_steps += 1
+            if cfg.train.on_nonfinite == "error":
+                raise RuntimeError(
+                    f"drafter rank {self.ctx.rank}: loss or gradient not finite at step {step + 1} "
+                    f"(grad_norm={grad_norm}); the optimizer step was not applied. Set train.on_nonfinite=skip to skip such steps"
+                )
+            log.warning("step %d: non-finite loss/gradient on drafter rank %d; step skipped", step + 1, self.ctx.rank)
+            self.optimizer.zero_grad(set_to_none=False)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.state.step = step + 1
+        self.state.next_packet = (step + 1) * self.topology.packets_per_step
+        self.state.tokens_seen += int(tokens_all)
+        step_s = time.perf_counter() - timer
+        return self._metrics(agg, grad_norm, lr, step_s, tokens_all, wait_all, target_stats, nonfinite)
+
+    def _metrics(self, agg, grad_norm, lr, step_s, tokens, wait, target_stats, nonfinite) -> dict[str, float]:
+        w = max(float(agg["weight_sum"]), 1e-12)
+        count = agg["slot_count"].clamp(min=1)
+        blocks = max(float(agg["num_blocks"]), 1.0)
+        has_verifier = float(agg["slot_hit_verifier"].sum()) > 0 or self.cfg.loss.kl > 0 or self.cfg.loss.verifier_ce > 0
+        m: dict[str, float] = {
+            "train/step": float(self.state.step),
+            "train/loss": float(agg["loss_sum"]) / w,
+            "train/acc": float(agg["slot_hit"].sum() / count[1:].sum().clamp(min=1)),
+            "train/acc_verifier": float(agg["slot_hit_verifier"].sum() / count[1:].sum().clamp(min=1)),
+            "train/tau_hat_data": float(agg["tau_sum"]) / blocks,
+            "train/tau_hat_verifier": float(agg["tau_verifier_sum"]) / blocks,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/num_blocks": float(agg["num_blocks"]),
+            "train/supervised_slots": float(agg["slot_count"].sum()),
+            "train/tokens_seen": float(self.state.tokens_seen),
+            "train/nonfinite_steps": float(self.state.nonfinite_steps),
+            "perf/step_s": step_s,
+            "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "comm/recv_wait_s": wait,
+            "comm/recv_wait_frac": wait / step_s if step_s > 0 else 0.0,
+        }
+        m["train/tau_hat"] = m["train/tau_hat_verifier"] if has_verifier else m["train/tau_hat_data"]
+        for i, name in enumerate(TERMS):
+            if getattr(self.cfg.loss, name) > 0 or float(agg["term_sums"][i]) != 0.0:
+                m[f"train/loss_{name}"] = float(agg["term_sums"][i]) / w
+        for k in range(1, self.setup.arch.block_size):
+            m[f"train/acc_slot_{k}"] = float(agg["slot_hit"][k] / count[k])
+            m[f"train/acc_verifier_slot_{k}"] = float(agg["slot_hit_verifier"][k] / count[k])
+        for rank, (fwd, mem) in target_stats.items():
+            m[f"perf/target_{rank}/forward_s"] = fwd
+            m[f"mem/peak_gib/rank_{rank}"] = mem
+        m[f"mem/peak_gib/rank_{self.ctx.rank}"] = peak_memory_gib(self.device)
+        for reason, n in self.state.skipped.items():
+            m[f"data/skipped/{reason}"] = float(n)
+        return m
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self) -> Path | None:
+        if not self.is_leader:
+            return None
+        path = save_checkpoint(
+            self.run_dir / "checkpoints", self.state.step,
+            model_state=self.model.state_dict(), optimizer_state=self.optimizer.state_dict(),
+            scheduler_state=self.scheduler.state_dict(), train_state=self.state, rng_state=capture_rng_state(),
+            contract=self.setup.contract, config_yaml=OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
+            keep=self.cfg.train.keep_checkpoints,
+        )
+        log.info("checkpoint %s", path)
+        return path
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> None:
+        cfg = self.cfg
+        start_step = self.state.step
+        agree_on_start(self.ctx, self.topology, self.state.next_packet, self.setup.num_steps)
+        bar = make_progress_bar(self.setup.num_steps, start_step, self.is_leader and cfg.logging.progress_bar)
+        reset_peak_memory(self.device)
+        stop_at = cfg.train.stop_after_steps
+        if start_step < self.setup.num_steps:
+            self.link.prefetch(self.topology.packets_of_step(start_step, self.ctx.rank)[0])
+        try:
+            for step in range(start_step, self.setup.num_steps):
+                metrics = self.train_step(step)
+                if step == start_step:
+                    self.link.set_timeout(cfg.topology.step_timeout_s)
+                    set_timeout(self.ctx, cfg.topology.step_timeout_s)
+                if self.is_leader and (self.state.step % cfg.train.log_every == 0 or self.state.step == self.setup.num_steps):
+                    self.logger.log(metrics, self.state.step)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tau=f"{metrics['train/tau_hat']:.2f}")
+                done = self.state.step == self.setup.num_steps
+                preempted = self.stop_requested or (stop_at is not None and self.state.step >= stop_at)
+                if done or preempted or self.state.step % cfg.train.save_every == 0:
+                    self.save()
+                if preempted and not done:
+                    log.warning("stopping at step %d (signal or train.stop_after_steps)", self.state.step)
+                    break
+            else:
+                if self.is_leader and self.state.step == self.setup.num_steps:
+                    out = export_drafter(self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers)
+                    log.info("exported drafter to %s", out)
+        finally:
+            if bar is not None:
+                bar.close()
+        discarded = self.link.stop_all()
+        log.info("drafter rank %d done at step %d (%d in-flight packets discarded)", self.ctx.rank, self.state.step, discarded)
+        if self.is_leader:
+            self.logger.summary({"train/final_step": float(self.state.step)})
+
+
+__all__ = ["DrafterTrainer", "packet_positions", "anchor_generator", "StepTimer", "asdict"]

@@ -1,0 +1,371 @@
+"""Metric logging (W&B or nothing), step timing, peak memory and the progress bar.
+
+Only the drafter leader logs. Every other rank, and ``logging.mode=disabled``, gets a
+``NullLogger``. ``WandbLogger`` follows these rules:
+
+- The mode (online, offline or disabled) is always passed to ``wandb.init``, so the config decides
+  and ``WANDB_MODE`` cannot override it.
+- Every row carries ``train/step``, and every key is plotted against it
+  (``define_metric("*", step_metric="train/step")``). We never pass ``step=`` to ``run.log``,
+  because wandb silently drops rows whose ``step=`` is not increasing, which happens after a resume.
+- The run id is stored in ``<run_dir>/wandb_run_id``, and the trainer also saves it in its
+  TrainState. A resumed launch therefore continues the same W&B run (``resume="allow"``).
+- It never captures secrets. The API key comes only from the environment (wandb reads
+  ``WANDB_API_KEY`` itself). argv, program, git, code, host, requirements and console capture are
+  all off (see ``_wandb_settings``). Config values that hold the value of a secret environment
+  variable are redacted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from dflash.config import LoggingConfig
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+STEP_KEY = "train/step"
+RUN_ID_FILE = "wandb_run_id"
+MODES = ("online", "offline", "disabled")
+SUMMARY_METRICS: dict[str, str] = {
+    "train/loss": "min,last",
+    "train/tau_hat": "max,last",
+}
+"""Keys whose W&B summary keeps the best value as well as the last one."""
+
+_SECRET_ENV_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN")
+_SECRET_KEY_NAMES = {"api_key", "apikey", "password", "passwd", "secret", "token", "hf_token", "auth_token"}
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+REDACTED = "<redacted>"
+
+
+@runtime_checkable
+class MetricLogger(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def summary(self, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullLogger:
+    """Logs nothing. Used on non-leader ranks and with ``logging.mode=disabled``."""
+
+    run_id: str | None = None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def summary(self, values: dict[str, float]) -> None:
+        pass
+
+    def close(self, exit_code: int = 0) -> None:
+        pass
+
+    def __enter__(self) -> NullLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(exit_code=1 if exc[0] is not None else 0)
+
+
+def _wandb_settings(wandb: Any) -> Any:
+    """Settings that keep secrets, argv and the environment out of every W&B file (wandb 0.31).
+
+    ``x_disable_meta`` stops wandb-core from collecting the metadata record. That record holds
+    argv, program path, executable, host, OS, git remote/commit, cwd and hardware; without this
+    setting argv shows up verbatim in the ``.wandb`` file. The other settings turn off code
+    saving, git probing, pip freeze (index URLs with credentials), console capture (anything the
+    process prints) and the W&B Launch job artifact.
+    """
+    return wandb.Settings(
+        x_disable_meta=True,
+        save_code=False,
+        disable_code=True,
+        disable_git=True,
+        x_save_requirements=False,
+        console="off",
+        disable_job_creation=True,
+    )
+
+
+def _redact(value: Any, secrets: list[str], key: str | None = None) -> Any:
+    """Copy of ``value`` with secret-looking keys and secret env values replaced by REDACTED."""
+    if key is not None and key.lower() in _SECRET_KEY_NAMES and value not in (None, ""):
+        return REDACTED
+    if isinstance(value, Mapping):
+        return {k: _redact(v, secrets, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact(v, secrets) for v in value]
+    if isinstance(value, str) and any(s in value for s in secrets):
+        return REDACTED
+    return value
+
+
+def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with secrets removed: values of keys named like api_key/token/password, and
+    any string containing the value of a secret environment variable (WANDB_API_KEY, HF_TOKEN)."""
+    secrets = [v for name in _SECRET_ENV_VARS if len(v := os.environ.get(name, "")) >= 8]
+    return _redact(dict(config), secrets)
+
+
+def _read_run_id(path: Path) -> str | None:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if _RUN_ID_RE.match(text):
+        return text
+    logger.warning("ignoring invalid W&B run id %r in %s; starting a new run id", text[:80], path)
+    return None
+
+
+def _new_run_id() -> str:
+    """An 8-character base-36 id, the form wandb generates."""
+    import secrets
+
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class WandbLogger:
+    """W&B run of the drafter leader; see the module docstring for the rules it follows."""
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: Path,
+        config: dict,
+        run_name: str,
+        resume_id: str | None = None,
+    ) -> None:
+        if cfg.mode not in MODES:
+            raise ValueError(
+                f"logging.mode={cfg.mode!r} is not one of {', '.join(MODES)}; "
+                "set logging.mode=offline (or online, disabled)"
+            )
+        import wandb  # lazy: importing wandb takes about a second
+
+        self.mode = cfg.mode
+        self.run_dir = Path(run_dir)
+        self._closed = False
+        if resume_id is not None and not _RUN_ID_RE.match(resume_id):
+            raise ValueError(f"W&B resume id {resume_id!r} must match {_RUN_ID_RE.pattern}")
+
+        if cfg.mode == "disabled":
+            # No files at all: no run-id file, and wandb's disabled mode writes nothing.
+            self.run_id = resume_id
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            id_file = self.run_dir / RUN_ID_FILE
+            self.run_id = resume_id or _read_run_id(id_file) or _new_run_id()
+            if _read_run_id(id_file) != self.run_id:
+                _write_text_atomic(id_file, self.run_id + "\n")
+
+        self.run = wandb.init(
+            mode=cfg.mode,
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.name or run_name,
+            id=self.run_id,
+            resume="allow",
+            dir=None if cfg.mode == "disabled" else str(self.run_dir),  # disabled: wandb would mkdir it
+            config=redact_config(config),
+            settings=_wandb_settings(wandb),
+            reinit="create_new",
+        )
+        self.run.define_metric(STEP_KEY)
+        self.run.define_metric("*", step_metric=STEP_KEY)
+        for key, ops in SUMMARY_METRICS.items():
+            self.run.define_metric(key, step_metric=STEP_KEY, summary=ops)
+        if cfg.mode != "disabled":
+            logger.info("W&B %s run %s in %s", cfg.mode, self.run_id, self.run_dir)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        row: dict[str, Any] = {}
+        for k, v in metrics.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            row[k] = v
+        row[STEP_KEY] = int(step)
+        self.run.log(row)
+
+    def summary(self, values: dict[str, float]) -> None:
+        self.run.summary.update(
+            {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+        )
+
+    def close(self, exit_code: int = 0) -> None:
+        """Finish the run (idempotent). A non-zero ``exit_code`` marks the run as failed."""
+        if self._closed:
+            return
+        self._closed = True
+        self.run.finish(exit_code=exit_code)
+        if self.mode != "disabled":
+            _flush_wandb_service()
+
+    def __enter__(self) -> WandbLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(exit_code=1 if exc[0] is not None else 0)
+
+
+def _flush_wandb_service() -> None:
+    """Wait until wandb-core has written everything to disk.
+
+    In wandb 0.31, ``run.finish()`` returns before the ``.wandb`` file is complete: the service
+    is told that the run is finished (fire and forget) and flushes the file later. In pytest, a
+    read right after ``finish()`` found only the 7-byte header. ``wandb.teardown()`` waits for
+    the service process to exit. It runs only when no other run of this process is active,
+    because teardown would finish those too.
+    """
+    import wandb
+
+    try:
+        from wandb.sdk import wandb_setup
+
+        singleton = getattr(wandb_setup, "_singleton", None)
+        if singleton is not None and getattr(singleton, "_active_runs", None):
+            return
+        wandb.teardown()
+    except Exception:  # best effort: never fail a training run at its very end
+        logger.warning("wandb teardown failed", exc_info=True)
+
+
+def build_logger(
+    cfg: LoggingConfig,
+    is_leader: bool,
+    run_dir: Path,
+    config: dict,
+    run_name: str,
+    resume_id: str | None = None,
+) -> MetricLogger:
+    """A WandbLogger on the drafter leader (unless ``logging.mode=disabled``), else a NullLogger."""
+    if cfg.mode not in MODES:
+        raise ValueError(
+            f"logging.mode={cfg.mode!r} is not one of {', '.join(MODES)}; "
+            "set logging.mode=offline (or online, disabled)"
+        )
+    if not is_leader or cfg.mode == "disabled":
+        return NullLogger()
+    return WandbLogger(cfg, Path(run_dir), config, run_name, resume_id=resume_id)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory, timing, progress
+
+
+def _cpu_peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def peak_memory_gib(device: torch.device | str) -> float:
+    """Peak memory since the last reset, in GiB.
+
+    CUDA: ``max_memory_allocated`` (tensor memory). CPU: the peak resident set size of the
+    whole process (VmHWM), which includes Python, libraries and allocator caches.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return _cpu_peak_rss_bytes() / 2**30
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Reset the peak counter. On CPU this writes 5 to /proc/self/clear_refs (Linux), which
+    resets VmHWM; where that is not allowed the CPU peak stays process-lifetime."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class StepTimer:
+    """Wall-clock timing of a block, in seconds.
+
+    ``with timer: ...`` sets ``timer.elapsed`` and adds to ``timer.total`` / ``timer.count``.
+    With a CUDA ``device`` the device is synchronised on entry and exit, so queued kernels
+    are counted in the block that launched them.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self.elapsed = 0.0
+        self.total = 0.0
+        self.count = 0
+        self._start: float | None = None
+
+    def _sync(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self) -> StepTimer:
+        self._sync()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sync()
+        assert self._start is not None
+        self.elapsed = time.perf_counter() - self._start
+        self.total += self.elapsed
+        self.count += 1
+        self._start = None
+
+    def reset(self) -> None:
+        self.elapsed = self.total = 0.0
+        self.count = 0
+
+
+def make_progress_bar(total: int | None, initial: int, enabled: bool) -> tqdm | None:
+    """A tqdm bar on stderr counting optimizer steps (drafter leader only), or None."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        smoothing=0.1,
+        desc="train",
+    )

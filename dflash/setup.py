@@ -1,0 +1,226 @@
+"""What every rank derives identically before the process group exists (and before any model loads).
+
+``prepare(cfg, world_size)`` validates the config, builds the offline tiny target if the config asks
+for one, reads the target's ``config.json`` and tokenizer (never its weights), checks everything
+that depends on them, resolves the tap ids, the MASK token and the drafter architecture, builds or
+loads the tokenised dataset and computes the data plan. All ranks run it; file locks make sure
+cached artefacts are built once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import to_absolute_path
+
+from dflash.config import Config, raise_problems, validate
+from dflash.data.dataset import TokenizedDataset, build_or_load_dataset
+from dflash.data.plan import DataPlan
+from dflash.dist.topology import Topology
+from dflash.drafter.export import load_exported, warm_start_problems
+from dflash.drafter.model import DrafterArch
+from dflash.target.loader import TargetMeta, read_target_meta, resolve_layer_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSetup:
+    cfg: Config
+    target_path: str
+    meta: TargetMeta
+    tokenizer: Any
+    layer_ids: list[int]
+    arch: DrafterArch
+    dataset: TokenizedDataset
+    plan: DataPlan
+    topology: Topology
+    num_steps: int
+    contract: dict[str, Any]
+
+
+def resolve_path(path: str) -> str:
+    """A local path made absolute (Hydra does not chdir); a hub id is returned unchanged."""
+    local = Path(to_absolute_path(path)) if not Path(path).is_absolute() else Path(path)
+    return str(local) if local.exists() or path.startswith((".", "/")) else path
+
+
+def resolve_mask_token_id(configured: int | None, from_checkpoint: int | None, tokenizer: Any, vocab_size: int) -> int:
+    """Config, then the drafter checkpoint, then the tokenizer's mask token, then the first embedding row
+    past the tokenizer's vocabulary. Never pad, eos or bos: ValueError if that is all there is."""
+    forbidden = {
+        name: tid
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id")
+        if (tid := getattr(tokenizer, name, None)) is not None
+    }
+    candidates = [
+        ("drafter.mask_token_id", configured),
+        ("the drafter.init_from checkpoint", from_checkpoint),
+        ("the tokenizer's mask token", getattr(tokenizer, "mask_token_id", None)),
+        ("the first embedding row past the tokenizer", len(tokenizer) if len(tokenizer) < vocab_size else None),
+    ]
+    for source, tid in candidates:
+        if tid is None:
+            continue
+        if not 0 <= tid < vocab_size:
+            raise ValueError(
+                f"mask token id {tid} from {source} is outside the target vocabulary [0, {vocab_size}); "
+                f"set drafter.mask_token_id to an unused embedding row"
+            )
+        clash = [n for n, f in forbidden.items() if f == tid]
+        if clash:
+            raise ValueError(
+                f"mask token id {tid} from {source} is the tokenizer's {clash[0]}; a pad/eos/bos MASK silently "
+                f"degrades acceptance: set drafter.mask_token_id to an unused embedding row"
+            )
+        return int(tid)
+    raise ValueError(
+        f"no MASK token: the tokenizer has {len(tokenizer)} tokens and the target embedding {vocab_size} rows, "
+        f"so there is no unused row; set drafter.mask_token_id=<an unused, non-pad/eos/bos id>"
+    )
+
+
+def build_arch(cfg: Config, meta: TargetMeta, layer_ids: list[int], mask_token_id: int) -> DrafterArch:
+    d = cfg.drafter
+    text = meta.text_config
+    rope = text.get("rope_parameters") or {"rope_type": "default", "rope_theta": text.get("rope_theta", 1e6)}
+    return DrafterArch(
+        hidden_size=meta.hidden_size,
+        intermediate_size=d.intermediate_size or meta.intermediate_size,
+        num_layers=d.num_layers,
+        num_heads=d.num_heads or meta.num_heads,
+        num_kv_heads=d.num_kv_heads or meta.num_kv_heads,
+        head_dim=d.head_dim or meta.head_dim,
+        vocab_size=meta.vocab_size,
+        target_layer_ids=list(layer_ids),
+        block_size=d.block_size,
+        mask_token_id=mask_token_id,
+        rms_norm_eps=meta.rms_norm_eps,
+        max_position_embeddings=meta.max_position_embeddings,
+        rope_parameters={k: v for k, v in rope.items() if k != "partial_rotary_factor"},
+        partial_rotary_factor=float(text.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+        initializer_range=d.init_std,
+    )
+
+
+def target_problems(cfg: Config, meta: TargetMeta, tokenizer: Any, layer_ids: list[int]) -> list[str]:
+    """Problems only visible with the target's config.json and tokenizer (still no weights loaded)."""
+    p: list[str] = []
+    L = meta.num_layers
+    bad = [i for i in layer_ids if not 0 <= i < L]
+    if bad:
+        p.append(f"target.layer_ids={layer_ids}: ids {bad} are outside the target's {L} decoder layers [0, {L}); "
+                 f"set target.layer_ids=null for the default taps or pick ids < {L}")
+    if cfg.drafter.hidden_size is not None and cfg.drafter.hidden_size != meta.hidden_size:
+        p.append(f"drafter.hidden_size={cfg.drafter.hidden_size} differs from the target's hidden_size={meta.hidden_size}; "
+                 f"the drafter reuses the target's embedding and lm_head, so set drafter.hidden_size=null")
+    if len(tokenizer) > meta.vocab_size:
+        p.append(f"the tokenizer has {len(tokenizer)} tokens but the target embedding only {meta.vocab_size} rows; "
+                 f"set target.tokenizer to the target's own tokenizer")
+    heads = cfg.drafter.num_heads or meta.num_heads
+    kv = cfg.drafter.num_kv_heads or meta.num_kv_heads
+    if heads % kv:
+        p.append(f"drafter.num_heads={heads} is not a multiple of drafter.num_kv_heads={kv}")
+    if cfg.data.max_length + cfg.drafter.block_size > meta.max_position_embeddings:
+        p.append(f"data.max_length={cfg.data.max_length} + drafter.block_size exceeds the target's "
+                 f"max_position_embeddings={meta.max_position_embeddings}; lower data.max_length")
+    return p
+
+
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def prepare(cfg: Config, world_size: int) -> RunSetup:
+    """Everything a rank needs before the process group; raises ValueError on any config problem."""
+    validate(cfg, world_size)
+    topology = Topology(cfg.topology.num_targets, cfg.topology.num_drafters, world_size, cfg.optim.grad_accum_steps)
+    target_path = resolve_path(cfg.target.path)
+    if cfg.target.tiny is not None:
+        from dflash.target.tiny import ensure_tiny_target
+
+        target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
+    meta = read_target_meta(target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+    from transformers import AutoTokenizer
+
+    tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
+    layer_ids = resolve_layer_ids(cfg.target, meta)
+    problems = target_problems(cfg, meta, tokenizer, layer_ids)
+    saved_arch = None
+    if cfg.drafter.init_from:
+        saved_arch, _ = load_exported(resolve_path(cfg.drafter.init_from))
+    try:
+        mask_id = resolve_mask_token_id(
+            cfg.drafter.mask_token_id, saved_arch.mask_token_id if saved_arch else None, tokenizer, meta.vocab_size
+        )
+    except ValueError as e:
+        problems.append(str(e))
+        mask_id = 0
+    arch = build_arch(cfg, meta, layer_ids, mask_id)
+    if saved_arch is not None:
+        problems += warm_start_problems(saved_arch, arch)
+    raise_problems(problems, "config")
+
+    data_cfg = cfg.data
+    if data_cfg.path == "embedded":
+        from dflash.data.embedded import build_embedded_corpus
+
+        cache = Path(resolve_path(data_cfg.cache_dir))
+        corpus = build_embedded_corpus(
+            Path(target_path),
+            cache / f"embedded_{_fingerprint([target_path, data_cfg.embedded_num_prompts, data_cfg.embedded_max_new_tokens, data_cfg.seed])}.jsonl",
+            num_prompts=data_cfg.embedded_num_prompts,
+            max_new_tokens=data_cfg.embedded_max_new_tokens,
+            seed=data_cfg.seed,
+        )
+        data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": str(corpus), "cache_dir": str(cache)})
+    else:
+        data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": resolve_path(data_cfg.path), "cache_dir": resolve_path(data_cfg.cache_dir)})
+    cfg.data = data_cfg
+    dataset = build_or_load_dataset(data_cfg, tokenizer, meta.vocab_size)
+    plan = DataPlan.build(dataset.lengths(), data_cfg.token_budget, data_cfg.seed, data_cfg.num_epochs)
+    available = topology.num_steps(plan.num_packets)
+    if available < 1:
+        raise ValueError(
+            f"the data plan has {plan.num_packets} packets, fewer than one step needs ({topology.packets_per_step}); "
+            f"lower data.token_budget or optim.grad_accum_steps, or add data"
+        )
+    num_steps = min(cfg.train.max_steps or available, available)
+    if cfg.train.max_steps and cfg.train.max_steps > available:
+        log.warning("train.max_steps=%d but the data plan supports %d steps; training %d", cfg.train.max_steps, available, num_steps)
+    contract = {
+        "target.path": cfg.target.path,
+        "target.name": cfg.target.name,
+        "target.layer_ids": layer_ids,
+        "target.hidden_size": meta.hidden_size,
+        "target.vocab_size": meta.vocab_size,
+        "drafter.arch": arch.to_dict(),
+        "topology.num_targets": topology.num_targets,
+        "topology.num_drafters": topology.num_drafters,
+        "optim.grad_accum_steps": topology.grad_accum_steps,
+        "data.fingerprint": dataset.fingerprint,
+        "data.plan": plan.fingerprint(),
+        "train.num_steps": num_steps,
+    }
+    log.info(
+        "setup: target %s (%d layers, H=%d, V=%d), taps %s, mask %d, %d samples, %d packets, %d steps",
+        cfg.target.name, meta.num_layers, meta.hidden_size, meta.vocab_size, layer_ids, mask_id,
+        len(dataset), plan.num_packets, num_steps,
+    )
+    return RunSetup(cfg, target_path, meta, tokenizer, layer_ids, arch, dataset, plan, topology, num_steps, contract)
+
+
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on GPU, float32 on CPU (bf16 matmul is 5-60x slower on these CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)

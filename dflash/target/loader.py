@@ -1,0 +1,300 @@
+"""Load the frozen target, read its shape from config.json, and read embedding/lm_head by name.
+
+Three ways in, from cheapest to most expensive:
+- ``read_target_meta``: the target's shape from ``config.json`` only (no weights). For VLM wrappers
+  such as ``qwen3_5`` (a ``text_config`` inside) it describes the text model, exactly as
+  ``AutoModelForCausalLM`` does when it swaps in ``config.get_text_config()``.
+- ``load_embed_and_head``: the ``[V, H]`` embedding and lm_head read by tensor name from the
+  checkpoint's safetensors file(s), without building the model (the drafter needs only these two).
+- ``load_target``: the whole frozen ``*ForCausalLM`` (eval, no grad) for the target ranks. Target
+  ranks run only ``base_model(model)`` (headless): see ``dflash.target.forward``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash.config import TargetConfig
+
+log = logging.getLogger(__name__)
+
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+EMBED_NAMES = (
+    "model.embed_tokens.weight",  # Qwen3, Llama, Qwen3_5ForCausalLM
+    "model.language_model.embed_tokens.weight",  # Qwen3.5/3.6 VLM checkpoints (transformers 5 layout)
+    "language_model.model.embed_tokens.weight",  # older VLM layout
+    "embed_tokens.weight",  # a bare base-model checkpoint
+)
+HEAD_NAMES = (
+    "lm_head.weight",
+    "language_model.lm_head.weight",
+    "model.language_model.lm_head.weight",
+)
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TargetMeta:
+    """The target's shape, read from config.json only (never from weights)."""
+
+    model_type: str
+    """model_type of the text config (``qwen3``, ``llama``, ``qwen3_5_text`` for a Qwen3.5 checkpoint)."""
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    text_config: dict
+    """The text config as a plain dict (rope parameters, partial_rotary_factor, ...)."""
+
+    @property
+    def is_hybrid_linear_attention(self) -> bool:
+        """Qwen3.5/3.6-style targets: packed documents leak linear-attention state, so pad instead."""
+        layer_types = self.text_config.get("layer_types") or []
+        return any("linear" in str(t) for t in layer_types)
+
+
+def _load_config(path: str, revision: str | None, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+
+
+def read_target_meta(
+    path: str, *, revision: str | None = None, trust_remote_code: bool = False
+) -> TargetMeta:
+    """The target's shape from its config.json; the text config for VLM wrappers (e.g. qwen3_5)."""
+    config = _load_config(path, revision, trust_remote_code)
+    text = config.get_text_config(decoder=True)
+    num_heads = int(text.num_attention_heads)
+    hidden = int(text.hidden_size)
+    head_dim = getattr(text, "head_dim", None) or hidden // num_heads
+    num_kv = getattr(text, "num_key_value_heads", None) or num_heads
+    intermediate = getattr(text, "intermediate_size", None)
+    if intermediate is None:  # some MoE configs only carry the expert size
+        intermediate = getattr(text, "moe_intermediate_size", None) or 4 * hidden
+    return TargetMeta(
+        model_type=str(text.model_type),
+        num_layers=int(text.num_hidden_layers),
+        hidden_size=hidden,
+        intermediate_size=int(intermediate),
+        num_heads=num_heads,
+        num_kv_heads=int(num_kv),
+        head_dim=int(head_dim),
+        vocab_size=int(text.vocab_size),
+        rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),
+        text_config=text.to_dict(),
+    )
+
+
+def default_layer_ids(num_layers: int, num_taps: int) -> list[int]:
+    """Public DFlash convention: n == 1 -> [L // 2]; else round(1 + i*(L-4)/(n-1)), i = 0..n-1.
+
+    Python's ``round`` (half to even), as in z-lab/dflash and SpecForge.
+    """
+    if num_taps < 1:
+        raise ValueError(f"target.num_taps={num_taps}: need at least one tap")
+    if num_taps == 1:
+        return [num_layers // 2]
+    return [int(round(1 + i * (num_layers - 4) / (num_taps - 1))) for i in range(num_taps)]
+
+
+def resolve_layer_ids(cfg: TargetConfig, meta: TargetMeta) -> list[int]:
+    """``cfg.layer_ids`` or the default formula, checked against the target's layer count."""
+    explicit = cfg.layer_ids is not None
+    ids = [int(x) for x in cfg.layer_ids] if explicit else default_layer_ids(meta.num_layers, cfg.num_taps)
+    where = (
+        f"target.layer_ids={ids}" if explicit else f"target.num_taps={cfg.num_taps} (default layer ids {ids})"
+    )
+    fix = (
+        f"set target.layer_ids to distinct decoder layers in [0, {meta.num_layers - 1}]"
+        if explicit
+        else f"set target.layer_ids explicitly or a smaller target.num_taps for this {meta.num_layers}-layer target"
+    )
+    if not ids:
+        raise ValueError(f"{where}: need at least one tap; {fix}")
+    bad = [i for i in ids if not 0 <= i < meta.num_layers]
+    if bad:
+        raise ValueError(
+            f"{where}: layers {bad} outside the target's {meta.num_layers} decoder layers; {fix}"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: duplicate layers; {fix}")
+    return ids
+
+
+def check_remote_code(cfg: TargetConfig) -> None:
+    """trust_remote_code runs code from the hub: only allowed pinned to a full commit hash."""
+    if cfg.trust_remote_code and (cfg.revision is None or not _COMMIT_RE.match(str(cfg.revision).lower())):
+        raise ValueError(
+            f"target.trust_remote_code=true needs target.revision pinned to a full 40-hex commit hash, got "
+            f"target.revision={cfg.revision!r}; set target.revision=<commit sha> (or target.trust_remote_code=false)"
+        )
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The headless base model (``model.model``): decoder layers + final norm, no lm_head."""
+    base = getattr(model, "model", None)
+    if not isinstance(base, nn.Module):
+        base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or base is model:
+        raise TypeError(f"{type(model).__name__} has no headless base model (.model)")
+    # A VLM wrapper (e.g. Qwen3_5ForConditionalGeneration) keeps the text model one level down.
+    if not hasattr(base, "layers") and isinstance(getattr(base, "language_model", None), nn.Module):
+        base = base.language_model
+    return base
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(base_model(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: base model has no decoder layer list (.layers)")
+    return layers
+
+
+def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The frozen target ``*ForCausalLM``: eval, requires_grad off, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    check_remote_code(cfg)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.path,
+        dtype=dtype,
+        attn_implementation=cfg.attn_implementation,
+        revision=cfg.revision,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    model.eval()
+    model.requires_grad_(False)
+    model.to(device)
+    on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    on_meta += [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if on_meta:
+        raise RuntimeError(
+            f"target {cfg.path}: {len(on_meta)} tensors left on the meta device, e.g. {on_meta[:3]}"
+        )
+    num_params = sum(p.numel() for p in model.parameters())
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info(
+        "loaded target %s (%s) on %s: %.2fB params, %.2f GiB %s, %.1fs",
+        cfg.path,
+        type(model).__name__,
+        device,
+        num_params / 1e9,
+        num_bytes / 2**30,
+        dtype,
+        time.perf_counter() - t0,
+    )
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Embedding and lm_head by tensor name
+
+
+def _resolve_file(path: str, filename: str, revision: str | None) -> str | None:
+    """Local file of ``filename`` in a checkpoint dir or hub repo (cache or download); None if absent."""
+    if os.path.isdir(path):
+        p = Path(path) / filename
+        return str(p) if p.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return hf_hub_download(path, filename, revision=revision)
+    except EntryNotFoundError:
+        return None
+    except LocalEntryNotFoundError:
+        # Offline and not cached: absent from the cache is not proof of absence, unless the other
+        # layout is cached; the caller reports both names if neither is found.
+        return None
+
+
+def _checkpoint_index(path: str, revision: str | None) -> dict[str, str]:
+    """tensor name -> local safetensors file, reading only the index (sharded) or header (single)."""
+    index_file = _resolve_file(path, INDEX_FILE, revision)
+    if index_file is not None:
+        weight_map = json.loads(Path(index_file).read_text())["weight_map"]
+        return {name: f"{os.path.dirname(index_file)}\0{shard}" for name, shard in weight_map.items()}
+    single = _resolve_file(path, SINGLE_FILE, revision)
+    if single is None:
+        raise FileNotFoundError(
+            f"target checkpoint {path!r} (revision {revision}): neither {INDEX_FILE} nor {SINGLE_FILE} found"
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _read_tensor(path: str, revision: str | None, location: str, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    if "\0" in location:  # sharded: "<dir of index>\0<shard file name>"
+        folder, shard = location.split("\0", 1)
+        file = os.path.join(folder, shard)
+        if not os.path.isfile(file):  # hub: shards are fetched on demand
+            file = _resolve_file(path, shard, revision)
+            if file is None:
+                raise FileNotFoundError(
+                    f"target checkpoint {path!r}: shard {shard} (holding {name}) not found"
+                )
+    else:
+        file = location
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def load_embed_and_head(
+    path: str, *, revision: str | None = None, trust_remote_code: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embedding [V, H], lm_head [V, H])`` read by name from the target's safetensors, no model built.
+
+    Reads only the two tensors (``safe_open`` + ``get_tensor``; with a sharded checkpoint only the
+    shards holding them). A tied target (``tie_word_embeddings``) returns the embedding as head.
+    Tensors come back in the checkpoint dtype on CPU.
+    """
+    meta = read_target_meta(path, revision=revision, trust_remote_code=trust_remote_code)
+    where = _checkpoint_index(path, revision)
+    embed_name = next((n for n in EMBED_NAMES if n in where), None)
+    if embed_name is None:
+        raise KeyError(f"target checkpoint {path!r}: no embedding tensor among {list(EMBED_NAMES)}")
+    embed = _read_tensor(path, revision, where[embed_name], embed_name)
+    if meta.tie_word_embeddings:
+        head = embed
+    else:
+        head_name = next((n for n in HEAD_NAMES if n in where), None)
+        if head_name is None:
+            raise KeyError(
+                f"target checkpoint {path!r}: tie_word_embeddings is false but no lm_head tensor among {list(HEAD_NAMES)}"
+            )
+        head = _read_tensor(path, revision, where[head_name], head_name)
+    for what, t in (("embedding", embed), ("lm_head", head)):
+        if t.dim() != 2 or t.shape[1] != meta.hidden_size:
+            raise ValueError(
+                f"target checkpoint {path!r}: {what} has shape {tuple(t.shape)}, expected [V, {meta.hidden_size}]"
+            )
+    if head.shape != embed.shape:
+        raise ValueError(
+            f"target checkpoint {path!r}: lm_head {tuple(head.shape)} != embedding {tuple(embed.shape)}"
+        )
+    return embed, head

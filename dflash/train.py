@@ -1,0 +1,64 @@
+"""Entry point: compose -> validate -> prepare -> init dist -> build this rank's role -> run -> close.
+
+    torchrun --standalone --nproc_per_node 3 -m dflash.train                       # embedded CPU default
+    torchrun --nproc_per_node 8 -m dflash.train experiment=qwen3_8b_7x1 data.path=/data/chat.jsonl
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from dflash.config import Config, register_configs, to_config
+from dflash.dist.init import destroy, init_distributed
+from dflash.setup import prepare
+
+log = logging.getLogger("dflash")
+register_configs()
+
+
+def build_role(cfg: Config, setup, ctx, run_dir: Path):
+    """The only place that branches on the rank: a TargetWorker or a DrafterTrainer."""
+    if setup.topology.role_of(ctx.rank) == "target":
+        from dflash.target.worker import TargetWorker
+
+        return TargetWorker(cfg, setup, ctx)
+    from dflash.drafter.trainer import DrafterTrainer
+
+    return DrafterTrainer(cfg, setup, ctx, run_dir)
+
+
+@record
+def run(dcfg: DictConfig, run_dir: Path) -> None:
+    cfg = to_config(dcfg)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    setup = prepare(cfg, world_size)
+    if rank == setup.topology.leader_rank:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
+    ctx = init_distributed(cfg.topology)
+    log.info("%s in %s", setup.topology.describe(ctx.rank), run_dir)
+    role = None
+    try:
+        role = build_role(cfg, setup, ctx, run_dir)
+        role.run()
+    finally:
+        if role is not None:
+            role.close()
+        destroy(ctx)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(dcfg: DictConfig) -> None:
+    run(dcfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""Benchmark of the chunked verifier-logit loss (``dflash.loss.verifier``) against the alternatives.
+
+Every case runs in its own process (fresh allocator, its own peak-memory counter) on the same seeded
+inputs, and prints one JSON line; the driver (no ``--case``) spawns them and prints, per case, the
+line completed with ratios:
+
+- ``chunked``      verifier_loss, ``--terms`` ce+kl (ce=1, kl=1, T=1) at each ``--chunks`` size;
+- ``chunked_ce``   verifier_loss, ce only (no verifier GEMM);
+- ``naive``        full verifier logits, ``roll``, full drafter logits, ``log_softmax``, autograd;
+- ``naive_ce``     full drafter logits + ``F.cross_entropy``, autograd;
+- ``torch_lce``    ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(batch_chunk_size=C))``;
+- ``limit``        only the GEMMs of the chunked ce+kl loss (3 x 2RHV: verifier and drafter logits,
+                   dh = G @ W) into preallocated fp32 buffers at chunk C: this machine's matmul limit;
+- ``limit_ce``     the same with the 2 GEMMs of ce only.
+
+Time: best of ``--repeats`` forward+backward runs. Memory: on CUDA ``max_memory_allocated`` minus the
+allocation after the inputs exist; on CPU the process peak RSS (``VmHWM``, reset through
+``/proc/self/clear_refs`` after the inputs exist) minus the RSS at that point. Ratios:
+``time_vs_naive`` / ``mem_vs_naive`` against the naive case of the same terms, ``time_vs_limit``
+against the best ``limit`` (over chunk sizes) of the same terms, ``*_vs_torch_lce`` for ce only at
+the same chunk size. On CUDA ``tflops`` counts the useful 2RHV per GEMM (6RHV for ce+kl, 4RHV for ce).
+
+    python scripts/bench_loss.py                       # CPU default: R=4096 H=256 V=151936 fp32
+    python scripts/bench_loss.py --rows 512 --repeats 2 --cases chunked,limit
+    python scripts/bench_loss.py --device cuda --dtype bf16 --rows 32768 --hidden 4096 --chunks 1024,4096,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_CASES = ["limit", "limit_ce", "chunked", "chunked_ce", "torch_lce", "naive", "naive_ce"]
+CHUNKED_CASES = {"limit", "limit_ce", "chunked", "chunked_ce", "torch_lce"}
+CE_ONLY = {"limit_ce", "chunked_ce", "torch_lce", "naive_ce"}
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp64"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--terms", default="ce+kl,ce",
+                   help="comma list of ce+kl and/or ce: which loss families to run (default both)")
+    p.add_argument("--chunks", default="1024,256", help="comma list of chunk sizes")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: the usable cores)")
+    p.add_argument("--cases", default=",".join(ALL_CASES), help="comma list of cases to run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logit-std", type=float, default=3.0, help="std of the random logits")
+    p.add_argument("--timeout", type=float, default=3600.0, help="per-case subprocess timeout (s)")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+# ---------------------------------------------------------------------------------------------
+# one case (child process)
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _run_case(a: argparse.Namespace) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    threads = a.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    dev = torch.device(a.device)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[a.dtype]
+    cuda = dev.type == "cuda"
+    R, H, V, C = a.rows, a.hidden, a.vocab, a.chunk
+
+    g = torch.Generator().manual_seed(a.seed)
+    w_head = (torch.randn(V, H, generator=g) * (a.logit_std / H**0.5)).to(dev, dt)
+    h_d = torch.randn(R, H, generator=g).to(dev, dt).requires_grad_()
+    h_v = torch.randn(R, H, generator=g).to(dev, dt)
+    labels = torch.randint(0, V, (R,), generator=g).to(dev)
+    weights = torch.ones(R, device=dev)  # uniform: comparable with F.linear_cross_entropy's mean
+    ce_only = a.case in CE_ONLY
+    kl = 0.0 if ce_only else 1.0
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    if a.case in ("limit", "limit_ce"):
+        cdt = torch.float64 if dt == torch.float64 else torch.float32
+        w_mm = w_head if (cuda or dt == cdt) else w_head.to(cdt)
+        zbuf = torch.empty(min(C, R), V, device=dev, dtype=cdt)
+        dh_buf = torch.empty(min(C, R), H, device=dev, dtype=cdt)
+
+        def mm(x, y, out):
+            if x.dtype == out.dtype and y.dtype == out.dtype:
+                return torch.mm(x, y, out=out)
+            if cuda:
+                return torch.mm(x, y, out_dtype=out.dtype, out=out)
+            return torch.mm(x.to(out.dtype), y.to(out.dtype), out=out)
+
+        def step():
+            with torch.no_grad():
+                for c0 in range(0, R, C):
+                    n = min(C, R - c0)
+                    z = zbuf[:n]
+                    if not ce_only:
+                        mm(h_v[c0:c0 + n], w_mm.t(), z)
+                    mm(h_d[c0:c0 + n], w_mm.t(), z)
+                    if cuda and w_mm.dtype != cdt:
+                        mm(z.to(w_mm.dtype), w_mm, dh_buf[:n])
+                    else:
+                        torch.mm(z, w_mm, out=dh_buf[:n])
+    elif a.case in ("chunked", "chunked_ce"):
+        sys.path.insert(0, str(REPO))
+        from dflash.loss.verifier import verifier_loss
+
+        def step():
+            h_d.grad = None
+            out = verifier_loss(h_d, None if ce_only else h_v, w_head, labels, weights,
+                                ce=1.0, kl=kl, chunk_size=C)
+            out.loss.backward()
+    elif a.case == "torch_lce":
+        from torch.nn import LinearCrossEntropyOptions
+
+        opts = LinearCrossEntropyOptions(batch_chunk_size=C, chunking_method=None)
+
+        def step():
+            h_d.grad = None
+            loss = F.linear_cross_entropy(h_d, w_head, labels, options=opts)
+            loss.backward()
+    elif a.case in ("naive", "naive_ce"):
+        h_v_shift = torch.roll(h_v, -1, 0)  # the naive path rolls full-size logits back into place
+
+        def step():
+            h_d.grad = None
+            zd = (h_d @ w_head.t()).float()
+            logq = F.log_softmax(zd, dim=-1)
+            ce = F.nll_loss(logq, labels, reduction="none")
+            per_row = ce
+            if not ce_only:
+                with torch.no_grad():
+                    zv = torch.roll((h_v_shift @ w_head.t()).float(), 1, 0)
+                    logp = F.log_softmax(zv, dim=-1)
+                    p = logp.exp()
+                klr = (p * (logp - logq)).sum(-1)
+                per_row = per_row + kl * klr
+            loss = (weights * per_row).sum() / weights.sum()
+            loss.backward()
+    else:
+        raise SystemExit(f"unknown case {a.case}")
+
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    else:
+        base = _rss_bytes("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            hwm_ok = True
+        except OSError:
+            hwm_ok = False
+    times = []
+    for _ in range(a.repeats):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(dev) - base
+    else:
+        import resource
+
+        hwm = _rss_bytes("VmHWM") if hwm_ok else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = hwm - base
+    best = min(times)
+    n_gemm = 2 if ce_only else 3
+    rec = {
+        "case": a.case, "terms": "ce" if ce_only else "ce+kl",
+        "chunk": C if a.case in CHUNKED_CASES else None,
+        "rows": R, "hidden": H, "vocab": V, "dtype": a.dtype, "device": str(dev), "threads": threads,
+        "time_s": round(best, 4), "times_s": [round(t, 4) for t in times],
+        "peak_extra_gb": round(peak / 1e9, 4),
+        "gemm_tflops": round(2 * n_gemm * R * H * V / best / 1e12, 4),
+    }
+    if cuda:
+        rec["tflops_6rhv"] = round(6 * R * H * V / best / 1e12, 2)
+        rec["gpu"] = torch.cuda.get_device_name(dev)
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+
+
+def main() -> None:
+    a = _parse()
+    if a.case is not None:
+        print(json.dumps(_run_case(a)), flush=True)
+        return
+    terms = {t.strip() for t in a.terms.split(",") if t.strip()}
+    bad = terms - {"ce+kl", "ce"}
+    if bad:
+        raise SystemExit(f"--terms: unknown {sorted(bad)} (use ce+kl and/or ce)")
+    chunks = [int(c) for c in a.chunks.split(",") if c.strip()]
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    for c in cases:
+        if c not in ALL_CASES:
+            raise SystemExit(f"--cases: unknown {c!r}; known {ALL_CASES}")
+    plan = []
+    for c in cases:
+        t = "ce" if c in CE_ONLY else "ce+kl"
+        if t not in terms:
+            continue
+        plan += [(c, k) for k in chunks] if c in CHUNKED_CASES else [(c, 0)]
+    base_args = [
+        "--rows", str(a.rows), "--hidden", str(a.hidden), "--vocab", str(a.vocab), "--dtype", a.dtype,
+        "--device", a.device, "--repeats", str(a.repeats), "--threads", str(a.threads), "--seed", str(a.seed),
+        "--logit-std", str(a.logit_std),
+    ]
+    results = []
+    for case, chunk in plan:
+        cmd = [sys.executable, str(Path(__file__).resolve()), *base_args, "--case", case, "--chunk", str(chunk)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            rec = {"case": case, "chunk": chunk or None, "error": f"timeout after {a.timeout} s"}
+        else:
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            if proc.returncode != 0 or not lines:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                rec = {"case": case, "chunk": chunk or None, "error": f"rc={proc.returncode}: {' | '.join(tail)}"}
+            else:
+                rec = json.loads(lines[-1])
+        results.append(rec)
+        print(json.dumps({"progress": rec}), file=sys.stderr, flush=True)
+
+    ok = [r for r in results if "error" not in r]
+
+    def find(case, chunk=None):
+        for r in ok:
+            if r["case"] == case and (chunk is None or r.get("chunk") == chunk):
+                return r
+        return None
+
+    limits = {t: min((r["time_s"] for r in ok if r["case"] == ("limit" if t == "ce+kl" else "limit_ce")),
+                     default=None) for t in ("ce+kl", "ce")}
+    for r in results:
+        if "error" in r:
+            print(json.dumps(r), flush=True)
+            continue
+        t = r["terms"]
+        naive = find("naive" if t == "ce+kl" else "naive_ce")
+        if naive and r is not naive:
+            r["time_vs_naive"] = round(r["time_s"] / naive["time_s"], 4)
+            r["mem_vs_naive"] = round(r["peak_extra_gb"] / naive["peak_extra_gb"], 4)
+        if limits[t] and not r["case"].startswith("limit"):
+            r["time_vs_limit"] = round(r["time_s"] / limits[t], 4)
+        if r["case"] == "chunked_ce":
+            lce = find("torch_lce", r["chunk"])
+            if lce:
+                r["time_vs_torch_lce"] = round(r["time_s"] / lce["time_s"], 4)
+                r["mem_vs_torch_lce"] = round(r["peak_extra_gb"] / lce["peak_extra_gb"], 4)
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Anchor, block, label and mask rules of DFlash training (reference spec sections 2.2-2.4)."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.drafter.blocks import (
+    dense_mask,
+    doc_ids_from_positions,
+    eligible_anchors,
+    make_blocks,
+    sample_anchors,
+)
+
+BS = 4
+
+
+def _packed(lens: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+
+
+def test_doc_ids_follow_position_restarts():
+    pos = _packed([3, 2, 4])
+    assert doc_ids_from_positions(pos).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2]]
+
+
+def test_eligible_anchor_needs_two_supervised_tokens_in_one_document():
+    pos = _packed([4, 4])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 1]])
+    elig = eligible_anchors(mask, doc_ids_from_positions(pos))
+    # p=3 -> p+1=4 crosses into document 1; p=5 -> 6 is unsupervised; p=7 is last.
+    assert elig.tolist() == [[False, True, True, False, True, False, False, False]]
+
+
+def test_sampling_is_without_replacement_sorted_capped_and_seeded():
+    pos = _packed([40, 30])
+    mask = torch.ones(1, 70, dtype=torch.long)
+    doc = doc_ids_from_positions(pos)
+    a1 = sample_anchors(mask, doc, 5, torch.Generator().manual_seed(3))
+    a2 = sample_anchors(mask, doc, 5, torch.Generator().manual_seed(3))
+    assert torch.equal(a1, a2)
+    row = a1[0][a1[0] >= 0]
+    assert row.numel() == 10 and torch.equal(row, row.sort().values) and row.unique().numel() == 10
+    assert int((row < 40).sum()) == 5  # num_anchors is per document
+    capped = sample_anchors(mask, doc, 5, torch.Generator().manual_seed(3), max_total=7)
+    assert int((capped >= 0).sum()) == 7
+    other = sample_anchors(mask, doc, 5, torch.Generator().manual_seed(4))
+    assert not torch.equal(a1, other)
+
+
+def test_rows_without_eligible_anchor_are_padded():
+    mask = torch.tensor([[1, 0, 1, 0], [1, 1, 1, 1]])
+    pos = torch.arange(4).expand(2, 4)
+    a = sample_anchors(mask, doc_ids_from_positions(pos), 8, torch.Generator().manual_seed(0))
+    assert a[0].tolist() == [-1, -1, -1]
+    assert sorted(a[1].tolist()) == [0, 1, 2]
+
+
+def test_block_tokens_positions_and_same_position_labels():
+    ids = torch.arange(100, 112).unsqueeze(0)
+    pos = _packed([8, 4])
+    doc = doc_ids_from_positions(pos)
+    anchors = torch.tensor([[2, 3, 6, 9, -1]])
+    b = make_blocks(ids, pos, doc, anchors, BS, mask_token_id=7)
+    blocks = b.block_ids.view(5, BS)
+    assert blocks[:, 0].tolist() == [102, 103, 106, 109, 7]
+    assert (blocks[:, 1:] == 7).all()
+    assert b.block_positions.view(5, BS)[3].tolist() == [1, 2, 3, 4]  # anchor 9 is position 1 of document 1
+    # slot k predicts the token AT anchor + k (no shift)
+    assert ids[0, b.label_pos[0, 0]].tolist() == [102, 103, 104, 105]
+    valid = b.label_valid[0].tolist()
+    assert valid[0] == [False, True, True, True]
+    assert valid[2] == [False, True, False, False]  # 6 -> 7 ok, 8 is in the next document
+    assert valid[3] == [False, True, True, False]  # 9 -> 10, 11; 12 is past the row
+    assert valid[4] == [False] * BS  # padding block
+
+
+def test_mask_context_strictly_before_anchor_and_own_block_only():
+    S = 10
+    pos = torch.arange(S).unsqueeze(0)
+    doc = doc_ids_from_positions(pos)
+    anchors = torch.tensor([[3, 4, 8]])  # blocks 0 and 1 overlap in absolute positions
+    m = dense_mask(anchors, doc, BS).dense[0, 0]
+    for n, a in enumerate(anchors[0].tolist()):
+        for k in range(BS):
+            q = n * BS + k
+            ctx = m[q, :S].nonzero().squeeze(1).tolist()
+            assert ctx == list(range(a)), "context must be exactly [0, anchor)"
+            blk = (m[q, S:].nonzero().squeeze(1) // BS).unique().tolist()
+            assert blk == [n], "a block sees its own slots only"
+            assert m[q, S + n * BS: S + (n + 1) * BS].all(), "bidirectional within the block"
+    # Block 1 (anchor 4) must not see block 0's slots although they cover positions 3..6,
+    # and block 0 must not see context position 4 (its own slot 1 predicts it).
+    assert not m[BS:2 * BS, S:S + BS].any()
+    assert not m[:BS, 4].any()
+
+
+def test_mask_respects_documents_and_padding_blocks_see_only_themselves():
+    pos = _packed([5, 5])
+    doc = doc_ids_from_positions(pos)
+    anchors = torch.tensor([[2, 7, -1]])
+    m = dense_mask(anchors, doc, BS).dense[0, 0]
+    S = 10
+    assert m[BS, :S].nonzero().squeeze(1).tolist() == [5, 6]  # document 1 starts at 5
+    pad = m[2 * BS:, :]
+    assert not pad[:, :S].any() and pad[:, S + 2 * BS:].all()

@@ -1,0 +1,168 @@
+"""Metric logging: offline W&B read back from the .wandb file, disabled mode, run-id reuse on
+resume, no secret in any file (R12), and the memory / timing / progress helpers."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from wandb_reader import find_wandb_files, read_wandb_run
+
+from dflash.config import LoggingConfig
+from dflash.metrics import (
+    RUN_ID_FILE,
+    NullLogger,
+    StepTimer,
+    WandbLogger,
+    build_logger,
+    make_progress_bar,
+    peak_memory_gib,
+    redact_config,
+    reset_peak_memory,
+)
+
+OFFLINE = LoggingConfig(mode="offline", project="dflash-test", progress_bar=False)
+CONFIG = {"name": "unit", "optim": {"lr": 0.0006}, "target": {"layer_ids": [1, 3]}}
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+
+
+@pytest.fixture(autouse=True)
+def _env_wandb_disabled(monkeypatch):
+    # The config's mode must win over the environment.
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_offline_run_is_read_back(tmp_path):
+    log = WandbLogger(OFFLINE, tmp_path, CONFIG, run_name="unit")
+    for step, loss in ((1, 2.0), (2, 1.5), (3, 1.75)):
+        log.log(
+            {"train/loss": loss, "train/tau_hat": 1.0 + step / 10, "perf/tokens_per_s": 100.0 * step}, step
+        )
+    log.summary({"final/tokens_seen": 1234})
+    log.close()
+    log.close()  # idempotent
+
+    run = read_wandb_run(tmp_path)
+    assert run.run_id == log.run_id == (tmp_path / RUN_ID_FILE).read_text().strip()
+    assert [r["train/step"] for r in run.history] == [1, 2, 3]
+    assert [r["train/loss"] for r in run.history] == [2.0, 1.5, 1.75]
+    assert {"train/loss", "train/tau_hat", "perf/tokens_per_s", "train/step"} <= set(run.history[0])
+    assert run.config == CONFIG
+    assert run.summary["train/loss"] == {"min": 1.5, "last": 1.75}
+    assert run.summary["train/tau_hat"] == {"max": 1.3, "last": 1.3}
+    assert run.summary["final/tokens_seen"] == 1234
+    globs = {m["glob_name"]: m["step_metric"] for m in run.metrics if m["glob_name"]}
+    assert globs == {"*": "train/step"}
+
+
+def test_resume_reuses_run_id_and_keeps_earlier_steps(tmp_path):
+    first = WandbLogger(OFFLINE, tmp_path, CONFIG, run_name="unit")
+    first.log({"train/loss": 1.0}, 10)
+    first.close()
+
+    # A resumed launch (e.g. from step 5 after a crash at 10) continues the same run, and its
+    # steps are kept even though they go backwards (no step= is passed to wandb).
+    second = WandbLogger(OFFLINE, tmp_path, CONFIG, run_name="unit")
+    assert second.run_id == first.run_id
+    second.log({"train/loss": 0.9}, 6)
+    second.log({"train/loss": 0.8}, 7)
+    second.close()
+    files = find_wandb_files(tmp_path)
+    assert len(files) == 2 and all(f.name == f"run-{first.run_id}.wandb" for f in files)
+    assert [r["train/step"] for r in read_wandb_run(tmp_path).history] == [6, 7]
+
+    # The id saved in the checkpoint's TrainState wins over the file.
+    third = WandbLogger(OFFLINE, tmp_path, CONFIG, run_name="unit", resume_id="fromckpt1")
+    third.close()
+    assert third.run_id == "fromckpt1" and (tmp_path / RUN_ID_FILE).read_text().strip() == "fromckpt1"
+    assert read_wandb_run(tmp_path).run_id == "fromckpt1"
+
+
+def test_disabled_and_non_leader_write_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    log = WandbLogger(LoggingConfig(mode="disabled"), run_dir, CONFIG, run_name="unit")
+    log.log({"train/loss": 1.0}, 1)
+    log.summary({"x": 1.0})
+    log.close()
+    assert list(tmp_path.iterdir()) == []
+
+    for cfg, leader in ((LoggingConfig(mode="disabled"), True), (OFFLINE, False)):
+        null = build_logger(cfg, is_leader=leader, run_dir=run_dir, config=CONFIG, run_name="unit")
+        assert isinstance(null, NullLogger)
+        null.log({"train/loss": 1.0}, 1)
+        null.summary({"x": 1.0})
+        null.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_mode_is_a_config_error(tmp_path):
+    with pytest.raises(ValueError, match="logging.mode"):
+        build_logger(LoggingConfig(mode="ofline"), is_leader=True, run_dir=tmp_path, config={}, run_name="x")
+
+
+def test_api_key_and_argv_never_written(tmp_path, monkeypatch):
+    key = "SENTINELKEY" + "0123456789abcdef" * 2 + "zz"  # 45 chars, like a real key
+    argv_secret = "ARGVSENTINEL" + "42" * 8
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    monkeypatch.setenv("HF_TOKEN", "hf_SENTINELTOKEN1234")
+    monkeypatch.setattr(sys, "argv", [*sys.argv, f"logging.token={argv_secret}"])
+    config = dict(CONFIG, hub={"token": "hf_SENTINELTOKEN1234"}, note=f"key={key}")
+
+    log = WandbLogger(OFFLINE, tmp_path, config, run_name="unit")
+    log.log({"train/loss": 1.0}, 1)
+    log.close()
+
+    files = _files(tmp_path)
+    assert any(f.suffix == ".wandb" for f in files)
+    for needle in (key.encode(), b"SENTINELKEY", argv_secret.encode(), b"hf_SENTINELTOKEN"):
+        hits = [str(f) for f in files if needle in f.read_bytes()]
+        assert hits == [], f"{needle!r} found in {hits}"
+    assert read_wandb_run(tmp_path).config["hub"] == {"token": "<redacted>"}
+
+
+def test_redact_config(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    out = redact_config({"a": {"api_key": "x", "token_budget": 5, "list": ["k" * 40, 1]}, "token": None})
+    assert out == {
+        "a": {"api_key": "<redacted>", "token_budget": 5, "list": ["<redacted>", 1]},
+        "token": None,
+    }
+
+
+def test_peak_memory_and_timer():
+    timer = StepTimer()
+    with timer:
+        time.sleep(0.02)
+    with timer:
+        pass
+    assert timer.count == 2 and timer.total >= 0.02 > timer.elapsed >= 0
+
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    before = peak_memory_gib(cpu)
+    buf = torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)  # 64 MiB, every page touched
+    after = peak_memory_gib(cpu)
+    del buf
+    assert 0 < before <= after
+    try:  # where /proc/self/clear_refs is writable, the reset brings VmHWM down to the RSS
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return
+    assert after - before >= 48 / 1024
+
+
+def test_progress_bar(capsys):
+    assert make_progress_bar(10, 0, enabled=False) is None
+    bar = make_progress_bar(10, 4, enabled=True)
+    assert bar is not None and bar.n == 4 and bar.total == 10
+    bar.update(2)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "6/10" in err
