@@ -169,6 +169,8 @@ class TrainConfig:
     """error (stop naming step and rank) or skip (drop the step and count it)."""
     stop_after_steps: int | None = None
     """Stop (with a checkpoint) after this step as if preempted; for tests and staged runs."""
+    ledger: bool = True
+    """Write ledger.jsonl in the run dir: per step, the packets and source sample ids trained on."""
 
 
 @dataclass
@@ -199,11 +201,17 @@ class FaultConfig:
     """Fault injection for the reliability tests; every field off by default."""
 
     kill_rank: int | None = None
+    """SIGKILL this rank when it reaches ``kill_at_step`` (1-based optimizer step)."""
     kill_at_step: int | None = None
     hang_rank: int | None = None
+    """This rank stops responding (sleeps forever, alive) at ``hang_at_step``."""
     hang_at_step: int | None = None
     nan_at_step: int | None = None
+    """The drafter's loss becomes NaN at this step."""
+    nonfinite_sample_ids: list[int] = field(default_factory=list)
+    """Source sample ids whose target hidden states are replaced by NaN (non-finite input)."""
     only_first_attempt: bool = True
+    """Inject only in the first torchrun attempt (TORCHELASTIC_RESTART_COUNT == 0)."""
 
 
 @dataclass

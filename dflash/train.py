@@ -46,12 +46,14 @@ def run(dcfg: DictConfig, run_dir: Path) -> None:
     ctx = init_distributed(cfg.topology)
     log.info("%s in %s", setup.topology.describe(ctx.rank), run_dir)
     role = None
+    exit_code = 1
     try:
         role = build_role(cfg, setup, ctx, run_dir)
         role.run()
+        exit_code = 0
     finally:
         if role is not None:
-            role.close()
+            role.close(exit_code)
         destroy(ctx)
 
 

@@ -23,3 +23,28 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dflash.target.tiny import ensure_tiny_target
 
     return ensure_tiny_target(tmp_path_factory.mktemp("tiny") / "target", TinyTargetConfig())
+
+
+@pytest.fixture(scope="session")
+def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DFLASH_CACHE_DIR holding what the fast torchrun jobs of tests/runner.py need, built once
+    in-process (tiny target, regenerated corpus, tokenized data) so the ranks only load it."""
+    from hydra import compose, initialize_config_dir
+    from runner import FAST
+
+    from dflash.config import register_configs, to_config
+    from dflash.setup import prepare
+
+    cache = tmp_path_factory.mktemp("dflash_cache")
+    old = os.environ.get("DFLASH_CACHE_DIR")
+    os.environ["DFLASH_CACHE_DIR"] = str(cache)
+    try:
+        register_configs()
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            prepare(to_config(compose(config_name="config", overrides=FAST)), 3)
+    finally:
+        if old is None:
+            os.environ.pop("DFLASH_CACHE_DIR")
+        else:
+            os.environ["DFLASH_CACHE_DIR"] = old
+    return cache

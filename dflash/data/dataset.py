@@ -300,6 +300,25 @@ def dataset_fingerprint(source_fingerprint: str, tokenizer: Any, settings: dict[
 # ------------------------------------------------------------------------------- tokenization
 
 
+def pretokenized(record: dict) -> tuple[np.ndarray, np.ndarray]:
+    """A record that carries its own ``input_ids`` and ``loss_mask`` (equal-length int lists).
+
+    Regenerated data can store the exact token ids the target produced: decoding them to text and
+    re-tokenizing does not always give the same ids back (BPE), and every such difference is a
+    training label the target would not have produced. ``messages`` may sit beside them (eval
+    prompts and humans read those); the ids win for training.
+    """
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+        raise ValueError("'input_ids' and 'loss_mask' must be lists of equal length")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise ValueError("'input_ids' must hold integers")
+    if any(m not in (0, 1) for m in mask):
+        raise ValueError("'loss_mask' must hold 0/1")
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+
+
 def tokenize_records(
     records: Iterable[tuple[int, Any]],
     tokenizer: Any,
@@ -327,35 +346,44 @@ def tokenize_records(
         skipped[reason] += 1
         first_error.setdefault(reason, f"record {idx}: {why}")
 
-    def flush(batch: list[tuple[int, str, list[tuple[int, int]]]]) -> None:
+    def admit(idx: int, ids: np.ndarray, mask: np.ndarray) -> None:
+        """Truncate or skip, check the vocabulary and the supervision, keep the sample."""
         nonlocal truncated
+        if len(ids) > max_length:
+            if overlong == "skip":
+                skip("too_long", idx, f"{len(ids)} tokens > data.max_length={max_length}")
+                return
+            ids, mask = ids[:max_length], mask[:max_length]
+            truncated += 1
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+            skip("token_out_of_vocab", idx, f"token id {bad} outside [0, {vocab_size})")
+            return
+        if not (mask[1:] & mask[:-1]).any():
+            skip("no_supervised_pair", idx, "no two consecutive supervised tokens")
+            return
+        toks.append(ids.astype(np.int32))
+        masks.append(mask)
+        ids_kept.append(idx)
+
+    def flush(batch: list[tuple[int, str, list[tuple[int, int]]]]) -> None:
         if not batch:
             return
         all_ids, all_offsets = encode_with_offsets(tokenizer, [text for _, text, _ in batch])
         for (idx, text, spans), ids, offsets in zip(batch, all_ids, all_offsets, strict=True):
             ids = np.asarray(ids, dtype=np.int64)
-            mask = mask_from_offsets(offsets, ids, spans, special, text)
-            if len(ids) > max_length:
-                if overlong == "skip":
-                    skip("too_long", idx, f"{len(ids)} tokens > data.max_length={max_length}")
-                    continue
-                ids, mask = ids[:max_length], mask[:max_length]
-                truncated += 1
-            if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
-                bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
-                skip("token_out_of_vocab", idx, f"token id {bad} outside [0, {vocab_size})")
-                continue
-            if not (mask[1:] & mask[:-1]).any():
-                skip("no_supervised_pair", idx, "no two consecutive supervised tokens")
-                continue
-            toks.append(ids.astype(np.int32))
-            masks.append(mask)
-            ids_kept.append(idx)
+            admit(idx, ids, mask_from_offsets(offsets, ids, spans, special, text))
         batch.clear()
 
     batch: list[tuple[int, str, list[tuple[int, int]]]] = []
     for idx, record in records:
         n_source += 1
+        if isinstance(record, dict) and "input_ids" in record:
+            try:
+                admit(idx, *pretokenized(record))
+            except ValueError as exc:
+                skip("malformed", idx, f"{type(exc).__name__}: {exc}")
+            continue
         try:
             messages = parse_messages(record)
             text, spans = assistant_spans(tokenizer, messages, train_only_last_turn=train_only_last_turn)

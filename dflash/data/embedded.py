@@ -4,20 +4,17 @@ Real DFlash data is made by regenerating the assistant responses with the target
 training labels follow the target's own (greedy) distribution. This module does the same offline:
 prompts are snippets cut from CPython's standard-library sources (``stdlib_text_files``) wrapped
 in a few instruction templates, and the target answers them with batched greedy ``generate``.
-The result is a chat JSONL (``{"messages": [user, assistant]}`` per line) like any other source.
+The result is a chat JSONL (``{"messages": [user, assistant]}`` per line) that also carries the
+exact token ids (``input_ids``: prompt + generated response, + eos when generation stopped there;
+``loss_mask``: 1 on the response), so every training label is the target's own greedy token.
 
 The build is deterministic (seed, stdlib files, target weights), atomic, guarded by a file lock
 and idempotent: a ``<out>.meta.json`` sidecar records the parameters and a fingerprint of the
 target, and an identical request reuses the file.
 
-Where the training sample can differ from what the target generated (so the data token at a
-supervised position is not the target's greedy token there):
-- re-tokenization: the response is stored as text; BPE re-tokenization of the decoded text (and
-  of the prompt/response boundary in the rendered chat text) may not reproduce the generated ids;
-- responses cut by ``max_new_tokens`` still end with the template's end-of-turn token, which the
-  target did not produce there;
-- numerics: batched, left-padded, KV-cached decoding and the full-sequence prefill of training are
-  different kernels, so near-ties of the argmax can flip.
+The training sample can still differ from what the target generated only through numerics:
+batched, left-padded, KV-cached decoding and the full-sequence prefill of training are different
+kernels, so near-ties of the argmax can flip.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ from dflash.target.tiny import file_lock, stdlib_text_files
 
 log = logging.getLogger(__name__)
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
 PROMPT_TEMPLATES = (
     "Continue this code:\n{code}",
     "Complete the following Python code:\n{code}",
@@ -222,9 +219,14 @@ def build_embedded_corpus(
         del model
         tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
         with open(tmp, "w", encoding="utf-8") as fh:
-            for conv, ids in zip(convs, responses, strict=True):
+            for conv, prompt, ids, done in zip(convs, prompts, responses, finished, strict=True):
                 text = tokenizer.decode(ids, skip_special_tokens=False)
-                fh.write(json.dumps({"messages": conv + [{"role": "assistant", "content": text}]}) + "\n")
+                response = ids + [tokenizer.eos_token_id] if done else ids
+                fh.write(json.dumps({
+                    "messages": conv + [{"role": "assistant", "content": text}],
+                    "input_ids": prompt + response,
+                    "loss_mask": [0] * len(prompt) + [1] * len(response),
+                }) + "\n")
         os.replace(tmp, out_path)
         meta_tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}")
         meta_tmp.write_text(json.dumps(want, indent=1))

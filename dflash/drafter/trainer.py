@@ -10,17 +10,19 @@ exactly what the uninterrupted run sampled.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from dflash import faults
 from dflash.checkpoint import (
+    LoadedCheckpoint,
     TrainState,
     capture_rng_state,
     check_contract,
@@ -37,21 +39,18 @@ from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
 from dflash.drafter.optim import build_optimizer, build_scheduler
-from dflash.metrics import (
-    MetricLogger,
-    NullLogger,
-    StepTimer,
-    build_logger,
-    make_progress_bar,
-    peak_memory_gib,
-    reset_peak_memory,
-)
+from dflash.metrics import MetricLogger, NullLogger, build_logger, make_progress_bar, peak_memory_gib, reset_peak_memory
 from dflash.setup import RunSetup, resolve_path, torch_dtype
 from dflash.target.loader import load_embed_and_head
 
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Per-step sums reduced over micro-batches and drafters: name -> length (block-size-long ones use 0).
+_SUMS = {
+    "weight_sum": 1, "loss_sum": 1, "slot_count": 0, "slot_hit": 0, "slot_hit_verifier": 0,
+    "tau_sum": 1, "tau_verifier_sum": 1, "num_blocks": 1, "term_sums": len(TERMS),
+}
 
 
 def packet_positions(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -85,7 +84,6 @@ class DrafterTrainer:
         embed, head = load_embed_and_head(setup.target_path, revision=cfg.target.revision)
         self.embed = embed.to(self.device, self.target_dtype)
         self.head = head.to(self.device, self.target_dtype)
-        torch.manual_seed(cfg.train.seed)
         self.model = DFlashDraftModel(setup.arch)
         self.model.reset_parameters(seed=cfg.train.seed)
         if cfg.drafter.init_from:
@@ -95,17 +93,26 @@ class DrafterTrainer:
         self.model.to(self.device)
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
-        self.state = TrainState(step=0, next_packet=0, tokens_seen=0, skipped=dict(setup.dataset.skipped),
-                                nonfinite_steps=0, wandb_run_id=None, extra={})
-        self._resume()
-        self.spec = PacketSpec(
+        self.state = TrainState(skipped=dict(setup.dataset.skipped))
+        if cfg.train.resume != "never":
+            loaded = (
+                find_resume_checkpoint(self.run_dir / "checkpoints") if cfg.train.resume == "auto"
+                else load_checkpoint(Path(resolve_path(cfg.train.resume)))
+            )
+            if loaded is not None:
+                self._restore(loaded)
+        spec = PacketSpec(
             num_taps=len(setup.layer_ids), hidden_size=setup.meta.hidden_size, dtype=self.target_dtype,
             max_tokens=cfg.data.token_budget, device=self.device,
         )
-        self.link = DrafterLink(self.topology, ctx.rank, self.spec, cfg.topology.init_timeout_s)
+        self.link = DrafterLink(self.topology, ctx.rank, spec, cfg.topology.init_timeout_s)
+        self.target_stats: dict[int, tuple[float, float]] = {}
         self.logger: MetricLogger = NullLogger()
         if self.is_leader:
-            self.logger = build_logger(cfg.logging, True, run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.name)
+            config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+            self.logger = build_logger(cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id)
+            self.state.wandb_run_id = self.logger.run_id
+            self._truncate_ledger()
         log.info("drafter: %.2fM trainable parameters, attention=%s, %d steps from step %d",
                  num_parameters(self.model) / 1e6, self.attention, setup.num_steps, self.state.step)
 
@@ -114,14 +121,7 @@ class DrafterTrainer:
         log.warning("drafter rank %d: got signal %d; stopping at the next step boundary", self.ctx.rank, signum)
         self.stop_requested = True
 
-    def _resume(self) -> None:
-        mode = self.cfg.train.resume
-        ckpt_root = self.run_dir / "checkpoints"
-        if mode == "never":
-            return
-        loaded = find_resume_checkpoint(ckpt_root) if mode == "auto" else load_checkpoint(Path(resolve_path(mode)))
-        if loaded is None:
-            return
+    def _restore(self, loaded: LoadedCheckpoint) -> None:
         changes = check_contract(loaded.contract, self.setup.contract, allow_change=self.cfg.train.allow_contract_change)
         for c in changes:
             log.warning("resuming with a changed contract (train.allow_contract_change=true): %s", c)
@@ -132,10 +132,28 @@ class DrafterTrainer:
         self.state = loaded.train_state
         log.info("resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet)
 
-    def close(self) -> None:
-        self.logger.close()
+    def close(self, exit_code: int = 0) -> None:
+        self.logger.close(exit_code)
         for s, h in self._previous_handlers.items():
             signal.signal(s, h)
+
+    # ---------------------------------------------------------------- ledger
+    @property
+    def _ledger_path(self) -> Path:
+        return self.run_dir / "ledger.jsonl"
+
+    def _truncate_ledger(self) -> None:
+        """Keep only the steps the resumed state includes: the ledger is exactly what was trained."""
+        path = self._ledger_path
+        if not self.cfg.train.ledger or not path.exists():
+            return
+        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.state.step]
+        path.write_text("".join(ln + "\n" for ln in keep))
+
+    def _write_ledger(self, step: int, packets: list[int], sample_ids: list[int]) -> None:
+        if self.is_leader and self.cfg.train.ledger:
+            with open(self._ledger_path, "a") as fh:
+                fh.write(json.dumps({"step": step, "packets": packets, "sample_ids": sample_ids}) + "\n")
 
     # ---------------------------------------------------------------- one step
     def _forward_packet(self, packet: Packet) -> ObjectiveOutput:
@@ -166,92 +184,91 @@ class DrafterTrainer:
         for g in grads:
             g.mul_(scale)
 
+    def _reduce(self, sums: dict[str, torch.Tensor], extra: list[float]) -> tuple[dict[str, torch.Tensor], list[float]]:
+        """Sum the per-step statistics (and ``extra`` scalars) over the drafters."""
+        flat = torch.cat([sums[k] for k in _SUMS] + [torch.tensor(extra, dtype=torch.float64)])
+        if self.topology.num_drafters > 1:
+            flat = all_reduce_sum(self.ctx, flat.to(self.device)).cpu()
+        out, offset = {}, 0
+        for k in _SUMS:
+            out[k] = flat[offset:offset + sums[k].numel()]
+            offset += sums[k].numel()
+        return out, flat[offset:].tolist()
+
     def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step over this drafter's packets of ``step``; returns metrics (global)."""
+        """Optimizer step ``step`` (0-based) over this drafter's packets; returns global metrics."""
         cfg = self.cfg
-        timer = time.perf_counter()
+        t0 = time.perf_counter()
+        faults.at_step(cfg.fault, self.ctx.rank, step + 1)
         self.optimizer.zero_grad(set_to_none=False)
         packets = self.topology.packets_of_step(step, self.ctx.rank)
-        sums: dict[str, torch.Tensor] = {}
-        target_stats: dict[int, tuple[float, float]] = {}
-        wait = 0.0
-        tokens = 0
-        stop_flag = 0.0
+        bs = self.setup.arch.block_size
+        sums = {k: torch.zeros(n or bs, dtype=torch.float64) for k, n in _SUMS.items()}
+        wait, tokens, flagged, nonfinite = 0.0, 0, 0.0, 0.0
+        sample_ids: list[int] = []
         for i, g in enumerate(packets):
             packet = self.link.recv(g)
-            wait += self.link.last_wait_s
             self.link.ack(g)
-            nxt = packets[i + 1] if i + 1 < len(packets) else self.topology.packets_of_step(step + 1, self.ctx.rank)[0]
-            if step + 1 < self.setup.num_steps or i + 1 < len(packets):
-                self.link.prefetch(nxt)
-            target_stats[self.topology.producer_of(g)] = (packet.forward_s, packet.peak_mem_bytes / 2**30)
-            stop_flag = max(stop_flag, float(packet.flags & 1))
+            if i + 1 < len(packets):
+                self.link.prefetch(packets[i + 1])
+            elif step + 1 < self.setup.num_steps:
+                self.link.prefetch(self.topology.packets_of_step(step + 1, self.ctx.rank)[0])
+            wait += self.link.last_wait_s
+            self.target_stats[self.topology.producer_of(g)] = (packet.forward_s, packet.peak_mem_bytes / 2**30)
+            flagged = max(flagged, float(packet.flags & 1))
             if packet.num_skipped_nonfinite:
                 self.state.skipped["nonfinite_hidden"] = self.state.skipped.get("nonfinite_hidden", 0) + packet.num_skipped_nonfinite
+            sample_ids += packet.sample_ids.tolist()
             tokens += int(packet.input_ids.numel())
             if packet.input_ids.numel() == 0:
                 continue
             out = self._forward_packet(packet)
-            loss = out.loss * out.weight_sum.to(out.loss.dtype)
-            if cfg.fault.nan_at_step is not None and step + 1 == cfg.fault.nan_at_step:
-                loss = loss * float("nan")
-            loss.backward()
-            for name in ("weight_sum", "loss_sum", "slot_count", "slot_hit", "slot_hit_verifier", "tau_sum",
-                         "tau_verifier_sum", "num_blocks", "term_sums"):
-                v = getattr(out, name).detach().double().cpu().reshape(-1)
-                sums[name] = sums[name] + v if name in sums else v
-            if not math.isfinite(float(out.loss_sum)) or (cfg.fault.nan_at_step is not None and step + 1 == cfg.fault.nan_at_step):
-                sums["nonfinite"] = torch.ones(1, dtype=torch.float64)
-        bs = self.setup.arch.block_size
-        for name, size in (("weight_sum", 1), ("loss_sum", 1), ("slot_count", bs), ("slot_hit", bs), ("slot_hit_verifier", bs),
-                           ("tau_sum", 1), ("tau_verifier_sum", 1), ("num_blocks", 1), ("term_sums", 3), ("nonfinite", 1)):
-            sums.setdefault(name, torch.zeros(size, dtype=torch.float64))
-        local = torch.cat([sums[k] for k in sorted(sums)] + [torch.tensor([float(tokens), stop_flag + float(self.stop_requested), wait])])
-        if self.topology.num_drafters > 1:
-            local = all_reduce_sum(self.ctx, local)
-        offset = 0
-        agg: dict[str, torch.Tensor] = {}
-        for k in sorted(sums):
-            agg[k] = local[offset:offset + sums[k].numel()]
-            offset += sums[k].numel()
-        tokens_all, stop_all, wait_all = local[offset:offset + 3].tolist()
-        if stop_all > 0:
-            self.stop_requested = True
-        weight_sum = float(agg["weight_sum"])
-        self._grads_to_mean(weight_sum)
+            numerator = out.loss * out.weight_sum.to(out.loss.dtype)
+            if faults.nan_loss(cfg.fault, step + 1):
+                numerator = numerator * float("nan")
+            if not torch.isfinite(numerator):
+                nonfinite = 1.0
+            numerator.backward()
+            for k in _SUMS:
+                sums[k] += getattr(out, k).detach().double().cpu().reshape(-1)
+        agg, (tokens_all, stop_all, wait_all, nonfinite_all) = self._reduce(
+            sums, [float(tokens), flagged + float(self.stop_requested), wait, nonfinite]
+        )
+        self.stop_requested = self.stop_requested or stop_all > 0
+        self._grads_to_mean(float(agg["weight_sum"]))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
-        nonfinite = agg["nonfinite"].item() > 0 or not math.isfinite(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        if nonfinite:
+        if nonfinite_all > 0 or not math.isfinite(grad_norm):
             self.state.nonfinite_steps += 1
             if cfg.train.on_nonfinite == "error":
                 raise RuntimeError(
                     f"drafter rank {self.ctx.rank}: loss or gradient not finite at step {step + 1} "
-                    f"(grad_norm={grad_norm}); the optimizer step was not applied. Set train.on_nonfinite=skip to skip such steps"
+                    f"(grad_norm={grad_norm}); the optimizer step was not applied. "
+                    f"Set train.on_nonfinite=skip to skip such steps instead"
                 )
-            log.warning("step %d: non-finite loss/gradient on drafter rank %d; step skipped", step + 1, self.ctx.rank)
-            self.optimizer.zero_grad(set_to_none=False)
+            log.warning("step %d: loss or gradient not finite on drafter rank %d; step skipped", step + 1, self.ctx.rank)
         else:
             self.optimizer.step()
         self.scheduler.step()
         self.state.step = step + 1
         self.state.next_packet = (step + 1) * self.topology.packets_per_step
         self.state.tokens_seen += int(tokens_all)
-        step_s = time.perf_counter() - timer
-        return self._metrics(agg, grad_norm, lr, step_s, tokens_all, wait_all, target_stats, nonfinite)
+        self._write_ledger(step + 1, packets, sample_ids)
+        return self._metrics(agg, grad_norm, lr, time.perf_counter() - t0, tokens_all, wait_all)
 
-    def _metrics(self, agg, grad_norm, lr, step_s, tokens, wait, target_stats, nonfinite) -> dict[str, float]:
+    def _metrics(self, agg: dict[str, torch.Tensor], grad_norm: float, lr: float, step_s: float,
+                 tokens: float, wait: float) -> dict[str, float]:
         w = max(float(agg["weight_sum"]), 1e-12)
         count = agg["slot_count"].clamp(min=1)
+        supervised = float(agg["slot_count"].sum().clamp(min=1))
         blocks = max(float(agg["num_blocks"]), 1.0)
-        has_verifier = float(agg["slot_hit_verifier"].sum()) > 0 or self.cfg.loss.kl > 0 or self.cfg.loss.verifier_ce > 0
         m: dict[str, float] = {
             "train/step": float(self.state.step),
             "train/loss": float(agg["loss_sum"]) / w,
-            "train/acc": float(agg["slot_hit"].sum() / count[1:].sum().clamp(min=1)),
-            "train/acc_verifier": float(agg["slot_hit_verifier"].sum() / count[1:].sum().clamp(min=1)),
+            "train/acc": float(agg["slot_hit"].sum()) / supervised,
+            "train/acc_verifier": float(agg["slot_hit_verifier"].sum()) / supervised,
+            "train/tau_hat": float(agg["tau_verifier_sum"]) / blocks,
             "train/tau_hat_data": float(agg["tau_sum"]) / blocks,
-            "train/tau_hat_verifier": float(agg["tau_verifier_sum"]) / blocks,
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/num_blocks": float(agg["num_blocks"]),
@@ -263,74 +280,66 @@ class DrafterTrainer:
             "comm/recv_wait_s": wait,
             "comm/recv_wait_frac": wait / step_s if step_s > 0 else 0.0,
         }
-        m["train/tau_hat"] = m["train/tau_hat_verifier"] if has_verifier else m["train/tau_hat_data"]
         for i, name in enumerate(TERMS):
             if getattr(self.cfg.loss, name) > 0 or float(agg["term_sums"][i]) != 0.0:
                 m[f"train/loss_{name}"] = float(agg["term_sums"][i]) / w
         for k in range(1, self.setup.arch.block_size):
             m[f"train/acc_slot_{k}"] = float(agg["slot_hit"][k] / count[k])
             m[f"train/acc_verifier_slot_{k}"] = float(agg["slot_hit_verifier"][k] / count[k])
-        for rank, (fwd, mem) in target_stats.items():
+        for rank, (fwd, mem) in sorted(self.target_stats.items()):
             m[f"perf/target_{rank}/forward_s"] = fwd
             m[f"mem/peak_gib/rank_{rank}"] = mem
         m[f"mem/peak_gib/rank_{self.ctx.rank}"] = peak_memory_gib(self.device)
-        for reason, n in self.state.skipped.items():
+        for reason, n in sorted(self.state.skipped.items()):
             m[f"data/skipped/{reason}"] = float(n)
         return m
 
     # ---------------------------------------------------------------- checkpoints
-    def save(self) -> Path | None:
+    def save(self) -> None:
         if not self.is_leader:
-            return None
-        path = save_checkpoint(
+            return
+        save_checkpoint(
             self.run_dir / "checkpoints", self.state.step,
             model_state=self.model.state_dict(), optimizer_state=self.optimizer.state_dict(),
             scheduler_state=self.scheduler.state_dict(), train_state=self.state, rng_state=capture_rng_state(),
-            contract=self.setup.contract, config_yaml=OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
+            contract=self.setup.contract, config_yaml=OmegaConf.to_yaml(OmegaConf.structured(self.cfg), resolve=True),
             keep=self.cfg.train.keep_checkpoints,
         )
-        log.info("checkpoint %s", path)
-        return path
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> None:
         cfg = self.cfg
-        start_step = self.state.step
+        start = self.state.step
         agree_on_start(self.ctx, self.topology, self.state.next_packet, self.setup.num_steps)
-        bar = make_progress_bar(self.setup.num_steps, start_step, self.is_leader and cfg.logging.progress_bar)
+        bar = make_progress_bar(self.setup.num_steps, start, self.is_leader and cfg.logging.progress_bar)
         reset_peak_memory(self.device)
-        stop_at = cfg.train.stop_after_steps
-        if start_step < self.setup.num_steps:
-            self.link.prefetch(self.topology.packets_of_step(start_step, self.ctx.rank)[0])
+        if start < self.setup.num_steps:
+            self.link.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
         try:
-            for step in range(start_step, self.setup.num_steps):
+            for step in range(start, self.setup.num_steps):
                 metrics = self.train_step(step)
-                if step == start_step:
+                if step == start:  # loading and compiling are over: from now on a slow peer is a dead peer
                     self.link.set_timeout(cfg.topology.step_timeout_s)
                     set_timeout(self.ctx, cfg.topology.step_timeout_s)
-                if self.is_leader and (self.state.step % cfg.train.log_every == 0 or self.state.step == self.setup.num_steps):
+                done = self.state.step == self.setup.num_steps
+                if self.state.step % cfg.train.log_every == 0 or done:
                     self.logger.log(metrics, self.state.step)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tau=f"{metrics['train/tau_hat']:.2f}")
-                done = self.state.step == self.setup.num_steps
-                preempted = self.stop_requested or (stop_at is not None and self.state.step >= stop_at)
+                    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tau_hat=f"{metrics['train/tau_hat']:.2f}")
+                preempted = self.stop_requested or (
+                    cfg.train.stop_after_steps is not None and self.state.step >= cfg.train.stop_after_steps
+                )
                 if done or preempted or self.state.step % cfg.train.save_every == 0:
                     self.save()
                 if preempted and not done:
-                    log.warning("stopping at step %d (signal or train.stop_after_steps)", self.state.step)
+                    log.warning("stopping at step %d with a checkpoint (signal or train.stop_after_steps)", self.state.step)
                     break
-            else:
-                if self.is_leader and self.state.step == self.setup.num_steps:
-                    out = export_drafter(self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers)
-                    log.info("exported drafter to %s", out)
         finally:
             if bar is not None:
                 bar.close()
+        if self.is_leader and self.state.step == self.setup.num_steps:
+            out = export_drafter(self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers)
+            log.info("exported the drafter to %s", out)
         discarded = self.link.stop_all()
         log.info("drafter rank %d done at step %d (%d in-flight packets discarded)", self.ctx.rank, self.state.step, discarded)
-        if self.is_leader:
-            self.logger.summary({"train/final_step": float(self.state.step)})
-
-
-__all__ = ["DrafterTrainer", "packet_positions", "anchor_generator", "StepTimer", "asdict"]

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from dflash import faults
 from dflash.config import Config
 from dflash.dist.init import DistContext, set_timeout
 from dflash.dist.transport import (
@@ -57,7 +58,7 @@ class TargetWorker:
         log.warning("target rank %d: got signal %d; asking the drafter to stop at the next step", self.ctx.rank, signum)
         self.stop_requested = True
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         for s, h in self._previous_handlers.items():
             signal.signal(s, h)
 
@@ -75,10 +76,12 @@ class TargetWorker:
         )
         aux = aux.reshape(-1, aux.shape[-1])[keep.to(self.device)]
         final = final.reshape(-1, final.shape[-1])[keep.to(self.device)]
+        lens = torch.tensor([s[0].numel() for s in samples], dtype=torch.long)
+        if self.cfg.fault.nonfinite_sample_ids:
+            aux = self._inject_nonfinite(aux, sample_idx, lens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         forward_s = time.perf_counter() - t0
-        lens = torch.tensor([s[0].numel() for s in samples], dtype=torch.long)
         finite = self._finite_per_sample(aux, final, lens)
         skipped = int((~finite).sum())
         input_ids = torch.cat([s[0] for s in samples])
@@ -104,6 +107,17 @@ class TargetWorker:
             num_skipped_nonfinite=skipped,
         )
 
+    def _inject_nonfinite(self, aux: torch.Tensor, sample_idx: list[int], lens: torch.Tensor) -> torch.Tensor:
+        """Fault injection: NaN hidden states for the configured source sample ids."""
+        bad = set(self.cfg.fault.nonfinite_sample_ids)
+        src = self.setup.dataset.sample_ids[torch.tensor(sample_idx, dtype=torch.long)].tolist()
+        hit = torch.tensor([s in bad for s in src])
+        if not hit.any():
+            return aux
+        aux = aux.clone()
+        aux[torch.repeat_interleave(hit, lens).to(aux.device)] = float("nan")
+        return aux
+
     @staticmethod
     def _finite_per_sample(aux: torch.Tensor, final: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """[S] bool: every hidden value of the sample is finite."""
@@ -119,6 +133,7 @@ class TargetWorker:
         for g in self.topology.packets_of_target(self.ctx.rank, start, end):
             if any(link.stopped for link in self.links.values()):
                 break
+            faults.at_step(self.cfg.fault, self.ctx.rank, g // self.topology.packets_per_step + 1)
             self.links[self.topology.consumer_of(g)].send(self.make_packet(g))
             if sent == 0:
                 for link in self.links.values():

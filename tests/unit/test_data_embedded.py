@@ -71,26 +71,22 @@ def test_jsonl_assistant_is_the_greedy_generation(reference, target):
         assert msgs[1]["content"] == tok.decode(generated, skip_special_tokens=False)
 
 
-def test_training_sample_follows_the_target(reference, target):
-    """The prompt part of the training sample is what the server saw; where BPE re-tokenization
-    of the response reproduces the generated ids, every supervised data token is the target's
-    greedy token at that position (teacher forcing on the full training sample)."""
+def test_training_sample_is_exactly_what_the_target_generated(corpus, reference, target, tmp_path):
+    """The dataset built from the corpus holds prompt + the generated ids (+ eos when generation
+    stopped there) with the loss mask on the response, and under teacher forcing every supervised
+    token is the target's greedy token at that position: no BPE re-tokenization drift."""
     tok, model = target
-    exact = 0
-    for msgs, generated in reference:
-        ids, mask = tokenize_conversation(tok, msgs)
+    ds = build_or_load_dataset(DataConfig(path=str(corpus), cache_dir=str(tmp_path), max_length=512), tok, len(tok))
+    assert len(ds) == NUM_PROMPTS
+    for k, (msgs, generated) in enumerate(reference):
+        ids, mask = ds.sample(k)
         p = prompt_ids(tok, msgs)
-        assert ids[: len(p)] == p and not any(mask[: len(p)])
-        if ids[len(p) : -2] != generated:  # ids end with <|im_end|> "\n"
-            continue
-        exact += 1
+        response = ids[len(p):].tolist()
+        assert ids[: len(p)].tolist() == p and not mask[: len(p)].any() and mask[len(p):].all()
+        assert response in (generated, generated + [tok.eos_token_id])
         with torch.inference_mode():
-            greedy = model(torch.tensor([ids])).logits[0].argmax(-1)
-        # every supervised position but the final end-of-turn (responses are cut at max_new_tokens)
-        pos = [t for t in range(1, len(ids)) if mask[t]][:-1]
-        assert pos == list(range(len(p), len(ids) - 2))
-        assert [int(greedy[t - 1]) for t in pos] == [ids[t] for t in pos]
-    assert exact >= NUM_PROMPTS // 2
+            greedy = model(ids.unsqueeze(0)).logits[0].argmax(-1)
+        assert greedy[len(p) - 1 : -1].tolist() == response
 
 
 def test_reused_when_identical_and_rebuilt_otherwise(corpus, tiny_target_dir):

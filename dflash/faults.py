@@ -1,0 +1,33 @@
+"""Fault injection for the reliability tests (all off by default; ``fault.*`` in the config)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+from dflash.config import FaultConfig
+
+log = logging.getLogger(__name__)
+
+
+def _armed(cfg: FaultConfig) -> bool:
+    return not cfg.only_first_attempt or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+
+def at_step(cfg: FaultConfig, rank: int, step: int) -> None:
+    """Kill or hang this rank if the config says so for 1-based optimizer step ``step``."""
+    if not _armed(cfg):
+        return
+    if cfg.kill_rank == rank and cfg.kill_at_step == step:
+        log.warning("fault injection: SIGKILL rank %d at step %d", rank, step)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if cfg.hang_rank == rank and cfg.hang_at_step == step:
+        log.warning("fault injection: rank %d stops responding at step %d", rank, step)
+        while True:
+            time.sleep(3600)
+
+
+def nan_loss(cfg: FaultConfig, step: int) -> bool:
+    return cfg.nan_at_step is not None and cfg.nan_at_step == step and _armed(cfg)
