@@ -39,7 +39,14 @@ from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
 from dflash.drafter.optim import build_optimizer, build_scheduler
-from dflash.metrics import MetricLogger, NullLogger, build_logger, make_progress_bar, peak_memory_gib, reset_peak_memory
+from dflash.metrics import (
+    MetricLogger,
+    NullLogger,
+    build_logger,
+    make_progress_bar,
+    peak_memory_gib,
+    reset_peak_memory,
+)
 from dflash.setup import RunSetup, resolve_path, torch_dtype
 from dflash.target.loader import load_embed_and_head
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.config import DataConfig
-from dflash.data.chat import prompt_ids, tokenize_conversation
+from dflash.data.chat import prompt_ids
 from dflash.data.dataset import build_or_load_dataset, load_eval_conversations
 from dflash.data.embedded import build_embedded_corpus, make_prompts
 
