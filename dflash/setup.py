@@ -109,14 +109,11 @@ def build_arch(cfg: Config, meta: TargetMeta, layer_ids: list[int], mask_token_i
     )
 
 
-def target_problems(cfg: Config, meta: TargetMeta, tokenizer: Any, layer_ids: list[int]) -> list[str]:
-    """Problems only visible with the target's config.json and tokenizer (still no weights loaded)."""
+def target_problems(cfg: Config, meta: TargetMeta, tokenizer: Any) -> list[str]:
+    """Problems only visible with the target's config.json and tokenizer (still no weights loaded).
+
+    Tap ids are checked by ``resolve_layer_ids``."""
     p: list[str] = []
-    L = meta.num_layers
-    bad = [i for i in layer_ids if not 0 <= i < L]
-    if bad:
-        p.append(f"target.layer_ids={layer_ids}: ids {bad} are outside the target's {L} decoder layers [0, {L}); "
-                 f"set target.layer_ids=null for the default taps or pick ids < {L}")
     if cfg.drafter.hidden_size is not None and cfg.drafter.hidden_size != meta.hidden_size:
         p.append(f"drafter.hidden_size={cfg.drafter.hidden_size} differs from the target's hidden_size={meta.hidden_size}; "
                  f"the drafter reuses the target's embedding and lm_head, so set drafter.hidden_size=null")
@@ -153,8 +150,12 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
     tokenizer = AutoTokenizer.from_pretrained(
         tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
-    layer_ids = resolve_layer_ids(cfg.target, meta)
-    problems = target_problems(cfg, meta, tokenizer, layer_ids)
+    problems = target_problems(cfg, meta, tokenizer)
+    try:
+        layer_ids = resolve_layer_ids(cfg.target, meta)
+    except ValueError as e:
+        problems.append(str(e))
+        layer_ids = list(cfg.target.layer_ids or [])
     saved_arch = None
     if cfg.drafter.init_from:
         saved_arch, _ = load_exported(resolve_path(cfg.drafter.init_from))
