@@ -170,3 +170,12 @@ def read_wandb_run(path_or_dir: str | Path) -> WandbRun:
         run_id=run_id,
         path=path,
     )
+
+
+def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    """History rows of every launch that logged into ``run_dir`` (a resumed run writes one offline
+    folder per launch), oldest launch first."""
+    rows: list[dict[str, Any]] = []
+    for f in find_wandb_files(run_dir):
+        rows += read_wandb_run(f).history
+    return rows
