@@ -593,3 +593,18 @@ def load_eval_conversations(cfg: Any, *, target_dir: str | os.PathLike | None = 
             except MalformedConversation as exc:
                 log.warning("eval record %d skipped: %s", idx, exc)
     return out
+
+
+def load_eval_samples(cfg: Any, tokenizer: Any, vocab_size: int) -> TokenizedDataset:
+    """The held-out tail tokenized exactly as training samples are (not cached: it is small).
+
+    Eval decodes from each sample's prompt (the ids before its first supervised token) and
+    estimates tau_hat on the whole sample, so both numbers come from the same conversations.
+    """
+    source = Source(resolve_source(cfg, None), cfg.split)
+    _, held_out = split_ranges(source.num_records, cfg.num_samples, cfg.num_eval_prompts)
+    records = ((i, r) for i, r in enumerate(source.records()) if i in held_out)
+    return tokenize_records(
+        records, tokenizer, vocab_size=vocab_size, max_length=cfg.max_length, overlong=cfg.overlong,
+        train_only_last_turn=cfg.train_only_last_turn,
+    )

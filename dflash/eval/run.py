@@ -378,7 +378,8 @@ def _abs_path(path: str) -> str:
     """A local path made absolute against the launch directory (Hydra does not chdir); a hub id as is."""
     from hydra.utils import to_absolute_path
 
-    local = Path(path) if Path(path).is_absolute() else Path(to_absolute_path(path))
+    p = Path(path).expanduser()
+    local = p if p.is_absolute() else Path(to_absolute_path(str(p)))
     return str(local) if local.exists() or path.startswith((".", "/", "~")) else path
 
 
@@ -494,8 +495,22 @@ def eos_ids_of(tokenizer: Any, target: torch.nn.Module | None) -> set[int]:
     return ids
 
 
+def target_embed_and_head(target: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The loaded target's own embedding and lm_head weights [V, H] (shared, no copy): the same
+    tensors ``load_embed_and_head`` reads from the checkpoint, without a second copy on the device."""
+    try:
+        emb, out = target.get_input_embeddings(), target.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None, None
+    w_e, w_h = getattr(emb, "weight", None), getattr(out, "weight", None)
+    if not isinstance(w_e, torch.Tensor) or not isinstance(w_h, torch.Tensor) or w_e.shape != w_h.shape:
+        return None, None
+    return w_e.detach(), w_h.detach()
+
+
 def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
-    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head, tokenizer, prompts.
+    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head (the target's own
+    weights; ``load_embed_and_head`` when the model does not expose them), tokenizer, prompts.
 
     Every mismatch between the drafter and the target is reported at once, before the target's
     weights load, each naming the field and the fix.
@@ -547,9 +562,14 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
     target = load_target(tcfg, device, dtype)
     drafter = DFlashDraftModel(arch)
     load_into(drafter, state)
-    drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    embed, head = load_embed_and_head(target_path, revision=cfg.target.revision,
-                                      trust_remote_code=cfg.target.trust_remote_code)
+    drafter.to(device).eval().requires_grad_(False)
+    with torch.no_grad():  # parameters only: the RoPE inv_freq buffer stays fp32, as in the target
+        for param in drafter.parameters():
+            param.data = param.data.to(dtype)
+    embed, head = target_embed_and_head(target)
+    if embed is None or head is None:
+        embed, head = load_embed_and_head(target_path, revision=cfg.target.revision,
+                                          trust_remote_code=cfg.target.trust_remote_code)
     eos = set(cfg.eos_token_ids) if cfg.eos_token_ids is not None else eos_ids_of(tokenizer, target)
     return EvalSetup(
         target=target,
@@ -608,7 +628,7 @@ def run_app(dcfg: Any, run_dir: Path) -> EvalReport:
     try:
         row: dict[str, Any] = dict(metrics)
         if isinstance(logger, WandbLogger):
-            row["eval/accept_len_hist"] = _histogram_object(report)
+            row["eval/accept_len_histogram"] = _histogram_object(report)
         logger.log(row, step=cfg.step)
         logger.summary(metrics)
     except BaseException:

@@ -61,7 +61,8 @@ class GenerationResult:
     output_ids: list[int]
     """New tokens only (eos included when hit), at most max_new_tokens."""
     accept_lengths: list[int] = field(default_factory=list)
-    """tau_step = accepted + 1 of every decode step (each in 1..block_size)."""
+    """tau_step = accepted + 1 of every decode step (each in 1..block_size); the last step's value
+    is recorded before the output is cut at an eos or max_new_tokens (as z-lab's benchmark)."""
     num_target_forwards: int = 0
     """Target forwards, the prefill included."""
     num_drafter_forwards: int = 0
@@ -84,9 +85,9 @@ class GenerationResult:
     @property
     def tpot_s(self) -> float:
         """Time per output token: decode time (everything after the prefill, the drafter's first
-        context pass included) / number of new tokens; nan when nothing was generated."""
-        n = len(self.output_ids)
-        return self.decode_time_s / n if n else float("nan")
+        context pass included) / number of new tokens (the prefill's token included, as z-lab's
+        benchmark); nan without a decode step (the first token was an eos, or max_new_tokens == 1)."""
+        return self.decode_time_s / len(self.output_ids) if self.accept_lengths else float("nan")
 
     @property
     def tau(self) -> float:

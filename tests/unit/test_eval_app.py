@@ -1,0 +1,231 @@
+"""The eval package end to end: evaluate() + report on the tiny target, the input errors of the app,
+and ``python -m dflash.eval`` in a subprocess with offline W&B read back."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from wandb_reader import read_wandb_run
+
+from dflash.drafter.export import export_drafter
+from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.eval.run import (
+    EvalAppConfig,
+    build_report,
+    evaluate,
+    load_for_eval,
+    load_prompts,
+    register_eval_schema,
+    report_metrics,
+    report_table,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+LAYER_IDS = [1, 2, 4]  # conf/target/tiny.yaml
+QUESTIONS = ["def foo(x):", "import os", "class A:"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _arch(target_dir: Path, **kw) -> DrafterArch:
+    from transformers import AutoConfig, AutoTokenizer
+
+    c = AutoConfig.from_pretrained(target_dir)
+    base = dict(
+        hidden_size=c.hidden_size, intermediate_size=256, num_layers=1, num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+        target_layer_ids=LAYER_IDS, block_size=4, mask_token_id=len(AutoTokenizer.from_pretrained(target_dir)),
+        rope_parameters=dict(c.rope_parameters),
+    )
+    base.update(kw)
+    return DrafterArch(**base)
+
+
+def _export(target_dir: Path, out: Path, **kw) -> Path:
+    model = DFlashDraftModel(_arch(target_dir, **kw))
+    model.reset_parameters(seed=0)
+    return export_drafter(model, out, target_num_layers=6)
+
+
+@pytest.fixture(scope="module")
+def files(tiny_target_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_app")
+    drafter = _export(tiny_target_dir, root / "drafter")
+    prompts = root / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for q in QUESTIONS:
+            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]}) + "\n")
+        f.write("not json\n")  # skipped with a warning
+        f.write(json.dumps({"messages": [{"role": "user", "content": "no answer yet"}]}) + "\n")
+    return root, drafter, prompts
+
+
+def _compose(overrides: list[str]) -> EvalAppConfig:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_eval_schema()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        dcfg = compose(config_name="eval_app", overrides=overrides)
+    return OmegaConf.to_object(dcfg)
+
+
+def _overrides(target_dir, drafter, prompts, *extra) -> list[str]:
+    return [f"target.path={target_dir}", "target.tiny=null", f"drafter_path={drafter}", f"prompts={prompts}",
+            "max_new_tokens=12", "warmup=false", *extra]
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def test_build_report_on_hand_made_results():
+    from dflash.eval.run import PromptResult
+
+    a = PromptResult(0, 5, [1, 2, 3, 4, 5], [1, 3, 1], 0.01, 4, [1, 2, 3, 4, 5], 0.02)
+    b = PromptResult(1, 7, [7, 8, 9], [2, 4], 0.02, 3, [7, 8, 0], 0.06)
+    rep = build_report([a, b], block_size=4, max_new_tokens=5)
+    assert rep.tau == pytest.approx((1 + 3 + 1 + 2 + 4) / 5)  # over all steps, not a mean of means
+    assert a.tau == pytest.approx(5 / 3) and b.tau == pytest.approx(3.0)
+    assert rep.accept_len_hist == {1: 2, 2: 1, 3: 1, 4: 1}
+    assert rep.tpot_s == pytest.approx(0.015) and rep.tpot_ar_s == pytest.approx(0.04)
+    assert rep.speedup == pytest.approx(0.04 / 0.015)
+    assert rep.lossless is False and len(rep.mismatches) == 1 and "prompt 1" in rep.mismatches[0]
+    assert "at new token 2" in rep.mismatches[0]
+    m = report_metrics(rep)
+    assert m["eval/tau"] == pytest.approx(2.2) and m["eval/lossless"] == 0.0
+    assert m["eval/tpot_ms"] == pytest.approx(15.0) and m["eval/tpot_ar_ms"] == pytest.approx(40.0)
+    assert [m[f"eval/accept_len_hist/{k}"] for k in range(1, 5)] == [2.0, 1.0, 1.0, 1.0]
+    table = report_table(rep)
+    assert "lossless: NO" in table and "tau = 2.200" in table and "2.67x" in table
+    no_base = build_report([PromptResult(0, 5, [1, 2], [2], 0.01, 2)], block_size=4, max_new_tokens=2)
+    assert no_base.lossless is None and no_base.speedup is None
+    assert "eval/speedup" not in report_metrics(no_base) and "not checked" in report_table(no_base)
+
+
+def test_evaluate_on_the_tiny_target(files, tiny_target_dir):
+    root, drafter_dir, prompts_path = files
+    setup = load_for_eval(_compose(_overrides(tiny_target_dir, drafter_dir, prompts_path)))
+    assert len(setup.prompts) == 4  # 3 + the one without an assistant answer; the bad line skipped
+    assert setup.layer_ids == LAYER_IDS and setup.block_size == 4
+    assert setup.eos_ids == {setup.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    from dflash.target.loader import load_embed_and_head
+
+    embed, head = load_embed_and_head(str(tiny_target_dir))  # what the drafter was trained with
+    assert torch.equal(setup.embed, embed) and torch.equal(setup.head, head)
+    rep = evaluate(setup.target, setup.drafter, setup.embed, setup.head, setup.tokenizer, setup.prompts,
+                   max_new_tokens=12, layer_ids=setup.layer_ids, block_size=4, eos_ids=setup.eos_ids,
+                   warmup=True)
+    assert rep.lossless is True and rep.mismatches == []
+    assert sum(rep.accept_len_hist.values()) == rep.num_steps > 0
+    assert set(rep.accept_len_hist) == {1, 2, 3, 4}
+    steps = [a for r in rep.results for a in r.accept_lengths]
+    assert rep.tau == pytest.approx(sum(steps) / len(steps)) and rep.tau >= 1
+    assert math.isfinite(rep.speedup) and rep.speedup > 0
+    m = report_metrics(rep)
+    assert {"eval/tau", "eval/speedup", "eval/tpot_ms", "eval/tpot_ar_ms", "eval/lossless",
+            "eval/accept_len_hist/1", "eval/accept_len_hist/4"} <= set(m)
+    assert "lossless: yes" in report_table(rep)
+    # without a drafter: plain decoding, tau exactly 1
+    ar = evaluate(setup.target, None, None, None, None, setup.prompts[:1], max_new_tokens=6, layer_ids=LAYER_IDS,
+                  block_size=4, eos_ids=setup.eos_ids, baseline=False, warmup=False)
+    assert ar.tau == 1.0 and ar.block_size == 1 and ar.lossless is None
+
+
+def test_prompts_are_the_chat_template_prompt(files, tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    _, _, prompts_path = files
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    ids = load_prompts(str(prompts_path), tok, num_prompts=2)
+    assert len(ids) == 2
+    assert tok.decode(ids[0]) == "<|im_start|>user\ndef foo(x):<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="prompts="):
+        load_prompts(str(prompts_path.with_name("missing.jsonl")), tok)
+
+
+def test_prompts_from_a_datasets_directory(tmp_path, tiny_target_dir):
+    datasets = pytest.importorskip("datasets")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]} for q in QUESTIONS]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_prompts(str(tmp_path / "ds"), tok) == load_prompts(str(jsonl), tok)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_missing_drafter_dir_names_the_field(files, tiny_target_dir):
+    root, _, prompts = files
+    with pytest.raises(ValueError, match="drafter_path=.*set drafter_path="):
+        load_for_eval(_compose(_overrides(tiny_target_dir, root / "nope", prompts)))
+    (root / "empty").mkdir(exist_ok=True)
+    with pytest.raises(ValueError, match="lacks.*config.json"):
+        load_for_eval(_compose(_overrides(tiny_target_dir, root / "empty", prompts)))
+
+
+def test_mismatched_drafter_is_refused(files, tiny_target_dir):
+    root, _, prompts = files
+    wide = _export(tiny_target_dir, root / "wide", hidden_size=64, head_dim=16)
+    with pytest.raises(ValueError, match="hidden_size=64 differs from target.*hidden_size=128"):
+        load_for_eval(_compose(_overrides(tiny_target_dir, wide, prompts)))
+    other_taps = _export(tiny_target_dir, root / "taps", target_layer_ids=[1, 3, 5])
+    with pytest.raises(ValueError, match=r"target.layer_ids=\[1, 2, 4\] but the drafter was trained on taps \[1, 3, 5\]"):
+        load_for_eval(_compose(_overrides(tiny_target_dir, other_taps, prompts)))
+    # with target.layer_ids=null the drafter's taps are used
+    setup = load_for_eval(_compose(_overrides(tiny_target_dir, other_taps, prompts, "target.layer_ids=null")))
+    assert setup.layer_ids == [1, 3, 5]
+    deep = _export(tiny_target_dir, root / "deep", target_layer_ids=[1, 2, 7])
+    with pytest.raises(ValueError, match=r"target_layer_ids=\[1, 2, 7\]\) include \[7\]"):
+        load_for_eval(_compose(_overrides(tiny_target_dir, deep, prompts, "target.layer_ids=null")))
+
+
+def test_bad_eval_settings_are_reported_together(files, tiny_target_dir):
+    _, drafter, prompts = files
+    with pytest.raises(ValueError, match="2 eval config problem") as e:
+        load_for_eval(_compose(_overrides(tiny_target_dir, drafter, prompts, "max_new_tokens=0", "block_size=0")))
+    assert "max_new_tokens=0" in str(e.value) and "block_size=0" in str(e.value)
+
+
+# ------------------------------------------------------------------------------ the app
+
+
+def test_app_subprocess_logs_tau_to_offline_wandb(files, tiny_target_dir, tmp_path):
+    _, drafter, prompts = files
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "WANDB_MODE": "disabled",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "dflash.eval", *_overrides(tiny_target_dir, drafter, prompts),
+           "num_prompts=2", "logging.mode=offline", "logging.project=dflash-test", "step=7",
+           f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DFlash eval: 2 prompts, block size 4" in proc.stdout and "lossless: yes" in proc.stdout
+    report = json.loads((run_dir / "report.json").read_text())
+    run = read_wandb_run(run_dir)
+    (row,) = run.history
+    assert row["train/step"] == 7
+    assert row["eval/tau"] == pytest.approx(report["tau"])
+    assert row["eval/lossless"] == 1.0 and row["eval/speedup"] > 0
+    assert sum(row[f"eval/accept_len_hist/{k}"] for k in range(1, 5)) == report["num_steps"]
+    # the wandb.Histogram (the reader flattens its JSON into .../_type, /values, /bins)
+    assert row["eval/accept_len_histogram/_type"] == "histogram"
+    assert row["eval/accept_len_histogram/values"] == [row[f"eval/accept_len_hist/{k}"] for k in range(1, 5)]
+    assert run.summary["eval/tau"] == pytest.approx(report["tau"])
+    assert run.config["drafter_path"] == str(drafter)
