@@ -1,0 +1,86 @@
+"""Which rank does what, and the packet schedule. Pure Python: no torch.distributed, no GPU.
+
+World = N targets + M drafters. Targets are ranks 0..N-1, drafters N..N+M-1, the drafter leader
+is rank N. Packets are numbered globally g = 0, 1, 2, ...: packet g is produced by target g mod N
+and consumed by drafter g mod M. Optimizer step s of every drafter consumes ``accum`` packets, so
+step s covers packets [s*M*accum, (s+1)*M*accum). Every rank computes the same schedule, so no
+receive ever needs an any-source match and a run resumes from a single number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_targets: int
+    num_drafters: int
+    world_size: int
+    grad_accum_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_targets < 1:
+            raise ValueError(f"topology.num_targets={self.num_targets}: need at least 1 target rank")
+        if self.num_drafters < 1:
+            raise ValueError(f"topology.num_drafters={self.num_drafters}: need at least 1 drafter rank")
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"optim.grad_accum_steps={self.grad_accum_steps}: must be >= 1")
+        need = self.num_targets + self.num_drafters
+        if self.world_size != need:
+            raise ValueError(
+                f"topology has {self.num_targets} targets + {self.num_drafters} drafters = {need} ranks but "
+                f"WORLD_SIZE={self.world_size}; launch with torchrun --nproc_per_node {need} or set "
+                f"topology.num_targets={self.world_size - self.num_drafters}"
+            )
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return list(range(self.num_targets))
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return list(range(self.num_targets, self.world_size))
+
+    @property
+    def leader_rank(self) -> int:
+        """The drafter that writes checkpoints and logs to W&B."""
+        return self.num_targets
+
+    def role_of(self, rank: int) -> str:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        return "target" if rank < self.num_targets else "drafter"
+
+    def describe(self, rank: int) -> str:
+        """'target 1 (rank 1)' or 'drafter 0 (rank 2)': how logs and errors name a peer."""
+        role = self.role_of(rank)
+        index = rank if role == "target" else rank - self.num_targets
+        return f"{role} {index} (rank {rank})"
+
+    def producer_of(self, g: int) -> int:
+        """Rank of the target that produces packet g."""
+        return g % self.num_targets
+
+    def consumer_of(self, g: int) -> int:
+        """Rank of the drafter that consumes packet g."""
+        return self.num_targets + g % self.num_drafters
+
+    @property
+    def packets_per_step(self) -> int:
+        return self.num_drafters * self.grad_accum_steps
+
+    def packets_of_step(self, step: int, drafter_rank: int) -> list[int]:
+        """Packets drafter ``drafter_rank`` trains on in 0-based optimizer step ``step``, in order."""
+        d = drafter_rank - self.num_targets
+        start = step * self.packets_per_step
+        return [start + i * self.num_drafters + d for i in range(self.grad_accum_steps)]
+
+    def packets_of_target(self, target_rank: int, start: int, stop: int) -> list[int]:
+        """Packets in [start, stop) that target ``target_rank`` produces, in order."""
+        first = start + (target_rank - start) % self.num_targets
+        return list(range(first, stop, self.num_targets))
+
+    def num_steps(self, num_packets: int) -> int:
+        """Full optimizer steps the data plan supports (a partial last step is dropped)."""
+        return num_packets // self.packets_per_step
