@@ -28,7 +28,8 @@ class TopologyConfig:
     init_timeout_s: float = 600.0
     """Process-group timeout until the first step ends (model loading is slow)."""
     step_timeout_s: float = 300.0
-    """Timeout of every wait after the first step: a dead or stuck peer is reported after this."""
+    """Timeout of every wait after the first step: a dead or stuck peer is reported after this. Targets
+    wait twice as long for the drafter, which may itself be waiting this long on another target."""
     max_in_flight: int = 2
     """Packets a target may send before the drafter acknowledges the oldest one (backpressure)."""
 
@@ -201,10 +202,10 @@ class FaultConfig:
     """Fault injection for the reliability tests; every field off by default."""
 
     kill_rank: int | None = None
-    """SIGKILL this rank when it reaches ``kill_at_step`` (1-based optimizer step)."""
+    """SIGKILL this rank at the first step >= ``kill_at_step`` (1-based optimizer step) it works on."""
     kill_at_step: int | None = None
     hang_rank: int | None = None
-    """This rank stops responding (sleeps forever, alive) at ``hang_at_step``."""
+    """This rank stops responding (sleeps forever, alive) at the first step >= ``hang_at_step``."""
     hang_at_step: int | None = None
     nan_at_step: int | None = None
     """The drafter's loss becomes NaN at this step."""
@@ -297,6 +298,9 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
     need(d.num_anchors >= 1, f"drafter.num_anchors={d.num_anchors}: must be >= 1")
     if d.max_anchors_per_packet is not None:
         need(d.max_anchors_per_packet >= 1, f"drafter.max_anchors_per_packet={d.max_anchors_per_packet}: must be >= 1 or null")
+    elif d.attention == "flex" or (d.attention == "auto" and t.device == "cuda"):
+        p.append("drafter.max_anchors_per_packet=null with flex attention: packets are padded to a static number of "
+                 "blocks so flex_attention compiles once; set drafter.max_anchors_per_packet (e.g. 2048)")
     if d.mask_token_id is not None:
         need(d.mask_token_id >= 0, f"drafter.mask_token_id={d.mask_token_id}: must be >= 0 or null")
     dt = cfg.data

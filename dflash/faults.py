@@ -17,13 +17,17 @@ def _armed(cfg: FaultConfig) -> bool:
 
 
 def at_step(cfg: FaultConfig, rank: int, step: int) -> None:
-    """Kill or hang this rank if the config says so for 1-based optimizer step ``step``."""
+    """Kill or hang this rank if the config says so for 1-based optimizer step ``step``.
+
+    Fires at the first step >= ``kill_at_step``/``hang_at_step`` the rank reaches: a target only
+    works on the steps of its own packets (with 2 targets, target 1 never sees an odd step).
+    """
     if not _armed(cfg):
         return
-    if cfg.kill_rank == rank and cfg.kill_at_step == step:
+    if cfg.kill_rank == rank and cfg.kill_at_step is not None and step >= cfg.kill_at_step:
         log.warning("fault injection: SIGKILL rank %d at step %d", rank, step)
         os.kill(os.getpid(), signal.SIGKILL)
-    if cfg.hang_rank == rank and cfg.hang_at_step == step:
+    if cfg.hang_rank == rank and cfg.hang_at_step is not None and step >= cfg.hang_at_step:
         log.warning("fault injection: rank %d stops responding at step %d", rank, step)
         while True:
             time.sleep(3600)

@@ -15,9 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from dflash.config import Config, register_configs, to_config
-from dflash.dist.init import destroy, init_distributed
-from dflash.setup import prepare
+from dflash.config import Config, register_configs, to_config, validate
 
 log = logging.getLogger("dflash")
 register_configs()
@@ -36,9 +34,23 @@ def build_role(cfg: Config, setup, ctx, run_dir: Path):
 
 @record
 def run(dcfg: DictConfig, run_dir: Path) -> None:
+    """One rank's whole life; the error that ends it is also written to its own log (rank{RANK}.log)."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        _run(dcfg, run_dir, rank)
+    except Exception:
+        log.exception("rank %d failed", rank)
+        raise
+
+
+def _run(dcfg: DictConfig, run_dir: Path, rank: int) -> None:
     cfg = to_config(dcfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    # Config-only problems first, before the imports below (transformers, the drafter model) take seconds.
+    validate(cfg, world_size)
+    from dflash.dist.init import destroy, init_distributed
+    from dflash.setup import prepare
+
     setup = prepare(cfg, world_size)
     if rank == setup.topology.leader_rank:
         run_dir.mkdir(parents=True, exist_ok=True)

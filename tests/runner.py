@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,10 @@ class Launch:
     stderr: str
     seconds: float
     run_dir: Path
+    signalled_after: float | None = None
+    """Seconds from the start of torchrun to the signal of ``signal_after``/``signal_at_step``."""
+    started_at: float = 0.0
+    """``time.time()`` when torchrun was started (to compare with the times in exit records)."""
 
     @property
     def output(self) -> str:
@@ -50,6 +56,24 @@ class Launch:
         p = self.run_dir / "ledger.jsonl"
         return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
+    def exits(self) -> dict[tuple[int, int], dict]:
+        """``(rank, attempt) -> exit record`` written by tests/rank_exit.py (``record_exits=True``)."""
+        d = exits_dir(self.run_dir)
+        recs = [json.loads(p.read_text()) for p in sorted(d.glob("rank*.attempt*.json"))] if d.is_dir() else []
+        return {(r["rank"], r["attempt"]): r for r in recs}
+
+
+def exits_dir(run_dir: Path) -> Path:
+    return run_dir / "rank_exits"
+
+
+def ledger_steps(run_dir: Path) -> int:
+    """The last step written to the run's ledger (0 when there is none yet)."""
+    p = run_dir / "ledger.jsonl"
+    lines = p.read_text().splitlines() if p.exists() else []
+    complete = [ln for ln in lines if ln.endswith("}")]
+    return json.loads(complete[-1])["step"] if complete else 0
+
 
 def env_for(cache_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
@@ -62,41 +86,93 @@ def env_for(cache_dir: Path, extra: dict[str, str] | None = None) -> dict[str, s
     return env
 
 
-def torchrun_cmd(run_dir: Path, overrides: list[str], nproc: int = 3, max_restarts: int = 0) -> list[str]:
+def torchrun_cmd(run_dir: Path, overrides: list[str], nproc: int = 3, max_restarts: int = 0,
+                 record_exits: bool = False) -> list[str]:
+    entry = [str(REPO / "tests" / "rank_exit.py")] if record_exits else ["-m", "dflash.train"]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", "dflash.train",
+        f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *entry,
         f"hydra.run.dir={run_dir}", *FAST, *overrides,
     ]
 
 
 def launch(run_dir: Path, overrides: list[str], cache_dir: Path, *, nproc: int = 3, max_restarts: int = 0,
-           timeout: float = 240, env: dict[str, str] | None = None, signal_after: tuple[float, int] | None = None) -> Launch:
-    """Run one torchrun job to completion (the whole process group is killed on timeout).
+           timeout: float = 240, env: dict[str, str] | None = None, signal_after: tuple[float, int] | None = None,
+           signal_at_step: tuple[int, int] | None = None, record_exits: bool = False,
+           forward_signals: bool = True) -> Launch:
+    """Run one torchrun job to completion (on timeout, torchrun and every process below it are killed).
 
-    ``signal_after=(seconds, signum)`` sends a signal to every process of the job after a delay.
+    ``signal_after=(seconds, signum)`` sends a signal to the job's process group (torchrun: it starts
+    every worker in a session of its own and forwards SIGTERM/SIGINT to them) after a delay;
+    ``signal_at_step=(step, signum)`` does so once the run's ledger reaches ``step``.
+    ``record_exits`` starts the ranks through tests/rank_exit.py (see ``Launch.exits``), which forwards
+    signals to them unless ``forward_signals`` is False.
     """
+    extra_env = dict(env or {})
+    if record_exits:
+        shutil.rmtree(exits_dir(run_dir), ignore_errors=True)
+        extra_env.update(DFLASH_RANK_EXIT_DIR=str(exits_dir(run_dir)), DFLASH_RANK_EXIT_FORWARD=str(int(forward_signals)))
+    started_at = time.time()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        torchrun_cmd(run_dir, overrides, nproc, max_restarts), cwd=REPO, env=env_for(cache_dir, env),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    try:
-        if signal_after is not None:
-            delay, signum = signal_after
-            try:
-                proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signum)
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"torchrun did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}") from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return Launch(proc.returncode, out, err, time.perf_counter() - t0, run_dir)
+    signalled_after = None
+    # Files, not pipes: nothing reads the output until the job ends, and a full pipe would block it.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            torchrun_cmd(run_dir, overrides, nproc, max_restarts, record_exits), cwd=REPO,
+            env=env_for(cache_dir, extra_env), stdout=out, stderr=err, start_new_session=True,
+        )
+        try:
+            if signal_after is not None:
+                delay, signum = signal_after
+                try:
+                    proc.wait(timeout=delay)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signum)
+                    signalled_after = time.perf_counter() - t0
+            if signal_at_step is not None:
+                step, signum = signal_at_step
+                while proc.poll() is None and time.perf_counter() - t0 < timeout:
+                    if ledger_steps(run_dir) >= step:
+                        os.killpg(proc.pid, signum)
+                        signalled_after = time.perf_counter() - t0
+                        break
+                    time.sleep(0.02)
+            proc.wait(timeout=max(timeout - (time.perf_counter() - t0), 1.0))
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.wait()
+            raise AssertionError(
+                f"torchrun did not finish within {timeout}s\n{_read(out)[-3000:]}\n{_read(err)[-3000:]}"
+            ) from None
+        finally:
+            if proc.poll() is None:
+                _kill_tree(proc.pid)
+                proc.wait()
+        return Launch(proc.returncode, _read(out), _read(err), time.perf_counter() - t0, run_dir, signalled_after,
+                      started_at)
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
+
+
+def _kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and every process below it. Killing torchrun's process group is not enough:
+    torchrun starts each worker in a session of its own."""
+    children: dict[int, list[int]] = {}
+    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
+        pid, ppid = (int(x) for x in line.split())
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def no_leftover_processes(run_dir: Path) -> bool:

@@ -56,6 +56,25 @@ def prefix_accept(hits: torch.Tensor) -> torch.Tensor:
     return 1 + torch.cumprod(hits[..., 1:].long(), dim=-1).sum(-1)
 
 
+def pad_to_static(aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, s_max: int, n_max: int):
+    """Pad [B, S] rows to s_max tokens and [B, N] anchors to n_max (see ``dflash_loss``)."""
+    B, S = input_ids.shape
+    if S > s_max or anchors.shape[1] > n_max:
+        raise ValueError(f"batch of {S} tokens / {anchors.shape[1]} blocks exceeds the static shape ({s_max}, {n_max})")
+    pad = s_max - S
+
+    def grow(x: torch.Tensor, value: float = 0) -> torch.Tensor:
+        if pad == 0:
+            return x
+        tail = torch.full((B, pad, *x.shape[2:]), value, dtype=x.dtype, device=x.device)
+        return torch.cat([x, tail], dim=1)
+
+    extra = torch.arange(pad, device=position_ids.device).expand(B, pad)
+    anchors = torch.cat([anchors, anchors.new_full((B, n_max - anchors.shape[1]), -1)], dim=1)
+    return (grow(aux_hidden), grow(final_hidden), grow(input_ids), grow(loss_mask),
+            torch.cat([position_ids, extra], dim=1), anchors)
+
+
 def dflash_loss(
     drafter: DFlashDraftModel,
     aux_hidden: torch.Tensor,
@@ -69,6 +88,7 @@ def dflash_loss(
     position_ids: torch.Tensor | None = None,
     attention: str = "sdpa",
     verifier_metrics: bool = True,
+    static_shape: tuple[int, int] | None = None,
 ) -> ObjectiveOutput:
     """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss.
 
@@ -78,12 +98,19 @@ def dflash_loss(
     document per row, positions 0..S-1). Slot k of the block at anchor a predicts input_ids[a+k]
     with weight exp(-(k-1)/gamma) * loss_mask[a+k]; its verifier row is final_hidden[a+k-1].
     ``verifier_metrics`` computes the verifier argmax (accuracy and tau_hat against the target's
-    greedy token) even when the loss itself needs no verifier logits.
+    greedy token) even when the loss itself needs no verifier logits. ``static_shape=(S_max, N_max)``
+    pads the context to S_max tokens (an extra unsupervised document nobody sees) and the blocks to
+    N_max (padding blocks see only themselves): every call then has the same shapes, so a compiled
+    flex_attention compiles once. The result does not change.
     """
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+    if static_shape is not None:
+        aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors = pad_to_static(
+            aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, *static_shape
+        )
     B, S = input_ids.shape
     bs = drafter.block_size
-    if position_ids is None:
-        position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
     doc_ids = doc_ids_from_positions(position_ids)
     blocks = make_blocks(input_ids, position_ids, doc_ids, anchors, bs, drafter.arch.mask_token_id)
     mask = build_mask(anchors, doc_ids, bs, attention)

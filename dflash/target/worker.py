@@ -130,15 +130,19 @@ class TargetWorker:
         start, num_steps = agree_on_start(self.ctx, self.topology, 0, self.setup.num_steps)
         end = num_steps * self.topology.packets_per_step
         sent = 0
+        # A drafter may itself wait up to step_timeout_s for another target's packet: wait twice that for
+        # it, so that a stuck target is reported by the drafter waiting on it, not by a peer as a stuck drafter.
+        drafter_timeout = 2 * self.cfg.topology.step_timeout_s
         for g in self.topology.packets_of_target(self.ctx.rank, start, end):
             if any(link.stopped for link in self.links.values()):
                 break
             faults.at_step(self.cfg.fault, self.ctx.rank, g // self.topology.packets_per_step + 1)
-            self.links[self.topology.consumer_of(g)].send(self.make_packet(g))
-            if sent == 0:
-                for link in self.links.values():
-                    link.set_timeout(self.cfg.topology.step_timeout_s)
-                set_timeout(self.ctx, self.cfg.topology.step_timeout_s)
+            link = self.links[self.topology.consumer_of(g)]
+            link.send(self.make_packet(g))
+            if link.num_acked and link.timeout_s != drafter_timeout:
+                # The drafter has loaded and trained on this link's packets: init_timeout_s is over.
+                link.set_timeout(drafter_timeout)
+                set_timeout(self.ctx, drafter_timeout)
             sent += 1
         for link in self.links.values():
             link.wait_for_stop()

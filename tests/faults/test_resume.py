@@ -4,27 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from faultkit import STEPS, figure, losses
 from runner import launch
 from safetensors.torch import load_file
-from wandb_reader import read_history
 
 pytestmark = pytest.mark.faults
-
-STEPS = ["train.max_steps=12", "train.save_every=4"]
-
-
-def losses(run_dir) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for row in read_history(run_dir):
-        out[int(row["train/step"])] = row["train/loss"]
-    return out
-
-
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory, run_cache):
-    run = launch(tmp_path_factory.mktemp("ref") / "run", STEPS, run_cache)
-    assert run.returncode == 0, run.output[-4000:]
-    return run
 
 
 def test_stop_at_5_resume_to_12_is_bit_exact(tmp_path, run_cache, reference):
@@ -42,3 +26,4 @@ def test_stop_at_5_resume_to_12_is_bit_exact(tmp_path, run_cache, reference):
     b = load_file(str(run_dir / "drafter" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert second.ledger() == reference.ledger()  # the same samples in the same steps, none twice
+    figure("R1 stop at 5, resume to 12", equal_loss_steps="6-12", final_weights_equal=True, ledger_equal=True)

@@ -104,3 +104,29 @@ def test_mask_respects_documents_and_padding_blocks_see_only_themselves():
     assert m[BS, :S].nonzero().squeeze(1).tolist() == [5, 6]  # document 1 starts at 5
     pad = m[2 * BS:, :]
     assert not pad[:, :S].any() and pad[:, S + 2 * BS:].all()
+
+
+def test_static_shape_padding_does_not_change_the_objective():
+    from dflash.config import LossConfig
+    from dflash.drafter.model import DFlashDraftModel, DrafterArch
+    from dflash.drafter.objective import dflash_loss
+
+    torch.manual_seed(0)
+    arch = DrafterArch(hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                       vocab_size=50, target_layer_ids=[0, 1], block_size=BS, mask_token_id=49)
+    model = DFlashDraftModel(arch).double()
+    S = 14
+    pos = _packed([8, 6])
+    ids = torch.randint(0, 48, (1, S))
+    mask = torch.ones(1, S, dtype=torch.long)
+    anchors = sample_anchors(mask, doc_ids_from_positions(pos), 3, torch.Generator().manual_seed(1))
+    aux, final = torch.randn(1, S, 64, dtype=torch.float64), torch.randn(1, S, 32, dtype=torch.float64)
+    emb = torch.randn(50, 32, dtype=torch.float64)
+    args = (model, aux, final, ids, mask, anchors, emb, emb)
+    plain = dflash_loss(*args, LossConfig(), position_ids=pos)
+    padded = dflash_loss(*args, LossConfig(), position_ids=pos, static_shape=(20, anchors.shape[1] + 3))
+    assert torch.allclose(plain.loss, padded.loss, rtol=1e-12, atol=0)
+    assert torch.equal(plain.slot_hit, padded.slot_hit) and plain.num_blocks == padded.num_blocks
+    gp = torch.autograd.grad(plain.loss, list(model.parameters()))
+    gq = torch.autograd.grad(padded.loss, list(model.parameters()))
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in zip(gp, gq, strict=True))

@@ -6,10 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer
 
-from conftest import REPO
 from dflash.config import register_configs, to_config
 from dflash.setup import prepare, resolve_mask_token_id
 

@@ -1,0 +1,47 @@
+"""Helpers of the fault scenarios: the shared run config, losses and log times, and each scenario's figure."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+
+from wandb_reader import read_history
+
+STEPS = ["train.max_steps=12", "train.save_every=4"]
+"""The config of the reference run (tests/faults/conftest.py) and of every run compared with it."""
+SENTINEL = "wandb-key-sentinel-7f3e2a9c1d5b"
+"""The WANDB_API_KEY of the reference run; no file it writes may contain it."""
+HANG_TIMEOUT_S = 8
+"""topology.step_timeout_s of R4's run (a target stops responding)."""
+
+_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """train/loss by train/step over every launch that logged into ``run_dir`` (a later launch wins)."""
+    return {int(row["train/step"]): row["train/loss"] for row in read_history(run_dir) if "train/loss" in row}
+
+
+def log_time(log_text: str, needle: str) -> float | None:
+    """``time.time()`` of the first log record containing ``needle`` (a traceback line counts for the
+    record it belongs to), or None."""
+    stamp = None
+    for line in log_text.splitlines():
+        m = _STAMP.match(line)
+        if m:
+            stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if needle in line and stamp is not None:
+            return stamp
+    return None
+
+
+def resumed_step(log_text: str) -> int | None:
+    """The step of the last "resumed from ... at step N" line of a drafter log."""
+    steps = re.findall(r"resumed from \S+ at step (\d+)", log_text)
+    return int(steps[-1]) if steps else None
+
+
+def figure(scenario: str, **values: object) -> None:
+    """Print a scenario's measured figure (``pytest -s`` or ``-rP`` shows it)."""
+    print(f"FIGURE {scenario}: " + ", ".join(f"{k}={v}" for k, v in values.items()))

@@ -1,0 +1,73 @@
+"""R6: a NaN loss at step 3. With train.on_nonfinite=error the run stops naming the step and the rank,
+and the previous checkpoint stays intact; with skip, that step leaves the weights unchanged and is
+counted. Between the two, the resume contract: a changed target.layer_ids is refused naming the field
+and both values; a changed train.num_steps is accepted with train.allow_contract_change=true, logged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from faultkit import figure, log_time
+from runner import launch, no_leftover_processes
+from safetensors.torch import load_file
+from wandb_reader import read_history
+
+from dflash.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.faults
+
+# 1 target + 1 drafter (the guard and the contract live on the drafter): fewer processes to start.
+NAN = ["topology.num_targets=1", "train.save_every=1", "train.keep_checkpoints=4", "fault.nan_at_step=3"]
+
+
+def _weights(ckpt) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def test_nan_loss_error_then_contract_then_skip(tmp_path, run_cache):
+    run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    failed = launch(run_dir, [*NAN, "train.max_steps=4", "logging.mode=disabled"], run_cache, nproc=2,
+                    record_exits=True)
+    assert failed.returncode != 0
+    log = failed.rank_log(1)
+    err = [ln for ln in log.splitlines() if ln.startswith("RuntimeError: drafter rank 1:")]
+    assert err and "not finite at step 3" in err[-1] and "optimizer step was not applied" in err[-1], log[-2000:]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000002"]
+    intact = load_checkpoint(ckpts / "step_00000002")  # verifies every file against its COMPLETE marker
+    assert intact.step == 2
+    exits = failed.exits()
+    raised = log_time(log, "rank 1 failed")
+    all_exit_s = max(e["end"] for e in exits.values()) - raised
+    assert all(e["returncode"] != 0 for e in exits.values()) and all_exit_s <= 30
+    figure("R6 NaN loss, train.on_nonfinite=error", error=err[-1], exit_codes={r: e["returncode"] for (r, _), e in exits.items()},
+           all_ranks_exit_after_error_s=round(all_exit_s, 1), previous_checkpoint="step 2 verified and loaded")
+
+    # The resume contract, against the intact step-2 checkpoint.
+    refused = launch(run_dir, [*NAN, "train.max_steps=4", "logging.mode=disabled", "target.layer_ids=[1,3,4]"], run_cache,
+                     nproc=2)
+    assert refused.returncode != 0
+    log = refused.rank_log(1)
+    assert "the checkpoint was written by a run with a different contract" in log
+    changed = "target.layer_ids: saved=[1, 2, 4] current=[1, 3, 4]"
+    assert changed in log, log[-3000:]
+    assert "train.allow_contract_change=true" in log
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000002"]
+
+    skipped = launch(run_dir, [*NAN, "train.max_steps=5", "train.on_nonfinite=skip", "train.allow_contract_change=true"],
+                     run_cache, nproc=2)
+    assert skipped.returncode == 0, skipped.output[-4000:]
+    log = skipped.rank_log(1)
+    allowed = "resuming with a changed contract (train.allow_contract_change=true): train.num_steps: saved=4 current=5"
+    assert allowed in log and "at step 2" in log
+    assert "step 3: loss or gradient not finite on drafter rank 1; step skipped" in log
+    w2, w3, w4 = (_weights(ckpts / f"step_{s:08d}") for s in (2, 3, 4))
+    assert all(torch.equal(w2[k], w3[k]) for k in w2)  # the NaN step changed nothing
+    assert not all(torch.equal(w3[k], w4[k]) for k in w3)  # the next one trains again
+    rows = {int(r["train/step"]): r for r in read_history(run_dir)}
+    assert [rows[s]["train/nonfinite_steps"] for s in (3, 4, 5)] == [1, 1, 1]
+    assert json.loads((ckpts / "step_00000005" / "train_state.json").read_text())["nonfinite_steps"] == 1
+    figure("R6 NaN loss, train.on_nonfinite=skip", weights_step2_equal_step3=True, nonfinite_steps=1)
+    figure("contract", refused=changed, allowed=allowed.split(": ", 1)[1])
+    assert no_leftover_processes(run_dir)
