@@ -26,8 +26,14 @@ class ObjectiveOutput:
     Sums for aggregation over micro-batches and ranks (no grad, float64 on CPU unless noted):
     weight_sum (sum_r w_r), loss_sum (sum_r w_r*l_r), slot_count / slot_hit / slot_hit_verifier
     [bs] (supervised slots and argmax hits per slot, no decay), tau_sum / tau_verifier_sum (sum over
-    real blocks of 1 + length of the longest prefix of hit slots), num_blocks, term_sums [3]
+    real blocks of tau_b = 1 + the length of the leading run of hit slots, against the data / the
+    verifier argmax), inv_tau_sum / inv_tau_verifier_sum (sum of 1 / tau_b), num_blocks, term_sums [3]
     (weighted sums of the per-row ce, kl and verifier_ce; 0 for a term that was not computed).
+
+    Serving tau is a mean over decode steps, and a step at an easy position covers many positions
+    while hard stretches take a step per token; blocks here sit at uniform positions. So the
+    harmonic mean num_blocks / inv_tau_sum estimates serving tau; the arithmetic mean
+    tau_sum / num_blocks (Domino's accept_len) overestimates it whenever acceptance varies.
     """
 
     loss: torch.Tensor
@@ -38,14 +44,16 @@ class ObjectiveOutput:
     slot_hit_verifier: torch.Tensor
     tau_sum: torch.Tensor
     tau_verifier_sum: torch.Tensor
+    inv_tau_sum: torch.Tensor
+    inv_tau_verifier_sum: torch.Tensor
     num_blocks: torch.Tensor
     term_sums: torch.Tensor
     num_rows: int
 
 
-def slot_weights(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
+def slot_weights(block_size: int, gamma: float, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[bs] exp(-(k-1)/gamma) for k >= 1, 0 for the given slot k = 0."""
-    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    k = torch.arange(block_size, device=device, dtype=dtype)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
@@ -121,7 +129,8 @@ def dflash_loss(
     N = anchors.shape[1]
     flat_pos = blocks.label_pos.view(B, N * bs)
     supervised = blocks.label_valid & loss_mask.gather(1, flat_pos).view(B, N, bs).bool()
-    weights = supervised.float() * slot_weights(bs, loss_cfg.gamma, hidden.device)
+    wdtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    weights = supervised.to(wdtype) * slot_weights(bs, loss_cfg.gamma, hidden.device, wdtype)
     rows = supervised.view(-1).nonzero().squeeze(1)  # indices into [B*N*bs]
     labels = input_ids.gather(1, flat_pos).reshape(-1)[rows]
     need_verifier = loss_cfg.kl > 0 or loss_cfg.verifier_ce > 0 or verifier_metrics
@@ -154,6 +163,7 @@ def dflash_loss(
         if need_verifier:
             hit_v.view(-1)[rows] = out.stats.verifier_hit
         real = anchors >= 0
+        tau_data, tau_ver = prefix_accept(hit)[real].double(), prefix_accept(hit_v)[real].double()
         term_sums = torch.zeros(3, dtype=torch.float64, device=hidden.device)
         for i, name in enumerate(TERMS):
             if name in out.terms:
@@ -165,8 +175,10 @@ def dflash_loss(
             slot_count=supervised.sum(dim=(0, 1)).double(),
             slot_hit=hit.sum(dim=(0, 1)).double(),
             slot_hit_verifier=hit_v.sum(dim=(0, 1)).double(),
-            tau_sum=prefix_accept(hit)[real].double().sum(),
-            tau_verifier_sum=prefix_accept(hit_v)[real].double().sum(),
+            tau_sum=tau_data.sum(),
+            tau_verifier_sum=tau_ver.sum(),
+            inv_tau_sum=(1.0 / tau_data).sum(),
+            inv_tau_verifier_sum=(1.0 / tau_ver).sum(),
             num_blocks=real.sum().double(),
             term_sums=term_sums,
             num_rows=int(rows.numel()),

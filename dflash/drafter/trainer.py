@@ -39,6 +39,7 @@ from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
 from dflash.drafter.optim import build_optimizer, build_scheduler
+from dflash.eval.periodic import PeriodicEval
 from dflash.metrics import (
     MetricLogger,
     NullLogger,
@@ -56,7 +57,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Per-step sums reduced over micro-batches and drafters: name -> length (block-size-long ones use 0).
 _SUMS = {
     "weight_sum": 1, "loss_sum": 1, "slot_count": 0, "slot_hit": 0, "slot_hit_verifier": 0,
-    "tau_sum": 1, "tau_verifier_sum": 1, "num_blocks": 1, "term_sums": len(TERMS),
+    "tau_sum": 1, "tau_verifier_sum": 1, "inv_tau_sum": 1, "inv_tau_verifier_sum": 1, "num_blocks": 1,
+    "term_sums": len(TERMS),
 }
 
 
@@ -114,6 +116,10 @@ class DrafterTrainer:
         )
         self.link = DrafterLink(self.topology, ctx.rank, spec, cfg.topology.init_timeout_s)
         self.target_stats: dict[int, tuple[float, float]] = {}
+        self.static_shape = (
+            (cfg.data.token_budget, cfg.drafter.max_anchors_per_packet) if self.attention == "flex" else None
+        )
+        self.evaluator = PeriodicEval(cfg, setup, self.device) if self.is_leader and cfg.eval.every > 0 else None
         self.logger: MetricLogger = NullLogger()
         if self.is_leader:
             config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
@@ -175,6 +181,7 @@ class DrafterTrainer:
             return dflash_loss(
                 self.model, packet.aux_hidden.unsqueeze(0), packet.final_hidden.unsqueeze(0), ids, mask, anchors,
                 self.embed, self.head, self.cfg.loss, position_ids=pos, attention=self.attention,
+                static_shape=self.static_shape,
             )
 
     def _grads_to_mean(self, weight_sum: float) -> None:
@@ -274,8 +281,9 @@ class DrafterTrainer:
             "train/loss": float(agg["loss_sum"]) / w,
             "train/acc": float(agg["slot_hit"].sum()) / supervised,
             "train/acc_verifier": float(agg["slot_hit_verifier"].sum()) / supervised,
-            "train/tau_hat": float(agg["tau_verifier_sum"]) / blocks,
-            "train/tau_hat_data": float(agg["tau_sum"]) / blocks,
+            "train/tau_hat": blocks / max(float(agg["inv_tau_verifier_sum"]), 1e-12),
+            "train/tau_hat_arith": float(agg["tau_verifier_sum"]) / blocks,
+            "train/tau_hat_data": blocks / max(float(agg["inv_tau_sum"]), 1e-12),
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/num_blocks": float(agg["num_blocks"]),
@@ -322,6 +330,8 @@ class DrafterTrainer:
         reset_peak_memory(self.device)
         if start < self.setup.num_steps:
             self.link.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
+        if self.evaluator is not None and start == 0:
+            self.logger.log({"train/step": 0.0, **self.evaluator.run(self.model, self.embed, self.head)}, 0)
         try:
             for step in range(start, self.setup.num_steps):
                 metrics = self.train_step(step)
@@ -329,6 +339,8 @@ class DrafterTrainer:
                     self.link.set_timeout(cfg.topology.step_timeout_s)
                     set_timeout(self.ctx, cfg.topology.step_timeout_s)
                 done = self.state.step == self.setup.num_steps
+                if self.evaluator is not None and (self.state.step % cfg.eval.every == 0 or done):
+                    metrics.update(self.evaluator.run(self.model, self.embed, self.head))
                 if self.state.step % cfg.train.log_every == 0 or done:
                     self.logger.log(metrics, self.state.step)
                 if bar is not None:

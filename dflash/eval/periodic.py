@@ -50,9 +50,10 @@ class PeriodicEval:
         log.info("periodic eval: %d held-out prompts every %d steps", n, cfg.eval.every)
 
     @torch.no_grad()
-    def tau_hat(self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor) -> float:
-        """The objective's tau_hat (verifier argmax) over every eligible anchor of the held-out samples."""
-        tau = blocks = 0.0
+    def tau_hat(self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor) -> tuple[float, float]:
+        """The objective's tau_hat (harmonic, as train/tau_hat) and its arithmetic mean, against the
+        verifier argmax, over every eligible anchor of the held-out samples."""
+        tau = inv = blocks = 0.0
         for ids, mask in self.samples:
             ids, mask = ids.to(self.device).unsqueeze(0), mask.to(self.device).unsqueeze(0)
             aux, final = target_forward(self.target, ids, None, self.setup.layer_ids)
@@ -63,8 +64,9 @@ class PeriodicEval:
             out = dflash_loss(drafter, aux.clone(), final.clone(), ids, mask, anchors, embed, head, self.cfg.loss,
                               attention="sdpa")
             tau += float(out.tau_verifier_sum)
+            inv += float(out.inv_tau_verifier_sum)
             blocks += float(out.num_blocks)
-        return tau / max(blocks, 1.0)
+        return blocks / max(inv, 1e-12), tau / max(blocks, 1.0)
 
     def run(self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor) -> dict[str, float]:
         was_training = drafter.training
@@ -77,7 +79,7 @@ class PeriodicEval:
                     block_size=self.setup.arch.block_size, eos_ids=self.eos_ids, baseline=False, warmup=False,
                 )
                 metrics = report_metrics(report)
-                metrics["eval/tau_hat"] = self.tau_hat(drafter, embed, head)
+                metrics["eval/tau_hat"], metrics["eval/tau_hat_arith"] = self.tau_hat(drafter, embed, head)
         finally:
             drafter.train(was_training)
         return metrics

@@ -1,0 +1,82 @@
+"""dflash_loss against a per-block naive reference (full logits, explicit loops)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dflash.config import LossConfig
+from dflash.drafter.blocks import build_mask, doc_ids_from_positions, make_blocks
+from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.objective import dflash_loss, prefix_accept
+
+BS, V, H = 4, 60, 32
+
+
+def _setup():
+    torch.manual_seed(0)
+    arch = DrafterArch(hidden_size=H, intermediate_size=48, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                       vocab_size=V, target_layer_ids=[0, 1], block_size=BS, mask_token_id=V - 1)
+    model = DFlashDraftModel(arch).double()
+    pos = torch.cat([torch.arange(11), torch.arange(9)]).unsqueeze(0)
+    S = pos.shape[1]
+    ids = torch.randint(0, V - 1, (1, S))
+    mask = torch.ones(1, S, dtype=torch.long)
+    mask[0, [0, 1, 6, 11]] = 0
+    aux = torch.randn(1, S, 2 * H, dtype=torch.float64)
+    final = torch.randn(1, S, H, dtype=torch.float64)
+    embed = torch.randn(V, H, dtype=torch.float64)
+    head = torch.randn(V, H, dtype=torch.float64) * 0.3
+    anchors = torch.tensor([[2, 3, 7, 9, 13, 17, -1]])  # overlapping blocks, one near a document end, padding
+    return model, pos, ids, mask, aux, final, embed, head, anchors
+
+
+def test_loss_terms_stats_and_tau_equal_a_naive_reference():
+    model, pos, ids, mask, aux, final, embed, head, anchors = _setup()
+    cfg = LossConfig(ce=1.0, kl=0.5, verifier_ce=0.25, temperature=2.0, gamma=3.0, chunk_size=5)
+    out = dflash_loss(model, aux, final, ids, mask, anchors, embed, head, cfg, position_ids=pos)
+
+    doc = doc_ids_from_positions(pos)
+    blocks = make_blocks(ids, pos, doc, anchors, BS, V - 1)
+    hidden = model(embed[blocks.block_ids], aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa"))
+    num = den = 0.0
+    taus, taus_v = [], []
+    slot_hits = [0] * BS
+    for n, a in enumerate(anchors[0].tolist()):
+        hits, hits_v = [False] * BS, [False] * BS
+        for k in range(1, BS):
+            p = a + k
+            if a < 0 or p >= ids.shape[1] or doc[0, p] != doc[0, a] or not mask[0, p]:
+                continue
+            w = math.exp(-(k - 1) / cfg.gamma)
+            z = head @ hidden[0, n * BS + k]
+            zv = head @ final[0, p - 1]  # the verifier row of slot k is position a + k - 1
+            logq = torch.log_softmax(z, -1)
+            ce = -logq[ids[0, p]]
+            vce = -logq[zv.argmax()]
+            pT, logqT = torch.softmax(zv / cfg.temperature, -1), torch.log_softmax(z / cfg.temperature, -1)
+            kl = cfg.temperature ** 2 * (pT * (pT.log() - logqT)).sum()
+            num += w * (cfg.ce * ce + cfg.kl * kl + cfg.verifier_ce * vce)
+            den += w
+            hits[k] = bool(z.argmax() == ids[0, p])
+            hits_v[k] = bool(z.argmax() == zv.argmax())
+            slot_hits[k] += hits[k]
+        if a >= 0:
+            taus.append(int(prefix_accept(torch.tensor(hits))))
+            taus_v.append(int(prefix_accept(torch.tensor(hits_v))))
+    ref = num / den
+    torch.testing.assert_close(out.loss, ref, rtol=1e-10, atol=0)
+    torch.testing.assert_close(out.weight_sum, torch.tensor(den, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert out.slot_hit.tolist() == [float(h) for h in slot_hits]
+    assert float(out.num_blocks) == 6 and float(out.tau_sum) == sum(taus) and float(out.tau_verifier_sum) == sum(taus_v)
+    assert math.isclose(float(out.inv_tau_verifier_sum), sum(1 / t for t in taus_v), rel_tol=1e-12)
+    g_out = torch.autograd.grad(out.loss, list(model.parameters()))
+    g_ref = torch.autograd.grad(ref, list(model.parameters()))
+    for a, b in zip(g_out, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+
+
+def test_prefix_accept_counts_the_leading_run_of_hits():
+    hits = torch.tensor([[False, True, True, False, True], [True, False, True, True, True], [False, True, True, True, True]])
+    assert prefix_accept(hits).tolist() == [3, 1, 5]  # slot 0 is the given token and is ignored
