@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from testpaths import REPO
 
 # A small, fast variant of the embedded default: every test run shares one cache (tiny target,
 # regenerated corpus, tokenized data), built once per session by the `run_cache` fixture.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import REPO
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
+from testpaths import REPO
 
 from dflash.config import Config, register_configs, to_config, validate
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testpaths import REPO
 from transformers import AutoTokenizer
 
 import dflash.data.dataset as dataset_mod
@@ -27,7 +28,6 @@ from dflash.data.dataset import (
 )
 from dflash.target.tiny import file_lock
 
-REPO = Path(__file__).resolve().parents[2]
 OOV = "<oov_marker>"  # added to the tokenizer with an id >= the vocab size we pass
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testpaths import REPO
 from wandb_reader import read_wandb_run
 
 from dflash.drafter.export import export_drafter
@@ -27,7 +28,6 @@ from dflash.eval.run import (
     report_table,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 LAYER_IDS = [1, 2, 4]  # conf/target/tiny.yaml
 QUESTIONS = ["def foo(x):", "import os", "class A:"]
 

@@ -6,8 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 from hydra import compose, initialize_config_dir
+from testpaths import REPO
 from transformers import AutoTokenizer
 
 from dflash.config import register_configs, to_config

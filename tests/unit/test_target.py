@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testpaths import REPO
 
 from dflash.config import TargetConfig
 from dflash.target.forward import build_batch, gather_tokens, target_forward
@@ -26,7 +27,6 @@ from dflash.target.loader import (
     resolve_layer_ids,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(
     vocab_size=384,
     hidden_size=64,

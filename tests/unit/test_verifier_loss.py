@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.loss import VerifierLossOutput, verifier_loss
-from dflash.loss.verifier import _max_argmax, default_chunk_size
+from dflash.loss import VerifierLossOutput, release_workspace, verifier_loss
+from dflash.loss.verifier import _block_math, _block_math_exp2, _max_argmax, default_chunk_size
 
 R, V, H = 37, 1000, 64
 
@@ -28,8 +28,10 @@ def _reference(h_d, h_v, w_head, labels, weights, ce=1.0, kl=0.0, verifier_ce=0.
     zd = h_d @ w_head.t()
     logq = F.log_softmax(zd, 1)
     per_row = ce * -logq.gather(1, labels.clamp(0, w_head.shape[0] - 1)[:, None]).squeeze(1)
-    out = {"ce": -logq.gather(1, labels.clamp(0, w_head.shape[0] - 1)[:, None]).squeeze(1).detach(),
-           "drafter_argmax": zd.argmax(1)}
+    out = {
+        "ce": -logq.gather(1, labels.clamp(0, w_head.shape[0] - 1)[:, None]).squeeze(1).detach(),
+        "drafter_argmax": zd.argmax(1),
+    }
     if h_v is not None:
         zv = h_v @ w_head.t()
         av = zv.argmax(1)
@@ -80,7 +82,9 @@ def test_float64_row_blocks_and_all_zero_chunk():
     ref = _reference(h_d, h_v, w_head, labels, weights, **mix)
     (g_ref,) = torch.autograd.grad(ref["loss"], h_d)
     for chunk_size, row_block in [(8, 1), (8, 3), (5, 2), (1000, 1000)]:
-        out = verifier_loss(h_d, h_v, w_head, labels, weights, chunk_size=chunk_size, row_block=row_block, **mix)
+        out = verifier_loss(
+            h_d, h_v, w_head, labels, weights, chunk_size=chunk_size, row_block=row_block, **mix
+        )
         (g,) = torch.autograd.grad(out.loss, h_d)
         assert abs(out.loss.item() - ref["loss"].item()) <= 1e-9 * abs(ref["loss"].item())
         assert _rel(g, g_ref) <= 1e-9
@@ -103,7 +107,9 @@ def test_independent_of_chunk_size():
         assert torch.allclose(o.stats.kl, o0.stats.kl, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("mix", [dict(ce=1.0), dict(ce=1.0, kl=1.0), dict(ce=0.2, kl=1.0, verifier_ce=0.3, temperature=2.0)])
+@pytest.mark.parametrize(
+    "mix", [dict(ce=1.0), dict(ce=1.0, kl=1.0), dict(ce=0.2, kl=1.0, verifier_ce=0.3, temperature=2.0)]
+)
 @pytest.mark.parametrize("chunk_size", [5, None])
 def test_float32_matches_float64_reference(mix, chunk_size):
     h_d, h_v, w_head, labels, weights = _inputs(dtype=torch.float32)
@@ -120,8 +126,9 @@ def test_float32_matches_float64_reference(mix, chunk_size):
 
 def test_bf16_smoke_large_logits():
     """bf16 inputs with logit std ~30 (``rand`` inputs hide bf16 logit rounding, Liger #1432)."""
-    h_d, h_v, w_head, labels, weights = _inputs(dtype=torch.float32, r=24, v=512, h=32, logit_std=30.0,
-                                                zero_rows=(2,))
+    h_d, h_v, w_head, labels, weights = _inputs(
+        dtype=torch.float32, r=24, v=512, h=32, logit_std=30.0, zero_rows=(2,)
+    )
     hb, vb, wb = h_d.detach().bfloat16().requires_grad_(), h_v.bfloat16(), w_head.bfloat16()
     mix = dict(ce=1.0, kl=1.0, verifier_ce=0.5)
     # reference: fp64 math on the bf16-rounded inputs
@@ -247,13 +254,34 @@ def test_no_grad_mode():
     assert not out2.loss.requires_grad
 
 
+def test_autocast_does_not_lower_precision():
+    h_d, h_v, w_head, labels, weights = _inputs(dtype=torch.float32)
+    ref = verifier_loss(h_d, h_v, w_head, labels, weights, ce=1.0, kl=1.0)
+    (g_ref,) = torch.autograd.grad(ref.loss, h_d)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = verifier_loss(h_d, h_v, w_head, labels, weights, ce=1.0, kl=1.0)
+    (g,) = torch.autograd.grad(out.loss, h_d)
+    assert out.loss.dtype == torch.float32
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-6 * abs(ref.loss.item())
+    assert _rel(g, g_ref) <= 1e-6
+
+
+def test_double_backward_raises():
+    h_d, h_v, w_head, labels, weights = _inputs()
+    out = verifier_loss(h_d, h_v, w_head, labels, weights, ce=1.0, kl=1.0)
+    (g,) = torch.autograd.grad(out.loss, h_d, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
 def test_gradcheck_float64():
     h_d, h_v, w_head, labels, weights = _inputs(r=6, v=23, h=5, zero_rows=(1,))
     x = h_d.detach().requires_grad_()
 
     def fn(inp):
-        return verifier_loss(inp, h_v, w_head, labels, weights, ce=0.7, kl=1.1, verifier_ce=0.3,
-                             temperature=1.4, chunk_size=4).loss
+        return verifier_loss(
+            inp, h_v, w_head, labels, weights, ce=0.7, kl=1.1, verifier_ce=0.3, temperature=1.4, chunk_size=4
+        ).loss
 
     assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-8, rtol=1e-6)
 
@@ -268,6 +296,54 @@ def test_max_argmax_blocked_matches_argmax():
         m, a = _max_argmax(z)
         torch.testing.assert_close(m, z.amax(1), rtol=0, atol=0)
         assert torch.equal(a, z.argmax(1)), v
+
+
+@pytest.mark.parametrize("with_verifier", [True, False])
+def test_exp2_block_matches_softmax_block(with_verifier):
+    """The CPU T = 1 path (base-2 logits, unnormalised exp2) against the general softmax path."""
+    g = torch.Generator().manual_seed(2)
+    zv = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4 if with_verifier else None
+    zd = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4
+    coef = dict(ce=0.5, kl=1.0 if with_verifier else 0.0, vce=0.25 if with_verifier else 0.0)
+    l2e = 1 / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    zv1, zd1 = (zv.clone() if with_verifier else None), zd.clone()
+    zv2, zd2 = (zv * l2e if with_verifier else None), zd * l2e
+    sc1, sc2 = torch.empty_like(zd), torch.empty_like(zd)
+    _, ad, lse, av, zav, kl_r, s = _block_math(zv1, zd1, sc1, None, temperature=1.0, need_grad=True, **coef)
+    ad2, lse2, av2, zav2, kl2, s2, sd = _block_math_exp2(zv2, zd2, sc2, need_grad=True, **coef)
+    assert torch.equal(ad, ad2) and s == s2
+    torch.testing.assert_close(lse2, lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(zd2 / sd[:, None], zd1, rtol=1e-12, atol=1e-14)  # G'' / s_d == G'
+    if with_verifier:
+        assert torch.equal(av, av2)
+        torch.testing.assert_close(zav2, zav, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(kl2, kl_r, rtol=1e-10, atol=1e-12)
+
+
+def test_workspace_reuse_between_calls():
+    import dflash.loss.verifier as vl
+
+    release_workspace()
+    mix = dict(ce=1.0, kl=1.0)
+    for r, v, keep in [
+        (37, 1000, True),
+        (20, 700, True),
+        (37, 1000, True),
+        (30, 1500, True),
+        (37, 1000, False),
+    ]:
+        h_d, h_v, w_head, labels, weights = _inputs(r=r, v=v, zero_rows=(1,))
+        ref = _reference(h_d, h_v, w_head, labels, weights, **mix)
+        (g_ref,) = torch.autograd.grad(ref["loss"], h_d)
+        out = verifier_loss(h_d, h_v, w_head, labels, weights, chunk_size=8, keep_workspace=keep, **mix)
+        (g,) = torch.autograd.grad(out.loss, h_d)
+        assert abs(out.loss.item() - ref["loss"].item()) <= 1e-9 * abs(ref["loss"].item())
+        assert _rel(g, g_ref) <= 1e-9
+    assert len(vl._WS_CACHE) == 1  # the largest workspace (fp64) is kept
+    (kept,) = vl._WS_CACHE.values()
+    assert kept.numel() >= (2 * 8 + 8) * 1500
+    release_workspace()
+    assert not vl._WS_CACHE
 
 
 def test_default_chunk_size():
@@ -288,40 +364,50 @@ def test_default_chunk_size():
 
 def _bad(**over):
     h_d, h_v, w_head, labels, weights = _inputs()
-    args = dict(drafter_hidden=h_d, verifier_hidden=h_v, lm_head_weight=w_head, labels=labels, weights=weights,
-                ce=1.0, kl=1.0)
+    args = dict(
+        drafter_hidden=h_d,
+        verifier_hidden=h_v,
+        lm_head_weight=w_head,
+        labels=labels,
+        weights=weights,
+        ce=1.0,
+        kl=1.0,
+    )
     args.update(over)
     return args
 
 
-@pytest.mark.parametrize("over,match", [
-    (dict(drafter_hidden=torch.randn(R, H + 1, dtype=torch.float64)), "lm_head_weight"),
-    (dict(drafter_hidden=torch.randn(R, H, 1, dtype=torch.float64)), "drafter_hidden"),
-    (dict(verifier_hidden=torch.randn(R + 1, H, dtype=torch.float64)), "verifier_hidden"),
-    (dict(verifier_hidden=torch.randn(R, H, dtype=torch.float64, requires_grad=True)), "verifier_hidden"),
-    (dict(lm_head_weight=torch.randn(V, H, dtype=torch.float64, requires_grad=True)), "lm_head_weight"),
-    (dict(lm_head_weight=torch.randn(V, H + 2, dtype=torch.float64)), "lm_head_weight"),
-    (dict(labels=torch.zeros(R + 1, dtype=torch.int64)), "labels"),
-    (dict(labels=torch.zeros(R)), "labels"),
-    (dict(labels=torch.full((R,), V, dtype=torch.int64)), "labels"),
-    (dict(labels=torch.full((R,), -1, dtype=torch.int64)), "labels"),
-    (dict(weights=torch.ones(R - 1, dtype=torch.float64)), "weights"),
-    (dict(weights=-torch.ones(R, dtype=torch.float64)), "weights"),
-    (dict(weights=torch.full((R,), float("nan"), dtype=torch.float64)), "weights"),
-    (dict(weights=torch.full((R,), float("inf"), dtype=torch.float64)), "weights"),
-    (dict(weights=torch.ones(R, dtype=torch.int64)), "weights"),
-    (dict(ce=-1.0), "ce"),
-    (dict(kl=-0.5), "kl"),
-    (dict(verifier_ce=float("nan")), "verifier_ce"),
-    (dict(temperature=0.0), "temperature"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(chunk_size=0), "chunk_size"),
-    (dict(chunk_size=2.5), "chunk_size"),
-    (dict(mem_budget_gib=0), "mem_budget_gib"),
-    (dict(verifier_hidden=None), "verifier_hidden"),
-    (dict(verifier_hidden=None, kl=0.0, verifier_ce=1.0), "verifier_hidden"),
-    (dict(drafter_hidden=torch.randn(R, H, dtype=torch.float64, device="meta")), "device"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(drafter_hidden=torch.randn(R, H + 1, dtype=torch.float64)), "lm_head_weight"),
+        (dict(drafter_hidden=torch.randn(R, H, 1, dtype=torch.float64)), "drafter_hidden"),
+        (dict(verifier_hidden=torch.randn(R + 1, H, dtype=torch.float64)), "verifier_hidden"),
+        (dict(verifier_hidden=torch.randn(R, H, dtype=torch.float64, requires_grad=True)), "verifier_hidden"),
+        (dict(lm_head_weight=torch.randn(V, H, dtype=torch.float64, requires_grad=True)), "lm_head_weight"),
+        (dict(lm_head_weight=torch.randn(V, H + 2, dtype=torch.float64)), "lm_head_weight"),
+        (dict(labels=torch.zeros(R + 1, dtype=torch.int64)), "labels"),
+        (dict(labels=torch.zeros(R)), "labels"),
+        (dict(labels=torch.full((R,), V, dtype=torch.int64)), "labels"),
+        (dict(labels=torch.full((R,), -1, dtype=torch.int64)), "labels"),
+        (dict(weights=torch.ones(R - 1, dtype=torch.float64)), "weights"),
+        (dict(weights=-torch.ones(R, dtype=torch.float64)), "weights"),
+        (dict(weights=torch.full((R,), float("nan"), dtype=torch.float64)), "weights"),
+        (dict(weights=torch.full((R,), float("inf"), dtype=torch.float64)), "weights"),
+        (dict(weights=torch.ones(R, dtype=torch.int64)), "weights"),
+        (dict(ce=-1.0), "ce"),
+        (dict(kl=-0.5), "kl"),
+        (dict(verifier_ce=float("nan")), "verifier_ce"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(chunk_size=2.5), "chunk_size"),
+        (dict(mem_budget_gib=0), "mem_budget_gib"),
+        (dict(verifier_hidden=None), "verifier_hidden"),
+        (dict(verifier_hidden=None, kl=0.0, verifier_ce=1.0), "verifier_hidden"),
+        (dict(drafter_hidden=torch.randn(R, H, dtype=torch.float64, device="meta")), "device"),
+    ],
+)
 def test_value_errors(over, match):
     with pytest.raises(ValueError, match=match):
         verifier_loss(**_bad(**over))
