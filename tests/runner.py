@@ -27,6 +27,7 @@ FAST = [
     "drafter.num_anchors=8",
     "drafter.max_anchors_per_packet=64",
     "logging.progress_bar=false",
+    "eval.every=0",
     "topology.init_timeout_s=120",
     "topology.step_timeout_s=60",
 ]

@@ -303,8 +303,8 @@ _MEM_SCRIPT = textwrap.dedent(
     def call():
         if mode == "target_forward":
             return target_forward(model, ids, None, [0, 1])
-        with torch.inference_mode():
-            return model(input_ids=ids, use_cache=False)
+        with torch.inference_mode():  # the plain way to get the same taps: every hidden state + logits
+            return model(input_ids=ids, use_cache=False, output_hidden_states=True)
     def kib(key):
         return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
     out = call(); del out  # warm-up: lazy init, allocator arenas
