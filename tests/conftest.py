@@ -16,6 +16,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from testpaths import REPO
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny forwards on 2 shared cores: intra-op threads only spin against each other (6x slower)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny target + tokenizer (conf/target/tiny.yaml), built once for the session."""

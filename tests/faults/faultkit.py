@@ -6,6 +6,9 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+import torch
+from runner import Launch
+from safetensors.torch import load_file
 from wandb_reader import read_history
 
 STEPS = ["train.max_steps=12", "train.save_every=4"]
@@ -45,3 +48,17 @@ def resumed_step(log_text: str) -> int | None:
 def figure(scenario: str, **values: object) -> None:
     """Print a scenario's measured figure (``pytest -s`` or ``-rP`` shows it)."""
     print(f"FIGURE {scenario}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+
+
+def assert_continues_reference(run: Launch, reference: Launch, from_step: int, logged_from: int = 1) -> None:
+    """After ``from_step`` the run equals the reference bitwise: per-step losses (W&B, which holds
+    exactly the steps ``logged_from``..last), the final exported weights and the ledger (same
+    samples in the same steps, none twice, none lost)."""
+    ref, got = losses(reference.run_dir), losses(run.run_dir)
+    last = max(ref)
+    assert sorted(got) == list(range(logged_from, last + 1)), sorted(got)
+    assert [got[s] for s in range(from_step + 1, last + 1)] == [ref[s] for s in range(from_step + 1, last + 1)]
+    a = load_file(str(reference.run_dir / "drafter" / "model.safetensors"))
+    b = load_file(str(run.run_dir / "drafter" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert run.ledger() == reference.ledger()

@@ -32,12 +32,7 @@ LAYER_IDS = [1, 2, 4]  # conf/target/tiny.yaml
 QUESTIONS = ["def foo(x):", "import os", "class A:"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _arch(target_dir: Path, **kw) -> DrafterArch:

@@ -23,13 +23,7 @@ TEXTS = ["def foo(x):\n    return", "import os\nimport", "class A:", "for i in r
 N = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # 2 shared cores: intra-op threads spin against each other (a tiny forward is 6x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
