@@ -49,8 +49,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp64"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--terms", default="ce+kl,ce",
-                   help="comma list of ce+kl and/or ce: which loss families to run (default both)")
+    p.add_argument(
+        "--terms",
+        default="ce+kl,ce",
+        help="comma list of ce+kl and/or ce: which loss families to run (default both)",
+    )
     p.add_argument("--chunks", default="1024,256", help="comma list of chunk sizes")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: the usable cores)")
@@ -58,6 +61,13 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logit-std", type=float, default=3.0, help="std of the random logits")
     p.add_argument("--timeout", type=float, default=3600.0, help="per-case subprocess timeout (s)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="shared CPU machines: before each case, and before each timed repeat (up to 120 s), wait "
+        "(up to this many seconds) until the machine has been idle (< 20%% busy) for 3 s",
+    )
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -73,6 +83,34 @@ def _rss_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _cpu_stat() -> list[int] | None:
+    """Aggregate /proc/stat cpu counters (user nice system idle iowait irq softirq steal ...)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+
+
+def _busy_frac(interval: float) -> float:
+    s0 = _cpu_stat()
+    time.sleep(interval)
+    s1 = _cpu_stat()
+    if not s0 or not s1:
+        return 0.0
+    d = [y - x for x, y in zip(s0, s1, strict=False)][:8]
+    return 1 - (d[3] + d[4]) / (sum(d) or 1)
+
+
+def _settle(max_wait: float) -> float:
+    """Wait until the machine has been idle for 3 consecutive seconds (or ``max_wait`` passed)."""
+    t0 = time.time()
+    quiet = 0
+    while time.time() - t0 < max_wait and quiet < 3:
+        quiet = quiet + 1 if _busy_frac(1.0) < 0.2 else 0
+    return round(time.time() - t0, 1)
 
 
 def _run_case(a: argparse.Namespace) -> dict:
@@ -118,8 +156,8 @@ def _run_case(a: argparse.Namespace) -> dict:
                     n = min(C, R - c0)
                     z = zbuf[:n]
                     if not ce_only:
-                        mm(h_v[c0:c0 + n], w_mm.t(), z)
-                    mm(h_d[c0:c0 + n], w_mm.t(), z)
+                        mm(h_v[c0 : c0 + n], w_mm.t(), z)
+                    mm(h_d[c0 : c0 + n], w_mm.t(), z)
                     if cuda and w_mm.dtype != cdt:
                         mm(z.to(w_mm.dtype), w_mm, dh_buf[:n])
                     else:
@@ -130,8 +168,9 @@ def _run_case(a: argparse.Namespace) -> dict:
 
         def step():
             h_d.grad = None
-            out = verifier_loss(h_d, None if ce_only else h_v, w_head, labels, weights,
-                                ce=1.0, kl=kl, chunk_size=C)
+            out = verifier_loss(
+                h_d, None if ce_only else h_v, w_head, labels, weights, ce=1.0, kl=kl, chunk_size=C
+            )
             out.loss.backward()
     elif a.case == "torch_lce":
         from torch.nn import LinearCrossEntropyOptions
@@ -176,12 +215,20 @@ def _run_case(a: argparse.Namespace) -> dict:
         except OSError:
             hwm_ok = False
     times = []
+    busy = [0] * 10
+    settle_each = min(a.settle, 120.0)  # per repeat: wait for an idle machine (shared CPU boxes)
     for _ in range(a.repeats):
+        if settle_each > 0 and not cuda:
+            _settle(settle_each)
+        st0 = _cpu_stat()
         sync()
         t0 = time.perf_counter()
         step()
         sync()
         times.append(time.perf_counter() - t0)
+        st1 = _cpu_stat()
+        if st0 and st1:
+            busy = [b + y - x for b, x, y in zip(busy, st0, st1, strict=False)]
     if cuda:
         peak = torch.cuda.max_memory_allocated(dev) - base
     else:
@@ -192,13 +239,25 @@ def _run_case(a: argparse.Namespace) -> dict:
     best = min(times)
     n_gemm = 2 if ce_only else 3
     rec = {
-        "case": a.case, "terms": "ce" if ce_only else "ce+kl",
+        "case": a.case,
+        "terms": "ce" if ce_only else "ce+kl",
         "chunk": C if a.case in CHUNKED_CASES else None,
-        "rows": R, "hidden": H, "vocab": V, "dtype": a.dtype, "device": str(dev), "threads": threads,
-        "time_s": round(best, 4), "times_s": [round(t, 4) for t in times],
+        "rows": R,
+        "hidden": H,
+        "vocab": V,
+        "dtype": a.dtype,
+        "device": str(dev),
+        "threads": threads,
+        "time_s": round(best, 4),
+        "times_s": [round(t, 4) for t in times],
         "peak_extra_gb": round(peak / 1e9, 4),
         "gemm_tflops": round(2 * n_gemm * R * H * V / best / 1e12, 4),
     }
+    if sum(busy[:8]):
+        tot = sum(busy[:8])
+        # machine-wide busy share (this process included) and hypervisor steal during the timed runs
+        rec["cpu_busy_frac"] = round(1 - (busy[3] + busy[4]) / tot, 3)
+        rec["cpu_steal_frac"] = round(busy[7] / tot, 3)
     if cuda:
         rec["tflops_6rhv"] = round(6 * R * H * V / best / 1e12, 2)
         rec["gpu"] = torch.cuda.get_device_name(dev)
@@ -230,13 +289,39 @@ def main() -> None:
             continue
         plan += [(c, k) for k in chunks] if c in CHUNKED_CASES else [(c, 0)]
     base_args = [
-        "--rows", str(a.rows), "--hidden", str(a.hidden), "--vocab", str(a.vocab), "--dtype", a.dtype,
-        "--device", a.device, "--repeats", str(a.repeats), "--threads", str(a.threads), "--seed", str(a.seed),
-        "--logit-std", str(a.logit_std),
+        "--rows",
+        str(a.rows),
+        "--hidden",
+        str(a.hidden),
+        "--vocab",
+        str(a.vocab),
+        "--dtype",
+        a.dtype,
+        "--device",
+        a.device,
+        "--repeats",
+        str(a.repeats),
+        "--threads",
+        str(a.threads),
+        "--seed",
+        str(a.seed),
+        "--logit-std",
+        str(a.logit_std),
+        "--settle",
+        str(a.settle),
     ]
     results = []
     for case, chunk in plan:
-        cmd = [sys.executable, str(Path(__file__).resolve()), *base_args, "--case", case, "--chunk", str(chunk)]
+        waited = _settle(a.settle) if a.settle > 0 else None
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *base_args,
+            "--case",
+            case,
+            "--chunk",
+            str(chunk),
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
         except subprocess.TimeoutExpired:
@@ -245,9 +330,15 @@ def main() -> None:
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode != 0 or not lines:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                rec = {"case": case, "chunk": chunk or None, "error": f"rc={proc.returncode}: {' | '.join(tail)}"}
+                rec = {
+                    "case": case,
+                    "chunk": chunk or None,
+                    "error": f"rc={proc.returncode}: {' | '.join(tail)}",
+                }
             else:
                 rec = json.loads(lines[-1])
+        if waited is not None:
+            rec["settle_wait_s"] = waited
         results.append(rec)
         print(json.dumps({"progress": rec}), file=sys.stderr, flush=True)
 
@@ -259,8 +350,12 @@ def main() -> None:
                 return r
         return None
 
-    limits = {t: min((r["time_s"] for r in ok if r["case"] == ("limit" if t == "ce+kl" else "limit_ce")),
-                     default=None) for t in ("ce+kl", "ce")}
+    limits = {
+        t: min(
+            (r["time_s"] for r in ok if r["case"] == ("limit" if t == "ce+kl" else "limit_ce")), default=None
+        )
+        for t in ("ce+kl", "ce")
+    }
     for r in results:
         if "error" in r:
             print(json.dumps(r), flush=True)

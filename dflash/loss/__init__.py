@@ -1,5 +1,17 @@
 """Losses of the drafter."""
 
-from dflash.loss.verifier import VerifierLossOutput, VerifierLossStats, default_chunk_size, verifier_loss
+from dflash.loss.verifier import (
+    VerifierLossOutput,
+    VerifierLossStats,
+    default_chunk_size,
+    release_workspace,
+    verifier_loss,
+)
 
-__all__ = ["VerifierLossOutput", "VerifierLossStats", "default_chunk_size", "verifier_loss"]
+__all__ = [
+    "VerifierLossOutput",
+    "VerifierLossStats",
+    "default_chunk_size",
+    "release_workspace",
+    "verifier_loss",
+]

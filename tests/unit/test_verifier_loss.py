@@ -124,6 +124,19 @@ def test_float32_matches_float64_reference(mix, chunk_size):
     assert _rel(g.double(), g_ref) <= 1e-5
 
 
+def test_float32_large_logits_match_reference():
+    """Logit std ~30: row maxima outside the no-shift range of the exp2 path."""
+    h_d, h_v, w_head, labels, weights = _inputs(dtype=torch.float32, logit_std=30.0)
+    h64 = h_d.detach().double().requires_grad_()
+    mix = dict(ce=1.0, kl=1.0, verifier_ce=0.5)
+    ref = _reference(h64, h_v.double(), w_head.double(), labels, weights.double(), **mix)
+    (g_ref,) = torch.autograd.grad(ref["loss"], h64)
+    out = verifier_loss(h_d, h_v, w_head, labels, weights, chunk_size=5, **mix)
+    (g,) = torch.autograd.grad(out.loss, h_d)
+    assert abs(out.loss.item() - ref["loss"].item()) <= 1e-5 * abs(ref["loss"].item())
+    assert _rel(g.double(), g_ref) <= 1e-5
+
+
 def test_bf16_smoke_large_logits():
     """bf16 inputs with logit std ~30 (``rand`` inputs hide bf16 logit rounding, Liger #1432)."""
     h_d, h_v, w_head, labels, weights = _inputs(
@@ -298,12 +311,13 @@ def test_max_argmax_blocked_matches_argmax():
         assert torch.equal(a, z.argmax(1)), v
 
 
+@pytest.mark.parametrize("offset", [0.0, 1000.0, -1000.0])  # +-1000: the max-shifted exp2 branch
 @pytest.mark.parametrize("with_verifier", [True, False])
-def test_exp2_block_matches_softmax_block(with_verifier):
+def test_exp2_block_matches_softmax_block(with_verifier, offset):
     """The CPU T = 1 path (base-2 logits, unnormalised exp2) against the general softmax path."""
     g = torch.Generator().manual_seed(2)
-    zv = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4 if with_verifier else None
-    zd = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4
+    zv = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4 + offset if with_verifier else None
+    zd = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4 + offset
     coef = dict(ce=0.5, kl=1.0 if with_verifier else 0.0, vce=0.25 if with_verifier else 0.0)
     l2e = 1 / torch.log(torch.tensor(2.0, dtype=torch.float64))
     zv1, zd1 = (zv.clone() if with_verifier else None), zd.clone()
