@@ -14,8 +14,9 @@ line completed with ratios:
                    dh = G @ W) into preallocated fp32 buffers at chunk C: this machine's matmul limit;
 - ``limit_ce``     the same with the 2 GEMMs of ce only.
 
-Time: best of ``--repeats`` forward+backward runs. Memory: on CUDA ``max_memory_allocated`` minus the
-allocation after the inputs exist; on CPU the process peak RSS (``VmHWM``, reset through
+Time: best of ``--repeats`` forward+backward runs after ``--warmup`` untimed ones (default 1).
+Memory (warm-up included): on CUDA ``max_memory_allocated`` minus the allocation after the inputs
+exist; on CPU the process peak RSS (``VmHWM``, reset through
 ``/proc/self/clear_refs`` after the inputs exist) minus the RSS at that point. Ratios:
 ``time_vs_naive`` / ``mem_vs_naive`` against the naive case of the same terms, ``time_vs_limit``
 against the best ``limit`` (over chunk sizes) of the same terms, ``*_vs_torch_lce`` for ce only at
@@ -56,6 +57,13 @@ def _parse() -> argparse.Namespace:
     )
     p.add_argument("--chunks", default="1024,256", help="comma list of chunk sizes")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed runs before the timed ones (first-touch page faults, allocator and BLAS warm-up; "
+        "a training step is never the first call), counted in the peak memory",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: the usable cores)")
     p.add_argument("--cases", default=",".join(ALL_CASES), help="comma list of cases to run")
     p.add_argument("--seed", type=int, default=0)
@@ -214,6 +222,9 @@ def _run_case(a: argparse.Namespace) -> dict:
             hwm_ok = True
         except OSError:
             hwm_ok = False
+    for _ in range(a.warmup):
+        step()
+    sync()
     times = []
     busy = [0] * 10
     settle_each = min(a.settle, 120.0)  # per repeat: wait for an idle machine (shared CPU boxes)
@@ -250,6 +261,7 @@ def _run_case(a: argparse.Namespace) -> dict:
         "threads": threads,
         "time_s": round(best, 4),
         "times_s": [round(t, 4) for t in times],
+        "warmup": a.warmup,
         "peak_extra_gb": round(peak / 1e9, 4),
         "gemm_tflops": round(2 * n_gemm * R * H * V / best / 1e12, 4),
     }
@@ -301,6 +313,8 @@ def main() -> None:
         a.device,
         "--repeats",
         str(a.repeats),
+        "--warmup",
+        str(a.warmup),
         "--threads",
         str(a.threads),
         "--seed",
