@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import hydra
@@ -34,16 +35,22 @@ def build_role(cfg: Config, setup, ctx, run_dir: Path):
 
 @record
 def run(dcfg: DictConfig, run_dir: Path) -> None:
-    """One rank's whole life; the error that ends it is also written to its own log (rank{RANK}.log)."""
+    """One rank's whole life; the error that ends it is also written to its own log (rank{RANK}.log).
+
+    The error is logged before the cleanup (W&B finish, process-group teardown) runs: when a peer
+    dies, torchrun SIGTERMs the surviving ranks within tens of milliseconds, and a rank must have
+    named the failure in its log by then.
+    """
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        _run(dcfg, run_dir, rank)
-    except Exception:
-        log.exception("rank %d failed", rank)
-        raise
+    with ExitStack() as cleanup:
+        try:
+            _run(dcfg, run_dir, rank, cleanup)
+        except Exception:
+            log.exception("rank %d failed", rank)
+            raise
 
 
-def _run(dcfg: DictConfig, run_dir: Path, rank: int) -> None:
+def _run(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> None:
     cfg = to_config(dcfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Config-only problems first, before the imports below (transformers, the drafter model) take seconds.
@@ -56,17 +63,11 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
     ctx = init_distributed(cfg.topology)
+    cleanup.callback(destroy, ctx)
     log.info("%s in %s", setup.topology.describe(ctx.rank), run_dir)
-    role = None
-    exit_code = 1
-    try:
-        role = build_role(cfg, setup, ctx, run_dir)
-        role.run()
-        exit_code = 0
-    finally:
-        if role is not None:
-            role.close(exit_code)
-        destroy(ctx)
+    role = build_role(cfg, setup, ctx, run_dir)
+    cleanup.push(lambda exc_type, exc, tb: role.close(0 if exc_type is None else 1))
+    role.run()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
