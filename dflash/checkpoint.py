@@ -124,15 +124,8 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes the renames inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -320,18 +313,18 @@ def save_checkpoint(
         from safetensors.torch import save_file
 
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
-        _fsync_file(tmp / MODEL_FILE)
+        _fsync(tmp / MODEL_FILE)
         del tensors
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        _fsync_file(tmp / OPTIMIZER_FILE)
+        _fsync(tmp / OPTIMIZER_FILE)
         if scheduler_json is not None:
             _write_bytes(tmp / SCHEDULER_JSON, scheduler_json.encode())
         else:
             torch.save(scheduler_state, tmp / SCHEDULER_PT)
-            _fsync_file(tmp / SCHEDULER_PT)
+            _fsync(tmp / SCHEDULER_PT)
         _write_bytes(tmp / TRAIN_STATE_FILE, train_state_json.encode())
         torch.save(rng_state, tmp / RNG_FILE)
-        _fsync_file(tmp / RNG_FILE)
+        _fsync(tmp / RNG_FILE)
         _write_bytes(tmp / CONTRACT_FILE, contract_json.encode())
         _write_bytes(tmp / CONFIG_FILE, config_yaml.encode())
 
@@ -344,7 +337,7 @@ def save_checkpoint(
             indent=1,
             sort_keys=True,
         ).encode()
-        _fsync_dir(tmp)
+        _fsync(tmp)
 
         # Re-saving a step: move the old one aside (hidden, so never picked) before the rename.
         if final.exists():
@@ -353,12 +346,12 @@ def save_checkpoint(
             os.rename(final, old)
             moved_aside = True
         os.rename(tmp, final)
-        _fsync_dir(root)
+        _fsync(root)
 
         marker_tmp = final / f".{MARKER}.tmp"
         _write_bytes(marker_tmp, marker)
         os.rename(marker_tmp, final / MARKER)
-        _fsync_dir(final)
+        _fsync(final)
     except BaseException as e:
         _rmtree(tmp)
         if moved_aside and not _is_marked(final):
@@ -404,7 +397,7 @@ def _apply_retention(root: Path, new_step: int, keep: int) -> None:
             logger.info("removing leftover of an interrupted save: %s", p)
             _rmtree(p)
     try:
-        _fsync_dir(root)
+        _fsync(root)
     except OSError:
         pass
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from dflash.target.loader import decoder_layers
+from dflash.target.loader import check_tap_ids, decoder_layers
 
 
 def layer_output(output) -> torch.Tensor:
@@ -24,13 +24,10 @@ def layer_output(output) -> torch.Tensor:
 
 def check_layer_ids(model: nn.Module, layer_ids: list[int]) -> nn.ModuleList:
     layers = decoder_layers(model)
-    bad = [i for i in layer_ids if not 0 <= int(i) < len(layers)]
-    if bad:
-        raise ValueError(
-            f"target.layer_ids={list(layer_ids)}: layers {bad} outside the target's {len(layers)} decoder layers"
-        )
-    if len(set(layer_ids)) != len(layer_ids):
-        raise ValueError(f"target.layer_ids={list(layer_ids)}: duplicate layers")
+    check_tap_ids(
+        list(layer_ids), len(layers), f"target.layer_ids={list(layer_ids)}",
+        f"use distinct decoder layers in [0, {len(layers) - 1}]",
+    )
     return layers
 
 

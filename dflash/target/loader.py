@@ -129,16 +129,19 @@ def resolve_layer_ids(cfg: TargetConfig, meta: TargetMeta) -> list[int]:
         if explicit
         else f"set target.layer_ids explicitly or a smaller target.num_taps for this {meta.num_layers}-layer target"
     )
+    check_tap_ids(ids, meta.num_layers, where, fix)
+    return ids
+
+
+def check_tap_ids(ids: list[int], num_layers: int, where: str, fix: str) -> None:
+    """Raise ``ValueError`` (``"{where}: ...; {fix}"``) unless ``ids`` are distinct layers in ``[0, num_layers)``."""
     if not ids:
         raise ValueError(f"{where}: need at least one tap; {fix}")
-    bad = [i for i in ids if not 0 <= i < meta.num_layers]
+    bad = [i for i in ids if not 0 <= int(i) < num_layers]
     if bad:
-        raise ValueError(
-            f"{where}: layers {bad} outside the target's {meta.num_layers} decoder layers; {fix}"
-        )
+        raise ValueError(f"{where}: layers {bad} outside the target's {num_layers} decoder layers; {fix}")
     if len(set(ids)) != len(ids):
         raise ValueError(f"{where}: duplicate layers; {fix}")
-    return ids
 
 
 def check_remote_code(cfg: TargetConfig) -> None:
