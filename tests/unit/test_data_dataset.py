@@ -222,11 +222,31 @@ def test_sharegpt_records_and_missing_datasets(tok, tmp_path):
     ]
     with pytest.raises(ValueError, match="does not exist"):
         build_or_load_dataset(make_cfg(tmp_path, tmp_path / "missing.jsonl"), tok, vocab(tok))
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(ValueError, match="datasets"):
-            build_or_load_dataset(make_cfg(tmp_path, tmp_path), tok, vocab(tok))
+
+
+def test_a_path_that_is_not_a_file_needs_datasets(tok, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    with pytest.raises(ValueError, match=r"`datasets` is not installed: pip install 'dflash\[data\]'"):
+        build_or_load_dataset(make_cfg(tmp_path, tmp_path), tok, vocab(tok))
+
+
+def test_a_saved_datasets_dataset_equals_the_same_records_in_jsonl(tok, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    records = [good(i) for i in range(6)]
+    records.insert(2, {"messages": [{"role": "user", "content": "only a question"}]})
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(tmp_path / "ds"))
+
+    from_jsonl = build_or_load_dataset(make_cfg(tmp_path, src), tok, vocab(tok))
+    from_hf = build_or_load_dataset(make_cfg(tmp_path, tmp_path / "ds"), tok, vocab(tok))
+    assert len(from_hf) == len(from_jsonl) == 6
+    assert from_hf.skipped == from_jsonl.skipped and from_hf.skipped["no_supervised_pair"] == 1
+    for i in range(6):
+        for a, b in zip(from_hf.sample(i), from_jsonl.sample(i), strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="data.split='test' is not in"):
+        build_or_load_dataset(make_cfg(tmp_path, tmp_path / "ds", split="test"), tok, vocab(tok))
 
 
 CHILD = r"""
