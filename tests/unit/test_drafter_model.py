@@ -7,41 +7,18 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_drafter import BS, tiny_arch, tiny_batch
 
-from dflash.drafter.blocks import build_mask, doc_ids_from_positions, make_blocks, sample_anchors
+from dflash.drafter.blocks import build_mask, make_blocks
 from dflash.drafter.export import export_drafter, load_exported, load_into, warm_start_problems
-from dflash.drafter.model import DFlashDraftModel, DrafterArch, KVCache
-
-BS = 4
-
-
-def _arch(**kw) -> DrafterArch:
-    base = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                vocab_size=120, target_layer_ids=[1, 3, 5], block_size=BS, mask_token_id=119,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    base.update(kw)
-    return DrafterArch(**base)
-
-
-def _batch(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.cat([torch.arange(14), torch.arange(10)]).unsqueeze(0)
-    S = pos.shape[1]
-    doc = doc_ids_from_positions(pos)
-    mask = torch.ones(1, S, dtype=torch.long)
-    mask[0, :3] = 0
-    anchors = sample_anchors(mask, doc, 4, g)
-    ids = torch.randint(0, 118, (1, S), generator=g)
-    aux = torch.randn(1, S, 3 * 64, generator=g, dtype=torch.float64)
-    emb = torch.randn(120, 64, generator=g, dtype=torch.float64)
-    return pos, doc, anchors, ids, aux, emb
+from dflash.drafter.model import DFlashDraftModel, KVCache
 
 
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 def test_flex_block_mask_equals_dense_sdpa(partial):
     torch.manual_seed(0)
-    model = DFlashDraftModel(_arch(partial_rotary_factor=partial)).double()
-    pos, doc, anchors, ids, aux, emb = _batch()
+    model = DFlashDraftModel(tiny_arch(partial_rotary_factor=partial)).double()
+    pos, doc, anchors, ids, aux, emb = tiny_batch()
     blocks = make_blocks(ids, pos, doc, anchors, BS, 119)
     noise = emb[blocks.block_ids]
     with torch.no_grad():  # flex_attention has no CPU backward in torch 2.13
@@ -54,8 +31,8 @@ def test_training_forward_of_a_block_equals_cached_inference_forward():
     """Train/serve parity: one block in the masked training pass == the decoding pass with a KV cache
     holding exactly the context before the anchor (fed in two chunks, as accepted tokens arrive)."""
     torch.manual_seed(1)
-    model = DFlashDraftModel(_arch()).float()
-    pos, doc, anchors, ids, aux, emb = _batch(1)
+    model = DFlashDraftModel(tiny_arch()).float()
+    pos, doc, anchors, ids, aux, emb = tiny_batch(1)
     aux, emb = aux.float(), emb.float()
     blocks = make_blocks(ids, pos, doc, anchors, BS, 119)
     noise = emb[blocks.block_ids]
@@ -80,7 +57,7 @@ def test_training_forward_of_a_block_equals_cached_inference_forward():
 
 def test_export_layout_and_bit_exact_round_trip(tmp_path):
     torch.manual_seed(2)
-    model = DFlashDraftModel(_arch())
+    model = DFlashDraftModel(tiny_arch())
     out = export_drafter(model, tmp_path / "drafter", target_num_layers=8)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
@@ -105,7 +82,7 @@ def test_export_layout_and_bit_exact_round_trip(tmp_path):
 
 
 def test_warm_start_refuses_a_different_contract():
-    assert warm_start_problems(_arch(), _arch()) == []
-    problems = warm_start_problems(_arch(), _arch(hidden_size=32, target_layer_ids=[1, 2, 3], mask_token_id=5))
+    assert warm_start_problems(tiny_arch(), tiny_arch()) == []
+    problems = warm_start_problems(tiny_arch(), tiny_arch(hidden_size=32, target_layer_ids=[1, 2, 3], mask_token_id=5))
     text = "\n".join(problems)
     assert "hidden_size" in text and "target_layer_ids" in text and "mask_token_id" in text

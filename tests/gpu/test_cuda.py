@@ -1,0 +1,107 @@
+"""CUDA paths that CPU CI cannot run: the chunked loss on CUDA (fp32, bf16 inputs with fp32
+accumulation, compiled block math) against the CPU fp64 result, and compiled flex_attention against
+dense SDPA (forward and backward). Run with ``pytest -m gpu`` on a GPU host; skipped elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_drafter import BS, MASK_ID, tiny_arch, tiny_batch
+
+from dflash.drafter.blocks import build_mask, make_blocks
+from dflash.drafter.model import DFlashDraftModel
+from dflash.loss.verifier import verifier_loss
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+MIXES = [
+    dict(ce=1.0),
+    dict(ce=1.0, kl=1.0),
+    dict(ce=0.5, kl=1.0, verifier_ce=0.3, temperature=2.0),
+]
+
+
+def _inputs(rows: int = 300, hidden: int = 64, vocab: int = 5000, seed: int = 0):
+    """fp64 CPU inputs; a quarter of the rows have weight 0 (and an invalid label)."""
+    g = torch.Generator().manual_seed(seed)
+    w_head = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * (3 / hidden**0.5)
+    h_d = torch.randn(rows, hidden, generator=g, dtype=torch.float64)
+    h_v = torch.randn(rows, hidden, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    weights = torch.rand(rows, generator=g, dtype=torch.float64)
+    weights[::4] = 0
+    labels[::4] = -100
+    return h_d, h_v, w_head, labels, weights
+
+
+def _run(h_d, h_v, w_head, labels, weights, device, dtype, **kw):
+    """Loss, gradient w.r.t. drafter_hidden and stats of ``verifier_loss`` on ``device`` / ``dtype``."""
+    hd = h_d.detach().to(device, dtype, copy=True).requires_grad_()  # a fresh leaf, never the input
+    mix = {k: v for k, v in kw.items() if k in ("ce", "kl", "verifier_ce", "temperature")}
+    needs_verifier = mix.get("kl", 0) > 0 or mix.get("verifier_ce", 0) > 0
+    out = verifier_loss(
+        hd, h_v.to(device, dtype) if needs_verifier else None, w_head.to(device, dtype), labels.to(device),
+        weights.to(device, torch.float32 if dtype != torch.float64 else dtype), **kw,
+    )
+    out.loss.backward()
+    return out.loss.detach().double().cpu(), hd.grad.double().cpu(), out.stats
+
+
+@pytest.mark.parametrize("chunk", [64, 1000])
+@pytest.mark.parametrize("mix", MIXES, ids=["ce", "ce+kl", "all,T=2"])
+def test_cuda_fp32_equals_the_cpu_fp64_loss(mix, chunk):
+    inputs = _inputs()
+    ref_loss, ref_grad, ref_stats = _run(*inputs, "cpu", torch.float64, **mix)
+    loss, grad, stats = _run(*inputs, "cuda", torch.float32, chunk_size=chunk, **mix)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-4 * ref_grad.abs().max().item())
+    assert torch.equal(stats.drafter_argmax.cpu(), ref_stats.drafter_argmax)
+    assert torch.equal(stats.data_hit.cpu(), ref_stats.data_hit)
+
+
+@pytest.mark.parametrize("mix", MIXES[1:], ids=["ce+kl", "all,T=2"])
+def test_cuda_bf16_inputs_accumulate_in_fp32(mix):
+    # The reference runs in fp64 on the same bf16-rounded values, so only accumulation differs.
+    h_d, h_v, w_head, labels, weights = (
+        x.bfloat16().double() if x.is_floating_point() else x for x in _inputs()
+    )
+    ref_loss, ref_grad, _ = _run(h_d, h_v, w_head, labels, weights, "cpu", torch.float64, **mix)
+    hd = h_d.detach().to("cuda", torch.bfloat16, copy=True).requires_grad_()
+    out = verifier_loss(
+        hd, h_v.to("cuda", torch.bfloat16), w_head.to("cuda", torch.bfloat16), labels.cuda(),
+        weights.float().cuda(), chunk_size=128, **mix,
+    )
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and hd.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out.loss.double().cpu(), ref_loss, rtol=1e-4, atol=0)
+    # bf16 gradient: G is rounded to bf16 for the G @ W GEMM and dh is stored in bf16
+    torch.testing.assert_close(hd.grad.double().cpu(), ref_grad, rtol=3e-2, atol=3e-2 * ref_grad.abs().max().item())
+
+
+def test_cuda_compiled_block_math_equals_eager():
+    inputs = _inputs()
+    mix = MIXES[2]
+    eager = _run(*inputs, "cuda", torch.float32, chunk_size=96, **mix)
+    compiled = _run(*inputs, "cuda", torch.float32, chunk_size=96, compile=True, **mix)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-4, atol=1e-4 * eager[1].abs().max().item())
+
+
+def test_compiled_flex_attention_equals_dense_sdpa_forward_and_backward():
+    torch.manual_seed(0)
+    model = DFlashDraftModel(tiny_arch()).float().cuda()
+    pos, doc, anchors, ids, aux, emb = (t.cuda() for t in tiny_batch())
+    aux, emb = aux.float(), emb.float()
+    blocks = make_blocks(ids, pos, doc, anchors, BS, MASK_ID)
+    noise = emb[blocks.block_ids]
+    outs, grads = {}, {}
+    for kind in ("sdpa", "flex"):
+        model.zero_grad(set_to_none=True)
+        out = model(noise, aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, kind))
+        out.square().mean().backward()
+        outs[kind] = out.detach()
+        grads[kind] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(outs["flex"], outs["sdpa"], atol=1e-4, rtol=1e-4)
+    assert grads["flex"].keys() == grads["sdpa"].keys() and grads["sdpa"]
+    for name, g in grads["sdpa"].items():
+        torch.testing.assert_close(grads["flex"][name], g, atol=1e-4 * (1 + g.abs().max().item()), rtol=1e-3)

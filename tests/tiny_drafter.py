@@ -1,0 +1,35 @@
+"""A tiny drafter architecture and one packed batch (two documents, 4 anchors), shared by the
+drafter tests on CPU and on CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
+from dflash.drafter.model import DrafterArch
+
+BS = 4
+MASK_ID = 119
+
+
+def tiny_arch(**kw) -> DrafterArch:
+    base = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                vocab_size=120, target_layer_ids=[1, 3, 5], block_size=BS, mask_token_id=MASK_ID,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    base.update(kw)
+    return DrafterArch(**base)
+
+
+def tiny_batch(seed: int = 0):
+    """``(position_ids, doc_ids, anchors, input_ids, aux_hidden fp64, embedding fp64)`` on CPU."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.cat([torch.arange(14), torch.arange(10)]).unsqueeze(0)
+    S = pos.shape[1]
+    doc = doc_ids_from_positions(pos)
+    mask = torch.ones(1, S, dtype=torch.long)
+    mask[0, :3] = 0
+    anchors = sample_anchors(mask, doc, 4, g)
+    ids = torch.randint(0, 118, (1, S), generator=g)
+    aux = torch.randn(1, S, 3 * 64, generator=g, dtype=torch.float64)
+    emb = torch.randn(120, 64, generator=g, dtype=torch.float64)
+    return pos, doc, anchors, ids, aux, emb
