@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_drafter import BS, tiny_arch, tiny_batch
+from tiny_drafter import BS, MASK_ID, tiny_arch, tiny_batch
 
 from dflash.drafter.blocks import build_mask, make_blocks
 from dflash.drafter.export import export_drafter, load_exported, load_into, warm_start_problems
@@ -19,7 +19,7 @@ def test_flex_block_mask_equals_dense_sdpa(partial):
     torch.manual_seed(0)
     model = DFlashDraftModel(tiny_arch(partial_rotary_factor=partial)).double()
     pos, doc, anchors, ids, aux, emb = tiny_batch()
-    blocks = make_blocks(ids, pos, doc, anchors, BS, 119)
+    blocks = make_blocks(ids, pos, doc, anchors, BS, MASK_ID)
     noise = emb[blocks.block_ids]
     with torch.no_grad():  # flex_attention has no CPU backward in torch 2.13
         dense = model(noise, aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa"))
@@ -34,7 +34,7 @@ def test_training_forward_of_a_block_equals_cached_inference_forward():
     model = DFlashDraftModel(tiny_arch()).float()
     pos, doc, anchors, ids, aux, emb = tiny_batch(1)
     aux, emb = aux.float(), emb.float()
-    blocks = make_blocks(ids, pos, doc, anchors, BS, 119)
+    blocks = make_blocks(ids, pos, doc, anchors, BS, MASK_ID)
     noise = emb[blocks.block_ids]
     train = model(noise, aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa"))
     checked = 0
