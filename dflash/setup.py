@@ -22,10 +22,10 @@ from hydra.utils import to_absolute_path
 from dflash.config import Config, raise_problems, validate
 from dflash.data.dataset import TokenizedDataset, build_or_load_dataset
 from dflash.data.plan import DataPlan
-from dflash.dist.topology import Topology
+from dflash.distributed.topology import Topology
 from dflash.drafter.export import load_exported, warm_start_problems
 from dflash.drafter.model import DrafterArch
-from dflash.target.loader import TargetMeta, read_target_meta, resolve_layer_ids
+from dflash.targets.loader import TargetMeta, read_target_meta, resolve_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
     topology = Topology(cfg.topology.num_targets, cfg.topology.num_drafters, world_size, cfg.optim.grad_accum_steps)
     target_path = resolve_path(cfg.target.path)
     if cfg.target.tiny is not None:
-        from dflash.target.tiny import ensure_tiny_target
+        from dflash.targets.tiny import ensure_tiny_target
 
         target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
     meta = read_target_meta(target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)

@@ -25,7 +25,7 @@ register_configs()
 def build_role(cfg: Config, setup, ctx, run_dir: Path):
     """The only place that branches on the rank: a TargetWorker or a DrafterTrainer."""
     if setup.topology.role_of(ctx.rank) == "target":
-        from dflash.target.worker import TargetWorker
+        from dflash.targets.worker import TargetWorker
 
         return TargetWorker(cfg, setup, ctx)
     from dflash.drafter.trainer import DrafterTrainer
@@ -55,7 +55,8 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Config-only problems first, before the imports below (transformers, the drafter model) take seconds.
     validate(cfg, world_size)
-    from dflash.dist.init import destroy, init_distributed
+    from dflash.distributed.collectives import warm_up_links
+    from dflash.distributed.process_group import destroy, init_distributed
     from dflash.setup import prepare
 
     setup = prepare(cfg, world_size)
@@ -64,6 +65,7 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> None
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
     ctx = init_distributed(cfg.topology)
     cleanup.callback(destroy, ctx)
+    warm_up_links(setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, control_group=ctx.control_group)
     log.info("%s in %s", setup.topology.describe(ctx.rank), run_dir)
     role = build_role(cfg, setup, ctx, run_dir)
     cleanup.push(lambda exc_type, exc, tb: role.close(0 if exc_type is None else 1))

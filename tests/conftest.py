@@ -31,7 +31,7 @@ def one_thread():
 def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny target + tokenizer (conf/target/tiny.yaml), built once for the session."""
     from dflash.config import TinyTargetConfig
-    from dflash.target.tiny import ensure_tiny_target
+    from dflash.targets.tiny import ensure_tiny_target
 
     return ensure_tiny_target(tmp_path_factory.mktemp("tiny") / "target", TinyTargetConfig())
 

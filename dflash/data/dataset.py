@@ -47,7 +47,7 @@ from dflash.data.chat import (
     special_token_texts,
     validate_messages,
 )
-from dflash.target.tiny import file_lock
+from dflash.files import file_lock
 
 log = logging.getLogger(__name__)
 

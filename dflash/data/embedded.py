@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from dflash.data.chat import prompt_ids
-from dflash.target.tiny import file_lock, stdlib_text_files
+from dflash.data.stdlib import stdlib_text_files
+from dflash.files import file_lock
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,10 @@ from dflash.checkpoint import (
     save_checkpoint,
 )
 from dflash.config import Config
-from dflash.dist.init import DistContext, set_timeout
-from dflash.dist.transport import DrafterLink, Packet, PacketSpec, agree_on_start, all_reduce_sum
+from dflash.distributed.collectives import agree_on_start, all_reduce_sum
+from dflash.distributed.links import DrafterLink
+from dflash.distributed.process_group import DistContext, set_timeout
+from dflash.distributed.protocol import Packet, PacketSpec
 from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
@@ -49,7 +51,7 @@ from dflash.metrics import (
     reset_peak_memory,
 )
 from dflash.setup import RunSetup, resolve_path, torch_dtype
-from dflash.target.loader import load_embed_and_head
+from dflash.targets.loader import load_embed_and_head
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,9 @@ class DrafterTrainer:
             num_taps=len(setup.layer_ids), hidden_size=setup.meta.hidden_size, dtype=self.target_dtype,
             max_tokens=cfg.data.token_budget, device=self.device,
         )
-        self.link = DrafterLink(self.topology, ctx.rank, spec, cfg.topology.init_timeout_s)
+        self.link = DrafterLink(
+            self.topology, ctx.rank, spec, cfg.topology.init_timeout_s, control_group=ctx.control_group
+        )
         self.target_stats: dict[int, tuple[float, float]] = {}
         self.static_shape = (
             (cfg.data.token_budget, cfg.drafter.max_anchors_per_packet) if self.attention == "flex" else None

@@ -22,8 +22,8 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.eval.run import eos_ids_of, evaluate, report_metrics
 from dflash.setup import RunSetup, torch_dtype
-from dflash.target.forward import target_forward
-from dflash.target.loader import load_target
+from dflash.targets.forward import target_forward
+from dflash.targets.loader import load_target
 
 log = logging.getLogger(__name__)
 

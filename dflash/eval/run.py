@@ -518,14 +518,14 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
     from transformers import AutoTokenizer
 
     from dflash.drafter.export import load_exported, load_into
-    from dflash.target.loader import load_embed_and_head, load_target, read_target_meta
+    from dflash.targets.loader import load_embed_and_head, load_target, read_target_meta
 
     _raise(eval_config_problems(cfg))
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.target.dtype, device)
     target_path = _abs_path(cfg.target.path)
     if cfg.target.tiny is not None:
-        from dflash.target.tiny import ensure_tiny_target
+        from dflash.targets.tiny import ensure_tiny_target
 
         target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
     drafter_dir = Path(_abs_path(cfg.drafter_path))

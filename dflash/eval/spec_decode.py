@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from dflash.drafter.model import DFlashDraftModel, KVCache
-from dflash.target.hooks import capture_hidden_states
+from dflash.targets.hooks import capture_hidden_states
 
 
 @dataclass

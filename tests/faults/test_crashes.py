@@ -51,7 +51,7 @@ def test_killed_drafter_ends_every_target_naming_it(tmp_path, run_cache):
         failed_at = log_time(log, f"rank {t} failed")
         assert failed_at is not None, log[-2000:]
         detected[t] = round(failed_at - killed, 3)
-        err = [ln for ln in log.splitlines() if ln.startswith("dflash.dist.transport.PeerError")]
+        err = [ln for ln in log.splitlines() if ln.startswith("dflash.distributed.links.PeerError")]
         assert err and f"target {t} (rank {t})" in err[-1] and "drafter 0 (rank 2)" in err[-1], log[-2000:]
     figure("R3 drafter SIGKILL, --max-restarts=0", target_exit_codes=[exits[(t, 0)]["returncode"] for t in (0, 1)],
            target_error_after_drafter_kill_s=detected, target_exit_after_drafter_death_s=within,
@@ -67,7 +67,7 @@ def test_hung_target_is_reported_by_the_drafter(hung_target_run):
     assert hung is not None
     drafter_log = run.rank_log(2)
     detected = log_time(drafter_log, "rank 2 failed")
-    err = [ln for ln in drafter_log.splitlines() if ln.startswith("dflash.dist.transport.PeerError")]
+    err = [ln for ln in drafter_log.splitlines() if ln.startswith("dflash.distributed.links.PeerError")]
     assert detected is not None and err, drafter_log[-2000:]
     # names the stuck rank, its role and the operation
     assert "no packet header from target 0 (rank 0)" in err[-1] and "(recv header)" in err[-1]

@@ -37,7 +37,7 @@ def _entry(rank: int, tmp: str, scenario: str, num_targets: int, num_drafters: i
 
         torch.set_num_threads(1)
         from dflash.config import TopologyConfig
-        from dflash.dist.init import init_distributed
+        from dflash.distributed.process_group import init_distributed
 
         cfg = TopologyConfig(
             num_targets=num_targets,
@@ -50,7 +50,7 @@ def _entry(rank: int, tmp: str, scenario: str, num_targets: int, num_drafters: i
         result.update(SCENARIOS[scenario](ctx, Path(tmp)) or {})
         result["ok"] = True
         if result.pop("destroy", True):
-            from dflash.dist.init import destroy
+            from dflash.distributed.process_group import destroy
 
             destroy(ctx)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -67,7 +67,7 @@ def run_world(
     if "forkserver" in mp.get_all_start_methods():  # children fork from a server that imported torch once
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "dflash.dist.transport", "dflash.dist.init"]
+            ["torch", "torch.distributed", "dflash.distributed.links", "dflash.distributed.process_group"]
         )
     else:
         ctx = mp.get_context("spawn")
@@ -104,7 +104,7 @@ def run_world(
 def _spec(dtype, hidden=HIDDEN):
     import torch
 
-    from dflash.dist.transport import PacketSpec
+    from dflash.distributed.protocol import PacketSpec
 
     return PacketSpec(
         num_taps=TAPS, hidden_size=hidden, dtype=dtype, max_tokens=MAX_TOKENS, device=torch.device("cpu")
@@ -115,7 +115,7 @@ def make_packet(g: int, dtype, hidden: int = HIDDEN):
     """Deterministic packet g with a size that varies with g."""
     import torch
 
-    from dflash.dist.transport import Packet
+    from dflash.distributed.protocol import Packet
 
     gen = torch.Generator().manual_seed(1000 + g)
     num_seqs = 0 if g % 7 == 3 else 1 + g % 3  # every 7th packet: all samples dropped (empty packet)
@@ -157,10 +157,13 @@ def _target_loop(
     ctx, spec, packets, *, max_in_flight=2, timeout=20.0, start=0, hidden=HIDDEN, sleep_before=0.0, lazy=False
 ):
     """Send this target's packets in [start, start + packets) until done or STOP; then END."""
-    from dflash.dist.transport import TargetLink
+    from dflash.distributed.links import TargetLink
 
     topo = ctx.topology
-    link = TargetLink(topo, ctx.rank, 2, spec, timeout, max_in_flight, start_index=None if lazy else start)
+    link = TargetLink(
+        topo, ctx.rank, 2, spec, timeout, max_in_flight, start_index=None if lazy else start,
+        control_group=ctx.control_group,
+    )
     time.sleep(sleep_before)
     for g in topo.packets_of_target(ctx.rank, start, start + packets):
         link.send(make_packet(g, spec.dtype, hidden))
@@ -171,15 +174,15 @@ def _target_loop(
     return {"sent": link.num_sent, "acked": link.num_acked, "max_unacked": link.max_unacked_seen}
 
 
-def _drafter_link(spec, timeout=20.0, start=0):
-    from dflash.dist.topology import Topology
-    from dflash.dist.transport import DrafterLink
+def _drafter_link(ctx, spec, timeout=20.0, start=0):
+    from dflash.distributed.links import DrafterLink
+    from dflash.distributed.topology import Topology
 
-    return DrafterLink(Topology(2, 1, WORLD), 2, spec, timeout, start_index=start)
+    return DrafterLink(Topology(2, 1, WORLD), 2, spec, timeout, start_index=start, control_group=ctx.control_group)
 
 
 def _resume_world(ctx, next_packet, num_steps):
-    from dflash.dist.transport import agree_on_start
+    from dflash.distributed.collectives import agree_on_start
 
     mine = next_packet if ctx.rank == ctx.topology.leader_rank else 0  # only the leader's resume point counts
     return agree_on_start(ctx, ctx.topology, mine, num_steps)
@@ -194,17 +197,18 @@ def sc_happy(ctx, tmp):
     without start_index as after a resume): early STOP with drain. Every 7th packet is empty."""
     import torch
 
-    from dflash.dist.topology import Topology
-    from dflash.dist.transport import DrafterLink, warm_up_links
+    from dflash.distributed.collectives import warm_up_links
+    from dflash.distributed.links import DrafterLink
+    from dflash.distributed.topology import Topology
 
-    warm_up_links(Topology(2, 1, WORLD), ctx.rank, ctx.device, 20.0)
+    warm_up_links(Topology(2, 1, WORLD), ctx.rank, ctx.device, 20.0, control_group=ctx.control_group)
     n_a, n_b = 8, 24
     if ctx.role == "target":
         a = _target_loop(ctx, _spec(torch.float32), n_a)
         start, _ = _resume_world(ctx, n_a, n_b)
         b = _target_loop(ctx, _spec(torch.bfloat16), n_b, start=start, lazy=True)
         return {"a": a, "b": b, "start_b": start}
-    link = _drafter_link(_spec(torch.float32))
+    link = _drafter_link(ctx, _spec(torch.float32))
     mismatched = []
     link.prefetch(0)
     for g in range(n_a):
@@ -218,7 +222,7 @@ def sc_happy(ctx, tmp):
         link.ack(g)
     drained_a = link.stop_all()
     start_b, _ = _resume_world(ctx, n_a, n_b)
-    link = DrafterLink(ctx.topology, 2, _spec(torch.bfloat16), 20.0)  # start fixed by the first recv
+    link = DrafterLink(ctx.topology, 2, _spec(torch.bfloat16), 20.0, control_group=ctx.control_group)  # start fixed by the first recv
     consumed_b = 5
     for g in range(start_b, start_b + consumed_b):
         pkt = link.recv(g)
@@ -245,7 +249,8 @@ def sc_bad_hidden(ctx, tmp):
     """Target 1 sends hidden size 48 where 32 is expected: ProtocolError on the drafter, which lives on."""
     import torch
 
-    from dflash.dist.transport import PeerError, ProtocolError
+    from dflash.distributed.links import PeerError
+    from dflash.distributed.protocol import ProtocolError
 
     if ctx.role == "target":
         hidden = 48 if ctx.rank == 1 else HIDDEN
@@ -253,7 +258,7 @@ def sc_bad_hidden(ctx, tmp):
             return _target_loop(ctx, _spec(torch.float32, hidden), 4, timeout=10.0, hidden=hidden)
         except PeerError as e:  # the drafter gave up on us and exited
             return {"peer_error": str(e), "destroy": False}
-    link = _drafter_link(_spec(torch.float32))
+    link = _drafter_link(ctx, _spec(torch.float32))
     received = [link.recv(0).index]
     try:
         link.recv(1)
@@ -270,7 +275,7 @@ def sc_bad_hidden(ctx, tmp):
 def sc_target_dies(ctx, tmp):
     import torch
 
-    from dflash.dist.transport import PeerError
+    from dflash.distributed.links import PeerError
 
     if ctx.role == "target":
         if ctx.rank == 1:
@@ -280,7 +285,7 @@ def sc_target_dies(ctx, tmp):
             return _target_loop(ctx, _spec(torch.float32), 6, timeout=10.0)
         except PeerError as e:
             return {"peer_error": str(e), "destroy": False}
-    link = _drafter_link(_spec(torch.float32), timeout=30.0)
+    link = _drafter_link(ctx, _spec(torch.float32), timeout=30.0)
     link.recv(0)
     link.ack(0)
     t0 = time.monotonic()
@@ -294,10 +299,10 @@ def sc_target_dies(ctx, tmp):
 def sc_drafter_dies(ctx, tmp):
     import torch
 
-    from dflash.dist.transport import PeerError
+    from dflash.distributed.links import PeerError
 
     if ctx.role == "drafter":
-        link = _drafter_link(_spec(torch.float32))
+        link = _drafter_link(ctx, _spec(torch.float32))
         for g in range(2):
             link.recv(g)
             link.ack(g)
@@ -316,8 +321,8 @@ def sc_target_sleeps(ctx, tmp):
     import torch
     import torch.distributed as dist
 
-    from dflash.dist.init import set_timeout
-    from dflash.dist.transport import PeerError
+    from dflash.distributed.links import PeerError
+    from dflash.distributed.process_group import set_timeout
 
     if ctx.role == "target":
         try:
@@ -326,7 +331,7 @@ def sc_target_sleeps(ctx, tmp):
             )
         except PeerError as e:
             return {"peer_error": str(e), "destroy": False}
-    link = _drafter_link(_spec(torch.float32), timeout=30.0)
+    link = _drafter_link(ctx, _spec(torch.float32), timeout=30.0)
     link.recv(0)
     link.ack(0)
     link.set_timeout(3.0)
@@ -352,20 +357,24 @@ def sc_two_drafters(ctx, tmp):
     """1 target feeding 2 drafters (even packets -> rank 1, odd -> rank 2), resumed at packet 6."""
     import torch
 
-    from dflash.dist.transport import DrafterLink, TargetLink, all_reduce_sum, linked_drafters
+    from dflash.distributed.collectives import all_reduce_sum
+    from dflash.distributed.links import DrafterLink, TargetLink
+    from dflash.distributed.topology import linked_drafters
 
     topo = ctx.topology
     spec = _spec(torch.float32)
     start, num_steps = _resume_world(ctx, 6, 5)
     if ctx.role == "target":
-        links = {d: TargetLink(topo, 0, d, spec, 20.0, 2) for d in linked_drafters(topo, 0)}
+        links = {
+            d: TargetLink(topo, 0, d, spec, 20.0, 2, control_group=ctx.control_group) for d in linked_drafters(topo, 0)
+        }
         for g in topo.packets_of_target(0, start, start + num_steps * topo.packets_per_step):
             links[topo.consumer_of(g)].send(make_packet(g, spec.dtype))
         for link in links.values():
             link.wait_for_stop()
             link.send_end()
         return {"sent": {d: link.num_sent for d, link in links.items()}, "start": start}
-    link = DrafterLink(topo, ctx.rank, spec, 20.0)
+    link = DrafterLink(topo, ctx.rank, spec, 20.0, control_group=ctx.control_group)
     first_step = start // topo.packets_per_step
     got, mismatched = [], []
     for step in range(first_step, first_step + num_steps):

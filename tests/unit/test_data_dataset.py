@@ -26,7 +26,7 @@ from dflash.data.dataset import (
     lock_path,
     parse_messages,
 )
-from dflash.target.tiny import file_lock
+from dflash.files import file_lock
 
 OOV = "<oov_marker>"  # added to the tokenizer with an id >= the vocab size we pass
 

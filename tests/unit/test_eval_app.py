@@ -116,7 +116,7 @@ def test_evaluate_on_the_tiny_target(files, tiny_target_dir):
     assert len(setup.prompts) == 4  # 3 + the one without an assistant answer; the bad line skipped
     assert setup.layer_ids == LAYER_IDS and setup.block_size == 4
     assert setup.eos_ids == {setup.tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    from dflash.target.loader import load_embed_and_head
+    from dflash.targets.loader import load_embed_and_head
 
     embed, head = load_embed_and_head(str(tiny_target_dir))  # what the drafter was trained with
     assert torch.equal(setup.embed, embed) and torch.equal(setup.head, head)

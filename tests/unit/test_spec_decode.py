@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def env(tiny_target_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.target.loader import load_embed_and_head
+    from dflash.targets.loader import load_embed_and_head
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)

@@ -14,9 +14,9 @@ import torch
 from testpaths import REPO
 
 from dflash.config import TargetConfig
-from dflash.target.forward import build_batch, gather_tokens, target_forward
-from dflash.target.hooks import capture_hidden_states
-from dflash.target.loader import (
+from dflash.targets.forward import build_batch, gather_tokens, target_forward
+from dflash.targets.hooks import capture_hidden_states
+from dflash.targets.loader import (
     base_model,
     check_remote_code,
     decoder_layers,
@@ -293,7 +293,7 @@ _MEM_SCRIPT = textwrap.dedent(
     """
     import json, re, sys, torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from dflash.target.forward import target_forward
+    from dflash.targets.forward import target_forward
     torch.set_num_threads(1)
     mode, vocab, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     cfg = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128,

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from dflash.dist.topology import Topology
-from dflash.dist.transport import (
+from dflash.distributed.links import Endpoint, PeerError
+from dflash.distributed.protocol import (
     DTYPE_CODES,
     FLAG_STOP_REQUESTED,
     FLAGS_MASK,
@@ -20,21 +20,16 @@ from dflash.dist.transport import (
     Header,
     Packet,
     PacketSpec,
-    PeerError,
     ProtocolError,
-    _Endpoint,
     check_packet,
     data_header,
     decode_header,
     encode_header,
     end_header,
-    first_on_link,
-    link_period,
-    linked_drafters,
-    linked_targets,
     validate_header,
     validate_payload,
 )
+from dflash.distributed.topology import Topology, first_on_link, link_period, linked_drafters, linked_targets
 
 SPEC = PacketSpec(
     num_taps=5, hidden_size=4096, dtype=torch.bfloat16, max_tokens=16384, device=torch.device("cpu")
@@ -232,7 +227,7 @@ def test_link_schedule():
 
 
 def test_peer_error_names_both_sides():
-    ep = _Endpoint(Topology(2, 1, 3), 2, 120.0, torch.device("cpu"))
+    ep = Endpoint(Topology(2, 1, 3), 2, 120.0, torch.device("cpu"))
     e = ep._peer_error(1, "recv header", 7, 120.0, None)
     assert isinstance(e, PeerError) and str(e) == (
         "drafter 0 (rank 2): no packet header from target 1 (rank 1) for packet 7 within 120s (recv header); "
@@ -246,7 +241,7 @@ def test_peer_error_names_both_sides():
         "drafter 0 (rank 2): recv payload with target 0 (rank 0) for packet 4 failed "
         "(Connection closed by peer [127.0.0.1]:1; timeout 30s); the target died or its connection broke"
     )
-    t = _Endpoint(Topology(2, 1, 3), 0, 5.0, torch.device("cpu"))
+    t = Endpoint(Topology(2, 1, 3), 0, 5.0, torch.device("cpu"))
     assert str(t._peer_error(2, "recv ACK", None, 5.0, RuntimeError("Timed out waiting 5000ms"))) == (
         "target 0 (rank 0): no ACK from drafter 0 (rank 2) within 5s (recv ACK); the drafter is dead or stuck"
     )
@@ -254,7 +249,7 @@ def test_peer_error_names_both_sides():
 
 def test_device_and_backend_resolution(monkeypatch):
     from dflash.config import TopologyConfig
-    from dflash.dist.init import init_distributed, resolve_backend, resolve_device
+    from dflash.distributed.process_group import init_distributed, resolve_backend, resolve_device
 
     cpu = torch.device("cpu")
     if not torch.cuda.is_available():

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dflash.target.hooks import tap_hooks
-from dflash.target.loader import base_model
+from dflash.targets.hooks import tap_hooks
+from dflash.targets.loader import base_model
 
 
 def target_forward(

@@ -9,17 +9,15 @@ file lock, so every rank may call ``ensure_tiny_target`` at once and only one bu
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import sysconfig
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from dflash.config import TinyTargetConfig
+from dflash.data.stdlib import stdlib_text_files
+from dflash.files import file_lock
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -30,27 +28,6 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB = 2048
 _DONE = "dflash_tiny_done.json"
-
-
-def stdlib_text_files(max_files: int = 120) -> list[Path]:
-    """Sorted CPython standard-library ``.py`` files: an offline text corpus present everywhere."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 2000)
-    if not files:
-        raise RuntimeError(f"no standard-library sources found under {root}")
-    return files[:max_files]
-
-
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive inter-process lock on ``path`` (created if missing)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB):

@@ -5,10 +5,15 @@ is rank N. Packets are numbered globally g = 0, 1, 2, ...: packet g is produced 
 and consumed by drafter g mod M. Optimizer step s of every drafter consumes ``accum`` packets, so
 step s covers packets [s*M*accum, (s+1)*M*accum). Every rank computes the same schedule, so no
 receive ever needs an any-source match and a run resumes from a single number.
+
+Seen from one link (target t -> drafter d), consecutive packets are ``lcm(N, M)`` apart
+(``link_period``); with gcd(N, M) > 1 some pairs never exchange a packet (``linked_drafters``,
+``linked_targets``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -84,3 +89,26 @@ class Topology:
     def num_steps(self, num_packets: int) -> int:
         """Full optimizer steps the data plan supports (a partial last step is dropped)."""
         return num_packets // self.packets_per_step
+
+
+def link_period(topology: Topology) -> int:
+    """Distance between consecutive packets of one (target, drafter) link: lcm(N, M)."""
+    return math.lcm(topology.num_targets, topology.num_drafters)
+
+
+def first_on_link(topology: Topology, target_rank: int, drafter_rank: int, start: int = 0) -> int | None:
+    """First packet index >= start that target_rank sends to drafter_rank (None: the link is unused)."""
+    for g in range(start, start + link_period(topology)):
+        if topology.producer_of(g) == target_rank and topology.consumer_of(g) == drafter_rank:
+            return g
+    return None
+
+
+def linked_drafters(topology: Topology, target_rank: int) -> list[int]:
+    """Drafters this target ever sends to (all of them unless gcd(N, M) > 1)."""
+    return [d for d in topology.drafter_ranks if first_on_link(topology, target_rank, d) is not None]
+
+
+def linked_targets(topology: Topology, drafter_rank: int) -> list[int]:
+    """Targets that ever send to this drafter."""
+    return [t for t in topology.target_ranks if first_on_link(topology, t, drafter_rank) is not None]

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from dflash.target.loader import check_tap_ids, decoder_layers
+from dflash.targets.loader import check_tap_ids, decoder_layers
 
 
 def layer_output(output) -> torch.Tensor:

@@ -16,19 +16,15 @@ import torch
 
 from dflash import faults
 from dflash.config import Config
-from dflash.dist.init import DistContext, set_timeout
-from dflash.dist.transport import (
-    FLAG_STOP_REQUESTED,
-    Packet,
-    PacketSpec,
-    TargetLink,
-    agree_on_start,
-    linked_drafters,
-)
+from dflash.distributed.collectives import agree_on_start
+from dflash.distributed.links import TargetLink
+from dflash.distributed.process_group import DistContext, set_timeout
+from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, PacketSpec
+from dflash.distributed.topology import linked_drafters
 from dflash.metrics import peak_memory_gib, reset_peak_memory
 from dflash.setup import RunSetup, torch_dtype
-from dflash.target.forward import build_batch, target_forward
-from dflash.target.loader import load_target
+from dflash.targets.forward import build_batch, target_forward
+from dflash.targets.loader import load_target
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +46,10 @@ class TargetWorker:
             max_tokens=cfg.data.token_budget, device=self.device,
         )
         self.links = {
-            d: TargetLink(self.topology, ctx.rank, d, spec, cfg.topology.init_timeout_s, cfg.topology.max_in_flight)
+            d: TargetLink(
+                self.topology, ctx.rank, d, spec, cfg.topology.init_timeout_s, cfg.topology.max_in_flight,
+                control_group=ctx.control_group,
+            )
             for d in linked_drafters(self.topology, ctx.rank)
         }
 

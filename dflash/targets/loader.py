@@ -7,7 +7,7 @@ Three ways in, from cheapest to most expensive:
 - ``load_embed_and_head``: the ``[V, H]`` embedding and lm_head read by tensor name from the
   checkpoint's safetensors file(s), without building the model (the drafter needs only these two).
 - ``load_target``: the whole frozen ``*ForCausalLM`` (eval, no grad) for the target ranks. Target
-  ranks run only ``base_model(model)`` (headless): see ``dflash.target.forward``.
+  ranks run only ``base_model(model)`` (headless): see ``dflash.targets.forward``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Process-group setup: device and backend choice, the drafter-only and control groups, timeouts.
 
 ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR/PORT for ``env://``). The world
-is N targets + M drafters (``dflash.dist.topology``). Besides the default group (the data channel
-of ``dflash.dist.transport``) every rank creates:
+is N targets + M drafters (``dflash.distributed.topology``). Besides the default group (the data
+channel of ``dflash.distributed.links``) every rank creates:
 - the drafter-only group (DDP among drafters), ``new_group`` called on all ranks;
 - the control group (all ranks): drafter -> target ACK/STOP messages travel on their own group so
   that, with NCCL, a pending control receive never queues in front of a data send on one stream.
@@ -14,9 +14,9 @@ Timeouts: the process group starts with ``topology.init_timeout_s`` (model loadi
 it bounds later collectives (a barrier nobody joins fails after the new 2 s instead of 30 s), but
 NOT blocking point-to-point receives, whose timeout stays the one the group was created with
 (``Backend.set_timeout`` behaves the same). On NCCL it sets the timeout the watchdog applies to
-work enqueued afterwards (not verified here: no GPUs). The transport therefore never relies on it:
-every wait of ``dflash.dist.transport`` passes an explicit ``work.wait(timeout=...)``, and its
-links have their own ``set_timeout``.
+work enqueued afterwards (not verified here: no GPUs). The links therefore never rely on it: every
+wait of ``dflash.distributed.links`` passes an explicit ``work.wait(timeout=...)``, and the links
+have their own ``set_timeout``.
 
 Restarts (``torchrun --max-restarts=K``): torch 2.13's torchrun hands every attempt the same
 agent-hosted TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``) and ``env://`` adds no per-attempt
@@ -38,12 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.dist.topology import Topology
+from dflash.distributed.topology import Topology
 
 log = logging.getLogger(__name__)
-
-_CONTROL_GROUP: Any = None
-
 
 @dataclass
 class DistContext:
@@ -55,7 +52,7 @@ class DistContext:
     drafter_group: Any
     """The drafter-only group on drafter ranks; GroupMember.NON_GROUP_MEMBER on targets."""
     control_group: Any = None
-    """All ranks; carries the transport's drafter -> target control messages."""
+    """All ranks; carries the links' drafter -> target control messages."""
     timeout_s: float = 0.0
     topology: Topology | None = None
 
@@ -66,11 +63,6 @@ class DistContext:
     @property
     def name(self) -> str:
         return self.topology.describe(self.rank) if self.topology else f"rank {self.rank}"
-
-
-def current_control_group() -> Any:
-    """The control group made by ``init_distributed`` (None: use the default group)."""
-    return _CONTROL_GROUP
 
 
 def resolve_device(topology_cfg, local_rank: int) -> torch.device:
@@ -144,7 +136,6 @@ def attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
 
 def init_distributed(topology_cfg, *, init_method: str | None = None) -> DistContext:
     """Initialise the default process group from the torchrun environment, plus the drafter and control groups."""
-    global _CONTROL_GROUP
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     topology = Topology(topology_cfg.num_targets, topology_cfg.num_drafters, world_size)
@@ -162,7 +153,6 @@ def init_distributed(topology_cfg, *, init_method: str | None = None) -> DistCon
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **kwargs)
     drafter_group = dist.new_group(topology.drafter_ranks)  # collective: every rank calls it
     control_group = dist.new_group(list(range(world_size)))
-    _CONTROL_GROUP = control_group
     ctx = DistContext(
         rank=rank,
         world_size=world_size,
@@ -187,7 +177,7 @@ def set_timeout(ctx: DistContext, seconds: float) -> None:
 
     Bounds collectives (e.g. the drafters' DDP all-reduce) and, on NCCL, the watchdog; on gloo it
     does not shorten blocking point-to-point receives (see the module docstring). Links of
-    ``dflash.dist.transport`` take their own ``set_timeout``.
+    ``dflash.distributed.links`` take their own ``set_timeout``.
     """
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -200,7 +190,5 @@ def set_timeout(ctx: DistContext, seconds: float) -> None:
 
 def destroy(ctx: DistContext | None = None) -> None:
     """Tear down every process group (safe to call twice or when init never ran)."""
-    global _CONTROL_GROUP
-    _CONTROL_GROUP = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""The run's collectives: ``warm_up_links`` and ``agree_on_start`` (every rank), ``all_reduce_sum`` (drafters).
+
+``warm_up_links`` runs right after the process group starts (``dflash.train``), before any model
+loads: it exchanges one message on every (target, drafter) link in both directions, so a peer
+that cannot be reached is named at once, and on NCCL every pair communicator exists before the
+first packet. Every wait has an explicit timeout and a backend failure becomes a ``PeerError``
+naming the ranks involved.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dflash.distributed.links import Endpoint, PeerError, is_timeout, short_error
+from dflash.distributed.process_group import DistContext
+from dflash.distributed.protocol import ProtocolError
+from dflash.distributed.topology import Topology, first_on_link
+
+
+def _collective_wait(ctx: DistContext, work: dist.Work, what: str, ranks: list[int], timeout_s: float | None) -> None:
+    timeout = float(timeout_s if timeout_s is not None else (ctx.timeout_s or 1800.0))
+    topo = ctx.topology
+    names = ", ".join(topo.describe(r) for r in ranks) if topo else str(ranks)
+    me = topo.describe(ctx.rank) if topo else f"rank {ctx.rank}"
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001
+        kind = "timed out" if is_timeout(e) else f"failed ({short_error(e)})"
+        raise PeerError(
+            f"{me}: {what} among [{names}] {kind} (timeout {timeout:g}s); a peer is dead or stuck"
+        ) from e
+    if ok is False:
+        raise PeerError(f"{me}: {what} among [{names}] timed out after {timeout:g}s; a peer is dead or stuck")
+
+
+def agree_on_start(
+    ctx: DistContext, topology: Topology, next_packet: int, num_steps: int, timeout_s: float | None = None
+) -> tuple[int, int]:
+    """Every rank (collective over the world): the drafter leader's resume point, checked plans.
+
+    Returns ``(start_packet, num_steps)`` where ``start_packet`` is the leader's ``next_packet``.
+    Every rank computes its data plan itself, so a rank whose ``num_steps`` differs from the
+    leader's raises ``ValueError`` (same seed, dataset and config on every rank?).
+    """
+    mine = torch.tensor([int(next_packet), int(num_steps)], dtype=torch.int64, device=ctx.device)
+    gathered = [torch.zeros_like(mine) for _ in range(topology.world_size)]
+    work = dist.all_gather(gathered, mine, async_op=True)
+    _collective_wait(ctx, work, "agree_on_start (all_gather)", list(range(topology.world_size)), timeout_s)
+    rows = [[int(x) for x in t.tolist()] for t in gathered]
+    start, steps = rows[topology.leader_rank]
+    differ = [r for r, (_, n) in enumerate(rows) if n != steps]
+    if differ:
+        plans = ", ".join(f"{topology.describe(r)}: {rows[r][1]}" for r in [topology.leader_rank, *differ])
+        raise ValueError(
+            f"the ranks disagree on the number of steps of the data plan ({plans}); every rank must use the same "
+            f"data, seed and config"
+        )
+    if start < 0:
+        raise ValueError(f"{topology.describe(topology.leader_rank)} resumes at packet {start} < 0")
+    return start, steps
+
+
+def all_reduce_sum(ctx: DistContext, tensor: Tensor, timeout_s: float | None = None) -> Tensor:
+    """In-place SUM all-reduce over the drafter-only group (a no-op with one drafter); returns ``tensor``."""
+    topo = ctx.topology
+    ranks = topo.drafter_ranks if topo else []
+    if len(ranks) <= 1:
+        return tensor
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ctx.drafter_group, async_op=True)
+    _collective_wait(ctx, work, "all_reduce", ranks, timeout_s)
+    return tensor
+
+
+def warm_up_links(
+    topology: Topology,
+    rank: int,
+    device: torch.device,
+    timeout_s: float,
+    *,
+    data_group=None,
+    control_group=None,
+) -> None:
+    """Exchange one small tensor on every (target, drafter) link, data and control direction.
+
+    Every rank walks the links in one global order, so this cannot deadlock. On NCCL it creates
+    the two-rank communicators of every link up front (their creation blocks until both ends
+    join), so the first real packet or ACK never stalls on it. Peers that do not answer within
+    ``timeout_s`` raise PeerError.
+    """
+    ep = Endpoint(topology, rank, timeout_s, device)
+    role = topology.role_of(rank)
+    for t in topology.target_ranks:
+        for d in topology.drafter_ranks:
+            if rank not in (t, d) or first_on_link(topology, t, d) is None:
+                continue
+            buf = torch.full((1,), rank, dtype=torch.int64, device=device)
+            if role == "target":
+                ep._wait(
+                    ep._post(dist.isend, buf, d, data_group, "send warm-up", None), d, "send warm-up", None
+                )
+                ep._wait(
+                    ep._post(dist.irecv, buf, d, control_group, "recv warm-up", None), d, "recv warm-up", None
+                )
+                if int(buf.item()) != d:
+                    raise ProtocolError(
+                        f"{ep.me}: warm-up from {topology.describe(d)}: expected {d}, got {int(buf.item())}"
+                    )
+            else:
+                ep._wait(
+                    ep._post(dist.irecv, buf, t, data_group, "recv warm-up", None), t, "recv warm-up", None
+                )
+                if int(buf.item()) != t:
+                    raise ProtocolError(
+                        f"{ep.me}: warm-up from {topology.describe(t)}: expected {t}, got {int(buf.item())}"
+                    )
+                buf.fill_(rank)
+                ep._wait(
+                    ep._post(dist.isend, buf, t, control_group, "send warm-up", None), t, "send warm-up", None
+                )

@@ -1,0 +1,183 @@
+"""Crash-safe writes and inter-process locks: the one implementation the whole package uses.
+
+- ``atomic_write(path, data)``: a file that is either its old content or the new one, whatever
+  moment the process dies at (temp file in the same directory, fsync, ``os.replace``, fsync of the
+  directory).
+- ``atomic_file(path)``: the same for content written as a stream (e.g. a JSONL corpus).
+- ``atomic_directory(path)``: a directory filled in a temp sibling, then put in place. Replacing an
+  existing directory uses ``renameat2(RENAME_EXCHANGE)`` (Linux), which swaps the two names in one
+  step, so ``path`` always holds a complete old or new version. Where the exchange is not
+  available the old directory is moved aside first; a kill between the two renames leaves it as
+  ``.<name>.old-<pid>``, which the next ``atomic_directory(path)`` puts back before doing anything.
+- ``append_line(path, line)``: one ``O_APPEND`` write of a whole line, then fsync: a crash can
+  tear only the line being written, never an earlier one.
+- ``file_lock(path)``: an exclusive ``flock``; the kernel releases it when the holder dies.
+
+Files are made readable like any other file the user creates (mode ``0o666 & ~umask``;
+safetensors alone would write 0600).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or a directory (a directory's fsync makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def make_public(path: str | os.PathLike[str]) -> None:
+    """Give ``path`` (recursively for a directory) the mode a plain ``open``/``mkdir`` would."""
+    mask = _umask()
+    p = Path(path)
+    if p.is_dir():
+        os.chmod(p, 0o777 & ~mask)
+        for child in p.rglob("*"):
+            os.chmod(child, (0o777 if child.is_dir() else 0o666) & ~mask)
+    else:
+        os.chmod(p, 0o666 & ~mask)
+
+
+def _temp_sibling(path: Path, kind: str) -> Path:
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+    """Open a temp sibling of ``path`` for writing; on a clean exit it replaces ``path`` atomically.
+
+    On an exception the temp file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(path, "tmp")
+    try:
+        with open(tmp, mode, encoding=None if "b" in mode else encoding) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        make_public(tmp)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_file`); returns ``path``."""
+    with atomic_file(path, "wb") as fh:
+        fh.write(data.encode() if isinstance(data, str) else data)
+    return Path(path)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _restore_interrupted(final: Path) -> None:
+    """Put back the old copy of ``final`` left by a replace that died between its two renames."""
+    if final.exists():
+        return
+    olds = sorted(final.parent.glob(f".{final.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if olds:
+        os.rename(olds[-1], final)
+        fsync_path(final.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*"), reverse=True):
+        fsync_path(p)
+    fsync_path(root)
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty temp directory; on a clean exit it becomes ``path`` (replacing any old one).
+
+    Every file is fsynced before the directory is put in place. On an exception the temp
+    directory is removed and ``path`` is untouched.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _restore_interrupted(final)
+    tmp = _temp_sibling(final, "tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        make_public(tmp)
+        _fsync_tree(tmp)
+        if not final.exists():
+            os.rename(tmp, final)
+        elif _exchange(tmp, final):
+            shutil.rmtree(tmp)  # now the old content
+        else:
+            old = _temp_sibling(final, "old")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def append_line(path: str | os.PathLike[str], line: str) -> None:
+    """Append one line (a newline is added) with a single write, then fsync."""
+    data = (line.rstrip("\n") + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        written = os.write(fd, data)
+        if written != len(data):
+            raise OSError(errno.EIO, f"short write to {path}: {written} of {len(data)} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Exclusive inter-process lock on ``path`` (created if missing); blocks until it is free."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
