@@ -2,7 +2,8 @@
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU wheel on these machines; on a GPU host use TORCH_SPEC="torch==2.13.0" with the CUDA index.
+# The torch of pyproject.toml; `pip install torch==2.13.0` takes the CPU wheel on the CI machines and
+# the CUDA build from PyPI on a GPU host (docker/Dockerfile installs the same version).
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup demo test test-fast lint bench-loss clean

@@ -15,16 +15,17 @@ Layout of one checkpoint::
         config.yaml         the resolved config of the run that wrote it
         COMPLETE            JSON {"files": {name: {"size", "sha256"}}, ...}, written last
 
-The save is atomic, and a checkpoint counts only once its COMPLETE marker exists:
+The save is atomic (``dflash.files.atomic_directory``), and a checkpoint counts only once its
+COMPLETE marker exists:
 
-1. Write every file into ``root/.step_00000012.tmp-<pid>/`` and fsync each one.
-2. Rename that directory to ``step_00000012`` and fsync ``root``.
-3. Write COMPLETE (tmp file, fsync, rename, fsync the directory).
-4. Retention runs only after that.
+1. Write every file, COMPLETE last, into a hidden temp sibling ``root/.step_00000012.tmp-*``.
+2. fsync every file and the directory, then put it in place as ``step_00000012`` (replacing an
+   existing copy of the same step by an atomic exchange), and fsync ``root``.
+3. Retention runs only after that.
 
-A crash at any point leaves either no ``step_*`` directory or one without COMPLETE, and both are
-ignored. Loading checks the size and sha256 of every file against COMPLETE before
-deserialising anything. The only deserialisers used are safetensors, json and
+A crash at any point leaves either the previous state or the complete new checkpoint; a hidden
+temp directory or a ``step_*`` directory without COMPLETE is ignored. Loading checks the size and
+sha256 of every file against COMPLETE before deserialising anything. The only deserialisers used are safetensors, json and
 ``torch.load(weights_only=True)``.
 """
 
@@ -34,7 +35,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import pickle  # only for pickle.UnpicklingError; nothing is unpickled outside weights_only
 import random
 import re
@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dflash.files import atomic_directory, fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ CONFIG_FILE = "config.yaml"
 REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAIN_STATE_FILE, RNG_FILE, CONTRACT_FILE, CONFIG_FILE)
 
 _STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
-_STRAY_RE = re.compile(r"^\.step_(\d{8,})\.(tmp|old)-\d+$")
+_STRAY_RE = re.compile(r"^\.step_(\d{8,})\.(tmp|old)-\d+(-[0-9a-f]+)?$")
 _HASH_CHUNK = 16 << 20
 
 
@@ -83,7 +85,6 @@ class TrainState:
     """Bad-input counters by reason, kept across resume."""
     nonfinite_steps: int = 0
     wandb_run_id: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -124,20 +125,10 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes the renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_bytes(path: Path, data: bytes) -> None:
+    """A file inside the checkpoint's temp directory (``atomic_directory`` fsyncs it before the rename)."""
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _file_digest(path: Path) -> tuple[int, str]:
@@ -299,73 +290,34 @@ def save_checkpoint(
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    name = step_dir_name(step)
-    final = root / name
-    tmp = root / f".{name}.tmp-{os.getpid()}"
-    old = root / f".{name}.old-{os.getpid()}"
+    final = root / step_dir_name(step)
     t0 = time.perf_counter()
-    moved_aside = False
     try:
-        if tmp.exists():
-            _rmtree(tmp)
-        tmp.mkdir()
+        with atomic_directory(final) as tmp:
+            from safetensors.torch import save_file
 
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
-        _fsync(tmp / MODEL_FILE)
-        del tensors
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        _fsync(tmp / OPTIMIZER_FILE)
-        if scheduler_json is not None:
-            _write_bytes(tmp / SCHEDULER_JSON, scheduler_json.encode())
-        else:
-            torch.save(scheduler_state, tmp / SCHEDULER_PT)
-            _fsync(tmp / SCHEDULER_PT)
-        _write_bytes(tmp / TRAIN_STATE_FILE, train_state_json.encode())
-        torch.save(rng_state, tmp / RNG_FILE)
-        _fsync(tmp / RNG_FILE)
-        _write_bytes(tmp / CONTRACT_FILE, contract_json.encode())
-        _write_bytes(tmp / CONFIG_FILE, config_yaml.encode())
-
-        files = {}
-        for p in sorted(tmp.iterdir()):
-            size, digest = _file_digest(p)
-            files[p.name] = {"size": size, "sha256": digest}
-        marker = json.dumps(
-            {"format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files},
-            indent=1,
-            sort_keys=True,
-        ).encode()
-        _fsync(tmp)
-
-        # Re-saving a step: move the old one aside (hidden, so never picked) before the rename.
-        if final.exists():
-            if old.exists():
-                _rmtree(old)
-            os.rename(final, old)
-            moved_aside = True
-        os.rename(tmp, final)
-        _fsync(root)
-
-        marker_tmp = final / f".{MARKER}.tmp"
-        _write_bytes(marker_tmp, marker)
-        os.rename(marker_tmp, final / MARKER)
-        _fsync(final)
-    except BaseException as e:
-        _rmtree(tmp)
-        if moved_aside and not _is_marked(final):
-            # The new copy never got its marker: put the previous copy of this step back.
-            try:
-                _rmtree(final)
-                os.rename(old, final)
-            except OSError:
-                logger.exception("could not restore the previous copy of %s from %s", final, old)
-        if not isinstance(e, Exception) or isinstance(e, TypeError | ValueError):
-            raise
+            save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
+            del tensors
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+            if scheduler_json is not None:
+                _write_bytes(tmp / SCHEDULER_JSON, scheduler_json.encode())
+            else:
+                torch.save(scheduler_state, tmp / SCHEDULER_PT)
+            _write_bytes(tmp / TRAIN_STATE_FILE, train_state_json.encode())
+            torch.save(rng_state, tmp / RNG_FILE)
+            _write_bytes(tmp / CONTRACT_FILE, contract_json.encode())
+            _write_bytes(tmp / CONFIG_FILE, config_yaml.encode())
+            files = {}
+            for p in sorted(tmp.iterdir()):
+                size, digest = _file_digest(p)
+                files[p.name] = {"size": size, "sha256": digest}
+            marker = {"format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files}
+            _write_bytes(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
+    except (TypeError, ValueError):
+        raise
+    except Exception as e:
         raise CheckpointError(f"writing checkpoint step {step} under {root} failed: {e!r}") from e
 
-    _rmtree(old)
     _apply_retention(root, step, keep)
     logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - t0)
     return final
@@ -397,7 +349,7 @@ def _apply_retention(root: Path, new_step: int, keep: int) -> None:
             logger.info("removing leftover of an interrupted save: %s", p)
             _rmtree(p)
     try:
-        _fsync(root)
+        fsync_path(root)
     except OSError:
         pass
 

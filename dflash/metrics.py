@@ -1,4 +1,4 @@
-"""Metric logging (W&B or nothing), step timing, peak memory and the progress bar.
+"""Metric logging (W&B or nothing), peak memory and the progress bar.
 
 Only the drafter leader logs. Every other rank, and ``logging.mode=disabled``, gets a
 ``NullLogger``. ``WandbLogger`` follows these rules:
@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from dflash.config import LoggingConfig
+from dflash.files import atomic_write
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -140,15 +140,6 @@ def _new_run_id() -> str:
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class WandbLogger:
     """W&B run of the drafter leader; see the module docstring for the rules it follows."""
 
@@ -181,7 +172,7 @@ class WandbLogger:
             id_file = self.run_dir / RUN_ID_FILE
             self.run_id = resume_id or _read_run_id(id_file) or _new_run_id()
             if _read_run_id(id_file) != self.run_id:
-                _write_text_atomic(id_file, self.run_id + "\n")
+                atomic_write(id_file, self.run_id + "\n")
 
         self.run = wandb.init(
             mode=cfg.mode,
@@ -315,43 +306,6 @@ def reset_peak_memory(device: torch.device | str) -> None:
             f.write("5")
     except OSError:
         pass
-
-
-class StepTimer:
-    """Wall-clock timing of a block, in seconds.
-
-    ``with timer: ...`` sets ``timer.elapsed`` and adds to ``timer.total`` / ``timer.count``.
-    With a CUDA ``device`` the device is synchronised on entry and exit, so queued kernels
-    are counted in the block that launched them.
-    """
-
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.device = torch.device(device) if device is not None else None
-        self.elapsed = 0.0
-        self.total = 0.0
-        self.count = 0
-        self._start: float | None = None
-
-    def _sync(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def __enter__(self) -> StepTimer:
-        self._sync()
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._sync()
-        assert self._start is not None
-        self.elapsed = time.perf_counter() - self._start
-        self.total += self.elapsed
-        self.count += 1
-        self._start = None
-
-    def reset(self) -> None:
-        self.elapsed = self.total = 0.0
-        self.count = 0
 
 
 def make_progress_bar(total: int | None, initial: int, enabled: bool) -> tqdm | None:

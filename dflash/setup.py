@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from hydra.utils import to_absolute_path
 
-from dflash.config import Config, raise_problems, validate
+from dflash.config import RESOLVED_CONTRACT_KEYS, Config, contract_values, raise_problems, validate
 from dflash.data.dataset import TokenizedDataset, build_or_load_dataset
 from dflash.data.plan import DataPlan
 from dflash.distributed.topology import Topology
@@ -134,9 +134,29 @@ def _fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def run_contract(
+    raw: dict[str, Any], layer_ids: list[int], meta: TargetMeta, arch: DrafterArch, dataset_fingerprint: str,
+    plan_fingerprint: str, num_steps: int,
+) -> dict[str, Any]:
+    """What must not change across a resume: the CONTRACT-tagged config values (``raw``, from
+    ``contract_values``) and the entries of ``RESOLVED_CONTRACT_KEYS`` that cover the derived fields."""
+    resolved = {
+        "target.layer_ids": list(layer_ids),
+        "target.hidden_size": meta.hidden_size,
+        "target.vocab_size": meta.vocab_size,
+        "drafter.arch": arch.to_dict(),
+        "data.fingerprint": dataset_fingerprint,
+        "data.plan": plan_fingerprint,
+        "train.num_steps": num_steps,
+    }
+    assert tuple(resolved) == RESOLVED_CONTRACT_KEYS and not set(resolved) & set(raw)
+    return {**raw, **resolved}
+
+
 def prepare(cfg: Config, world_size: int) -> RunSetup:
     """Everything a rank needs before the process group; raises ValueError on any config problem."""
     validate(cfg, world_size)
+    raw_contract = contract_values(cfg)  # as the user gave it (paths below get resolved)
     topology = Topology(cfg.topology.num_targets, cfg.topology.num_drafters, world_size, cfg.optim.grad_accum_steps)
     target_path = resolve_path(cfg.target.path)
     if cfg.target.tiny is not None:
@@ -198,20 +218,7 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
     num_steps = min(cfg.train.max_steps or available, available)
     if cfg.train.max_steps and cfg.train.max_steps > available:
         log.warning("train.max_steps=%d but the data plan supports %d steps; training %d", cfg.train.max_steps, available, num_steps)
-    contract = {
-        "target.path": cfg.target.path,
-        "target.name": cfg.target.name,
-        "target.layer_ids": layer_ids,
-        "target.hidden_size": meta.hidden_size,
-        "target.vocab_size": meta.vocab_size,
-        "drafter.arch": arch.to_dict(),
-        "topology.num_targets": topology.num_targets,
-        "topology.num_drafters": topology.num_drafters,
-        "optim.grad_accum_steps": topology.grad_accum_steps,
-        "data.fingerprint": dataset.fingerprint,
-        "data.plan": plan.fingerprint(),
-        "train.num_steps": num_steps,
-    }
+    contract = run_contract(raw_contract, layer_ids, meta, arch, dataset.fingerprint, plan.fingerprint(), num_steps)
     log.info(
         "setup: target %s (%d layers, H=%d, V=%d), taps %s, mask %d, %d samples, %d packets, %d steps",
         cfg.target.name, meta.num_layers, meta.hidden_size, meta.vocab_size, layer_ids, mask_id,

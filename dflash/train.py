@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dflash.config import Config, register_configs, to_config, validate
+from dflash.files import atomic_write
 
 log = logging.getLogger("dflash")
 register_configs()
@@ -61,8 +62,7 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> None
 
     setup = prepare(cfg, world_size)
     if rank == setup.topology.leader_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
+        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(dcfg, resolve=True))
     ctx = init_distributed(cfg.topology)
     cleanup.callback(destroy, ctx)
     warm_up_links(setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, control_group=ctx.control_group)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash.config import TopologyConfig, device_kind
 from dflash.distributed.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,9 @@ class DistContext:
         return self.topology.describe(self.rank) if self.topology else f"rank {self.rank}"
 
 
-def resolve_device(topology_cfg, local_rank: int) -> torch.device:
+def resolve_device(topology_cfg: TopologyConfig, local_rank: int) -> torch.device:
     """auto: cuda:{local_rank} when CUDA is available, else cpu. Sets the current CUDA device."""
-    kind = str(topology_cfg.device)
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device_kind(str(topology_cfg.device))
     if kind == "cpu":
         return torch.device("cpu")
     if kind != "cuda":
@@ -87,7 +86,7 @@ def resolve_device(topology_cfg, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def resolve_backend(topology_cfg, device: torch.device) -> str:
+def resolve_backend(topology_cfg: TopologyConfig, device: torch.device) -> str:
     """auto: nccl on cuda, gloo on cpu."""
     backend = str(topology_cfg.backend)
     if backend == "auto":
@@ -134,7 +133,7 @@ def attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
     return dist.PrefixStore(f"dflash/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init_distributed(topology_cfg, *, init_method: str | None = None) -> DistContext:
+def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = None) -> DistContext:
     """Initialise the default process group from the torchrun environment, plus the drafter and control groups."""
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.files import atomic_directory
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -52,24 +53,14 @@ def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype)
 
 
 def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, target_num_layers: int) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` atomically (tmp dir, then rename) to ``out_dir``."""
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    """Write ``config.json`` + ``model.safetensors`` to ``out_dir`` atomically (``atomic_directory``:
+    a crash leaves the previous export or the new one, never a mix) and return it."""
     state = drafter_state(model)
     dtype = next(iter(state.values())).dtype
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(export_config(model.arch, target_num_layers, dtype), indent=2))
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        tmp.rename(out)
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
-    else:
-        tmp.rename(out)
-    return out
+    with atomic_directory(out_dir) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(export_config(model.arch, target_num_layers, dtype), indent=2))
+    return Path(out_dir)
 
 
 def arch_from_export(config: dict) -> DrafterArch:

@@ -31,7 +31,7 @@ from dflash.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from dflash.config import Config
+from dflash.config import Config, drafter_attention
 from dflash.distributed.collectives import agree_on_start, all_reduce_sum
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
@@ -88,9 +88,7 @@ class DrafterTrainer:
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
         self.autocast_dtype = torch_dtype(cfg.drafter.dtype, self.device)
-        self.attention = cfg.drafter.attention
-        if self.attention == "auto":
-            self.attention = "flex" if self.device.type == "cuda" else "sdpa"
+        self.attention = drafter_attention(cfg.drafter.attention, self.device.type)
 
         embed, head = load_embed_and_head(setup.target_path, revision=cfg.target.revision)
         self.embed = embed.to(self.device, self.target_dtype)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.config import TargetConfig
+from dflash.config import DEFAULT_NUM_TAPS, TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,9 @@ def default_layer_ids(num_layers: int, num_taps: int) -> list[int]:
 def resolve_layer_ids(cfg: TargetConfig, meta: TargetMeta) -> list[int]:
     """``cfg.layer_ids`` or the default formula, checked against the target's layer count."""
     explicit = cfg.layer_ids is not None
-    ids = [int(x) for x in cfg.layer_ids] if explicit else default_layer_ids(meta.num_layers, cfg.num_taps)
-    where = (
-        f"target.layer_ids={ids}" if explicit else f"target.num_taps={cfg.num_taps} (default layer ids {ids})"
-    )
+    num_taps = DEFAULT_NUM_TAPS if cfg.num_taps is None else cfg.num_taps
+    ids = [int(x) for x in cfg.layer_ids] if explicit else default_layer_ids(meta.num_layers, num_taps)
+    where = f"target.layer_ids={ids}" if explicit else f"target.num_taps={num_taps} (default layer ids {ids})"
     fix = (
         f"set target.layer_ids to distinct decoder layers in [0, {meta.num_layers - 1}]"
         if explicit

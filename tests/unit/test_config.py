@@ -10,7 +10,18 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 from testpaths import REPO
 
-from dflash.config import Config, register_configs, to_config, validate
+from dflash.config import (
+    RESOLVED_CONTRACT_KEYS,
+    RESUME_KINDS,
+    Config,
+    DataConfig,
+    contract_values,
+    dataset_settings,
+    register_configs,
+    schema_leaves,
+    to_config,
+    validate,
+)
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
@@ -93,3 +104,63 @@ def test_all_problems_are_reported_at_once():
 def test_config_is_a_typed_dataclass():
     cfg = _compose([])
     assert dataclasses.is_dataclass(cfg) and isinstance(cfg.topology.num_targets, int)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume contract and dataset fingerprint come from the schema's field tags
+
+
+def test_every_schema_field_is_tagged_for_resume():
+    """A field that changes behaviour but is left out of the contract lets a resume silently mix
+    incompatible state: every leaf must say CONTRACT, derived(<resolved key>) or FREE."""
+    untagged, unknown = [], []
+    for name, f in schema_leaves(Config):
+        kind = f.metadata.get("resume")
+        if kind not in RESUME_KINDS:
+            untagged.append(name)
+        elif kind == "derived" and f.metadata.get("covered_by") not in RESOLVED_CONTRACT_KEYS:
+            unknown.append(f"{name} -> {f.metadata.get('covered_by')}")
+    assert not untagged, f"schema fields without a resume tag (CONTRACT / derived(...) / FREE): {untagged}"
+    assert not unknown, f"derived fields covered by no resolved contract entry: {unknown}"
+
+
+def test_every_data_field_says_whether_it_shapes_the_dataset():
+    missing = [f.name for f in dataclasses.fields(DataConfig) if not isinstance(f.metadata.get("data"), bool)]
+    assert not missing, f"DataConfig fields without data=True/False (dataset fingerprint): {missing}"
+
+
+def test_contract_holds_the_tagged_values_and_follows_a_change():
+    cfg = _compose([])
+    values = contract_values(cfg)
+    tagged = {name for name, f in schema_leaves(Config) if f.metadata.get("resume") == "contract"}
+    # A None sub-config is one value; a set one contributes its own tagged leaves instead.
+    assert set(values) == {n for n in tagged if n != "target.tiny"}
+    assert values["optim.lr"] == cfg.optim.lr and "train.save_every" not in values
+    assert contract_values(_compose(["optim.lr=1e-3"]))["optim.lr"] == 1e-3
+    assert contract_values(_compose(["target=qwen3_8b"]))["target.tiny"] is None
+
+
+def test_dataset_settings_are_the_data_tagged_fields():
+    cfg = _compose([])
+    settings = dataset_settings(cfg.data)
+    assert {"max_length", "split", "overlong", "train_only_last_turn", "num_samples", "num_eval_prompts"} <= set(settings)
+    assert "token_budget" not in settings and "cache_dir" not in settings
+
+
+def test_flex_guard_uses_the_resolved_device(monkeypatch):
+    """topology.device=auto on a machine with a GPU resolves to flex attention: the static-shape cap
+    is required there, and the config error says so before anything runs."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = _compose(["topology.device=auto", "drafter.attention=auto", "drafter.max_anchors_per_packet=null"])
+    with pytest.raises(ValueError, match=r"drafter\.max_anchors_per_packet=null with flex attention"):
+        validate(cfg, 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    validate(cfg, 3)  # auto on a CPU machine is sdpa: no static shape needed
+
+
+def test_num_taps_must_match_explicit_layer_ids():
+    cfg = _compose(["target.layer_ids=[1,2]", "target.num_taps=5"])
+    with pytest.raises(ValueError, match=r"target\.num_taps=5 but target\.layer_ids lists 2 layers"):
+        validate(cfg, 3)

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from dflash.config import LoggingConfig
 from dflash.metrics import (
     RUN_ID_FILE,
     NullLogger,
-    StepTimer,
     WandbLogger,
     build_logger,
     make_progress_bar,
@@ -134,15 +132,6 @@ def test_redact_config(monkeypatch):
         "a": {"api_key": "<redacted>", "token_budget": 5, "list": ["<redacted>", 1]},
         "token": None,
     }
-
-
-def test_step_timer():
-    timer = StepTimer()
-    with timer:
-        time.sleep(0.02)
-    with timer:
-        pass
-    assert timer.count == 2 and timer.total >= 0.02 > timer.elapsed >= 0
 
 
 _PEAK_PROBE = """
