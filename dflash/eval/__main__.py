@@ -6,7 +6,7 @@
 
 Prints the table (tau, acceptance histogram, TPOT, speedup, lossless), writes ``report.json`` and
 ``config.yaml`` to the run dir and logs ``eval/*`` to W&B (``logging.mode``). Config:
-``conf/eval_app.yaml``, schema ``dflash.eval.run.EvalAppConfig``.
+``conf/eval_app.yaml``, schema ``dflash.eval.app.EvalAppConfig``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dflash.eval.run import register_eval_schema, run_app
+from dflash.eval.app import register_eval_schema, run_app
 
 register_eval_schema()
 

@@ -20,7 +20,8 @@ from dflash.data.dataset import load_eval_samples
 from dflash.drafter.blocks import doc_ids_from_positions, eligible_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
-from dflash.eval.run import eos_ids_of, evaluate, report_metrics
+from dflash.eval.loading import eos_ids_of
+from dflash.eval.report import evaluate, report_metrics
 from dflash.setup import RunSetup, torch_dtype
 from dflash.targets.forward import target_forward
 from dflash.targets.loader import load_target

@@ -4,9 +4,9 @@ from dflash.loss.verifier import (
     VerifierLossOutput,
     VerifierLossStats,
     default_chunk_size,
-    release_workspace,
     verifier_loss,
 )
+from dflash.loss.workspace import release_workspace
 
 __all__ = [
     "VerifierLossOutput",

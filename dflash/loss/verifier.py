@@ -60,20 +60,20 @@ computes each ``exp`` once; meant for GPUs).
 from __future__ import annotations
 
 import math
-import sys
-import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from dflash.loss.kernels import LN2, LOG2E, block_math_exp2, get_block_math
+from dflash.loss.workspace import acquire_workspace, return_workspace
+
 __all__ = [
     "DEFAULT_MEM_BUDGET_GIB",
     "VerifierLossOutput",
     "VerifierLossStats",
     "default_chunk_size",
-    "release_workspace",
     "verifier_loss",
 ]
 
@@ -82,7 +82,6 @@ DEFAULT_MEM_BUDGET_GIB = 2.0
 
 _MIN_CHUNK = 16
 _MAX_CHUNK = 8192
-_ARGMAX_BLOCK = 128  # columns per block of the blocked max/argmax
 # Rows per elementwise block. On CPU the row ops are exp/bandwidth bound and cache residency of
 # smaller blocks measured no gain, while every op is an OpenMP parallel region: with shared cores,
 # 32-row blocks spent seconds in futex waits where 128-row blocks did not. Scratch: 128 x V x 4 B.
@@ -146,51 +145,6 @@ class VerifierLossOutput:
     """The chunk size used (after the default and the clamp to the number of kept rows)."""
 
 
-# ----------------------------------------------------------------------------------------------
-# small helpers
-
-
-def _softmax_(src: Tensor, out: Tensor) -> Tensor:
-    """Row softmax of ``src`` written into ``out`` (may alias ``src``), without allocation."""
-    try:
-        return torch._softmax(src, 1, False, out=out)
-    except (RuntimeError, TypeError, AttributeError):  # pragma: no cover - private op changed
-        out.copy_(torch.softmax(src, 1))
-        return out
-
-
-def _rowdot_(a: Tensor, b: Tensor) -> Tensor:
-    """``sum(a * b, 1)`` of two ``[S, V]`` blocks; ``a`` is overwritten on CPU.
-
-    CPU: ``a.mul_(b).sum(1)``, two large parallel regions per block, no temporary (``bmm`` is ~4x
-    slower; a per-row BLAS ``dot`` opens one parallel region per row, which stalls when the cores
-    are shared). Other devices: one fused ``vecdot`` kernel.
-    """
-    if a.device.type != "cpu":
-        return torch.linalg.vecdot(a, b)
-    return a.mul_(b).sum(1)
-
-
-def _max_argmax(z: Tensor, k: int = _ARGMAX_BLOCK) -> tuple[Tensor, Tensor]:
-    """Row max and first argmax of a 2-D tensor via a blocked ``amax`` (much faster than argmax)."""
-    n, v = z.shape
-    nb = v // k
-    if nb < 2:
-        m, a = z.max(1)
-        return m, a
-    main = z[:, : nb * k].unflatten(1, (nb, k))
-    bmax = main.amax(2)  # [n, nb]
-    m, b = bmax.max(1)  # first block holding the max
-    blk = torch.gather(main, 1, b.view(n, 1, 1).expand(n, 1, k)).view(n, k)
-    a = b * k + blk.argmax(1)
-    if nb * k < v:
-        tm, ta = z[:, nb * k :].max(1)
-        tail = tm > m
-        m = torch.where(tail, tm, m)
-        a = torch.where(tail, ta + nb * k, a)
-    return m, a
-
-
 def _device_mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     """``out = a @ b`` with ``out``'s (fp32/fp64) accumulation and output, never a low-precision output."""
     if a.dtype == out.dtype and b.dtype == out.dtype:
@@ -201,87 +155,6 @@ def _device_mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
         except (RuntimeError, TypeError):  # pragma: no cover - older torch / arch
             pass
     return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_libc_madvise = None
-
-
-def _madvise_huge(ptr: int, nbytes: int) -> bool:
-    global _libc_madvise
-    try:
-        if _libc_madvise is None:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _libc_madvise = fn
-        return _libc_madvise(ptr, nbytes, _MADV_HUGEPAGE) == 0
-    except Exception:  # pragma: no cover - not Linux / no libc
-        _libc_madvise = False
-        return False
-
-
-def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A flat uninitialised buffer; on Linux CPU backed by transparent huge pages when possible.
-
-    A fresh multi-GB CPU buffer costs ~0.3 s per GB in 4 KiB page faults on first touch; with
-    ``MADV_HUGEPAGE`` (honoured when THP is ``madvise`` or ``always``) it is ~10x cheaper and the
-    elementwise passes see fewer TLB misses.
-    """
-    item = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * item
-    if (
-        device.type != "cpu"
-        or nbytes < 8 * _HUGE_PAGE
-        or _libc_madvise is False
-        or not sys.platform.startswith("linux")
-    ):
-        return torch.empty(numel, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % _HUGE_PAGE
-    _madvise_huge(raw.data_ptr() + off, nbytes - nbytes % _HUGE_PAGE)
-    return raw[off : off + nbytes].view(dtype)
-
-
-_WS_LOCK = threading.Lock()
-_WS_CACHE: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-
-
-def _acquire_workspace(numel: int, dtype: torch.dtype, device: torch.device, keep: bool) -> Tensor:
-    """A flat workspace of at least ``numel`` elements: on CPU the one kept from an earlier call
-    when it is large enough.
-
-    First touch of a fresh multi-GB CPU buffer costs page faults (measured 0.5-0.9 s per call for
-    the two 622 MB buffers of a 1024-row chunk at V = 152K on a 2-core VM, even with huge pages),
-    so on CPU the workspace is kept between calls, as the CUDA caching allocator does on GPUs. A
-    concurrent call finds the cache empty and allocates its own.
-    """
-    if keep and device.type == "cpu":
-        with _WS_LOCK:
-            ws = _WS_CACHE.pop((device, dtype), None)
-        if ws is not None and ws.numel() >= numel:
-            return ws
-        del ws  # too small: free it before allocating the larger one
-    return _workspace(numel, dtype, device)
-
-
-def _return_workspace(ws: Tensor, keep: bool) -> None:
-    if keep and ws.device.type == "cpu":
-        key = (ws.device, ws.dtype)
-        with _WS_LOCK:
-            cur = _WS_CACHE.get(key)
-            if cur is None or cur.numel() < ws.numel():
-                _WS_CACHE[key] = ws
-
-
-def release_workspace() -> None:
-    """Free the CPU workspace that :func:`verifier_loss` keeps between calls."""
-    with _WS_LOCK:
-        _WS_CACHE.clear()
 
 
 @dataclass
@@ -296,152 +169,6 @@ class _Cfg:
     compile: bool
     keep_workspace: bool = True
     result: dict = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------------------------
-# per row-block math (eager; optionally compiled)
-
-
-def _block_math(
-    zv: Tensor | None,
-    zd: Tensor,
-    sc: Tensor | None,
-    sc2: Tensor | None,
-    ce: float,
-    kl: float,
-    vce: float,
-    temperature: float,
-    need_grad: bool,
-):
-    """Loss terms and stats of one row block; overwrites ``zv`` and ``zd``.
-
-    On return ``zd`` holds ``G' = G / s`` without the one-hot parts (``-ce/s`` at the label and
-    ``-vce/s`` at the verifier argmax, which the caller scatters per chunk); ``s`` is the scalar
-    the gradient was divided by (0: no gradient written). Returns ``(md, ad, lse_d1, av, zav, kl_r,
-    s)`` where ``lse_d1`` (None if not computed) is the drafter log-sum-exp at T = 1, ``zav`` the
-    drafter logit at the verifier argmax and ``kl_r`` the per-row ``T^2 KL``.
-    """
-    n = zd.shape[0]
-    rows = torch.arange(n, device=zd.device)
-    t = temperature
-    inv_t = 1.0 / t
-    a_coef = ce + vce
-    b_coef = kl * t
-    md, ad = _max_argmax(zd)
-    av = zav = kl_r = lse_dt = None
-    if zv is not None:
-        mv, av = _max_argmax(zv)
-        zav = zd[rows, av]
-        torch.sub(zv, zd, out=sc)  # d = z_v - z_d
-        if t != 1.0:
-            zv.mul_(inv_t)
-            mv = mv * inv_t
-        _softmax_(zv, zv)  # p_T in place
-        lse_vt = mv - torch.log(zv[rows, av])
-        dot = _rowdot_(sc, zv)  # sum p_T (z_v - z_d); sc is scratch again afterwards
-        if t != 1.0:
-            torch.mul(zd, inv_t, out=sc2)
-            _softmax_(sc2, sc2)  # q_T
-            lse_dt = md * inv_t - torch.log(sc2[rows, ad])
-    lse_d1 = None
-    if t == 1.0 or a_coef > 0:
-        _softmax_(zd, zd)  # q_1 in place
-        lse_d1 = md - torch.log(zd[rows, ad])
-        if t == 1.0:
-            lse_dt = lse_d1
-    if zv is not None:
-        kl_r = (dot * inv_t - lse_vt + lse_dt) * (t * t)
-
-    s = 0.0
-    if need_grad:
-        if t == 1.0:
-            s = a_coef + b_coef
-            if b_coef > 0:
-                zd.sub_(zv, alpha=b_coef / s)  # q - (B/s) p
-        elif a_coef > 0:
-            s = a_coef
-            if b_coef > 0:
-                zd.add_(sc2, alpha=b_coef / s)
-                zd.sub_(zv, alpha=b_coef / s)
-        elif b_coef > 0:
-            s = b_coef
-            torch.sub(sc2, zv, out=zd)
-    return md, ad, lse_d1, av, zav, kl_r, s
-
-
-_LN2 = math.log(2.0)
-_LOG2E = 1.0 / _LN2
-
-
-# Row maxima (base 2) for which 2^z needs no max shift: no overflow of e, of the row sums or of
-# G'' @ W, and entries 2^-126 below 1 (fp32 underflow) are > 2^-100 below the row max.
-_EXP2_NOSHIFT = {torch.float32: (-20.0, 64.0), torch.float64: (-900.0, 900.0)}
-
-
-def _exp2_rows_(z: Tensor, m: Tensor) -> Tensor:
-    """``z <- 2^(z - shift)`` in place, the returned per-row ``shift`` being 0 (one pass saved)
-    when every row maximum ``m`` is in the safe range, else ``m``."""
-    lo, hi = _EXP2_NOSHIFT.get(z.dtype, (0.0, 0.0))
-    if bool(((m >= lo) & (m <= hi)).all()):
-        z.exp2_()
-        return torch.zeros_like(m)
-    z.sub_(m.unsqueeze(1)).exp2_()
-    return m
-
-
-def _block_math_exp2(
-    zv: Tensor | None,
-    zd: Tensor,
-    sc: Tensor | None,
-    ce: float,
-    kl: float,
-    vce: float,
-    need_grad: bool,
-):
-    """The ``T = 1`` block on base-2 logits ``z2 = z / ln 2`` (CPU fast path).
-
-    ``exp2`` is ~35% cheaper than ``exp`` on CPU, and the unnormalised ``e = 2^(z2 - shift)``
-    (``shift`` = 0 when the row maxima allow, else the row max) replaces the softmax (its max and
-    normalisation passes): the row sums are folded into the gradient coefficients and the per-row
-    ``dh`` scale. On return ``zd`` holds
-    ``G'' = s_d G / s`` (``s_d = sum e_d``) without the one-hot parts. Returns ``(ad, lse_d1, av,
-    zav, kl_r, s, s_d)`` with natural-log ``lse_d1``, ``zav`` and ``kl_r``.
-    """
-    n = zd.shape[0]
-    rows = torch.arange(n, device=zd.device)
-    md, ad = _max_argmax(zd)
-    av = zav = kl_r = None
-    if zv is not None:
-        mv, av = _max_argmax(zv)
-        zav = zd[rows, av] * _LN2
-        torch.sub(zv, zd, out=sc)  # d2 = z2_v - z2_d
-        sh_v = _exp2_rows_(zv, mv)  # e_v
-        sv = zv.sum(1)
-        dot = _rowdot_(sc, zv) / sv  # sum p (z2_v - z2_d)
-        lse_v2 = sh_v + torch.log2(sv)
-    sh_d = _exp2_rows_(zd, md)  # e_d
-    sd = zd.sum(1)
-    lse_d2 = sh_d + torch.log2(sd)
-    if zv is not None:
-        kl_r = (dot - lse_v2 + lse_d2) * _LN2
-    s = 0.0
-    if need_grad:
-        s = ce + vce + kl
-        if kl > 0:
-            zd.addcmul_(zv, ((kl / s) * sd / sv).unsqueeze(1), value=-1.0)  # s_d (q - (kl/s) p)
-    return ad, lse_d2 * _LN2, av, zav, kl_r, s, sd
-
-
-_compiled_block_math = None
-
-
-def _get_block_math(compile: bool):
-    global _compiled_block_math
-    if not compile:
-        return _block_math
-    if _compiled_block_math is None:
-        _compiled_block_math = torch.compile(_block_math)
-    return _compiled_block_math
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,7 +226,7 @@ def _forward_impl_body(
         rb = max(1, min(cfg.row_block, chunk))
         n_sc = 0 if h_v is None else (1 if cfg.temperature == 1.0 else 2)
         n_big = 1 if h_v is None else 2
-        ws_full = _acquire_workspace((n_big * chunk + n_sc * rb) * vocab, cdt, device, cfg.keep_workspace)
+        ws_full = acquire_workspace((n_big * chunk + n_sc * rb) * vocab, cdt, device, cfg.keep_workspace)
         ws = ws_full[: (n_big * chunk + n_sc * rb) * vocab]
         bufs = ws[: n_big * chunk * vocab].view(n_big, chunk, vocab)
         zd_buf = bufs[0]
@@ -508,7 +235,7 @@ def _forward_impl_body(
         sc = scr[0] if n_sc >= 1 else None
         sc2 = scr[1] if n_sc >= 2 else None
         dh_buf = torch.empty((chunk, hid), dtype=cdt, device=device) if cfg.need_grad else None
-        block_fn = _get_block_math(cfg.compile)
+        block_fn = get_block_math(cfg.compile)
         # CPU, T = 1, fp32/fp64 GEMM operands: base-2 logits from (h / ln 2) @ W^T and the exp2 path
         use_exp2 = (
             _CPU_EXP2
@@ -517,8 +244,8 @@ def _forward_impl_body(
             and not cfg.compile
             and w_mm.dtype == cdt
         )
-        h_scale = _LOG2E if use_exp2 else 1.0
-        z_scale = _LN2 if use_exp2 else 1.0  # natural logit per unit of the buffers
+        h_scale = LOG2E if use_exp2 else 1.0
+        z_scale = LN2 if use_exp2 else 1.0  # natural logit per unit of the buffers
         arange_c = torch.arange(chunk, device=device)
         fac_c = torch.ones(chunk, dtype=cdt, device=device)  # per-row s_d of the exp2 path
 
@@ -551,7 +278,7 @@ def _forward_impl_body(
                 zv_b = zv[b0:b1] if zv is not None else None
                 sc_b = sc[:m] if sc is not None else None
                 if use_exp2:
-                    ad, lse_d1, av, zav, kl_r, s, sd = _block_math_exp2(
+                    ad, lse_d1, av, zav, kl_r, s, sd = block_math_exp2(
                         zv_b, zd[b0:b1], sc_b, cfg.ce, cfg.kl, cfg.vce, cfg.need_grad
                     )
                     fac[b0:b1] = sd
@@ -596,7 +323,7 @@ def _forward_impl_body(
                 else:
                     dh[c0:c1] = dh_c
         del zd, zv, bufs, zd_buf, zv_buf, scr, sc, sc2, ws
-        _return_workspace(ws_full, cfg.keep_workspace)
+        return_workspace(ws_full, cfg.keep_workspace)
     if not have_ce:
         ce_k = None
         vce_k = None

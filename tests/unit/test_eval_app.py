@@ -17,16 +17,9 @@ from wandb_reader import read_wandb_run
 
 from dflash.drafter.export import export_drafter
 from dflash.drafter.model import DFlashDraftModel, DrafterArch
-from dflash.eval.run import (
-    EvalAppConfig,
-    build_report,
-    evaluate,
-    load_for_eval,
-    load_prompts,
-    register_eval_schema,
-    report_metrics,
-    report_table,
-)
+from dflash.eval.app import EvalAppConfig, register_eval_schema
+from dflash.eval.loading import load_for_eval, load_prompts
+from dflash.eval.report import build_report, evaluate, report_metrics, report_table
 
 LAYER_IDS = [1, 2, 4]  # conf/target/tiny.yaml
 QUESTIONS = ["def foo(x):", "import os", "class A:"]
@@ -87,7 +80,7 @@ def _overrides(target_dir, drafter, prompts, *extra) -> list[str]:
 
 
 def test_build_report_on_hand_made_results():
-    from dflash.eval.run import PromptResult
+    from dflash.eval.report import PromptResult
 
     a = PromptResult(0, 5, [1, 2, 3, 4, 5], [1, 3, 1], 0.01, 4, [1, 2, 3, 4, 5], 0.02)
     b = PromptResult(1, 7, [7, 8, 9], [2, 4], 0.02, 3, [7, 8, 0], 0.06)

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash.loss import VerifierLossOutput, release_workspace, verifier_loss
-from dflash.loss.verifier import _block_math, _block_math_exp2, _max_argmax, default_chunk_size
+from dflash.loss.kernels import block_math, block_math_exp2, max_argmax
+from dflash.loss.verifier import default_chunk_size
 
 R, V, H = 37, 1000, 64
 
@@ -306,7 +307,7 @@ def test_max_argmax_blocked_matches_argmax():
         z[0, -1] = 100.0  # max in the tail
         z[1, :] = 1.0  # all tied: first index
         z[2, 3] = z[2, v // 2] = z[2].max() + 1  # tie across blocks
-        m, a = _max_argmax(z)
+        m, a = max_argmax(z)
         torch.testing.assert_close(m, z.amax(1), rtol=0, atol=0)
         assert torch.equal(a, z.argmax(1)), v
 
@@ -323,8 +324,8 @@ def test_exp2_block_matches_softmax_block(with_verifier, offset):
     zv1, zd1 = (zv.clone() if with_verifier else None), zd.clone()
     zv2, zd2 = (zv * l2e if with_verifier else None), zd * l2e
     sc1, sc2 = torch.empty_like(zd), torch.empty_like(zd)
-    _, ad, lse, av, zav, kl_r, s = _block_math(zv1, zd1, sc1, None, temperature=1.0, need_grad=True, **coef)
-    ad2, lse2, av2, zav2, kl2, s2, sd = _block_math_exp2(zv2, zd2, sc2, need_grad=True, **coef)
+    _, ad, lse, av, zav, kl_r, s = block_math(zv1, zd1, sc1, None, temperature=1.0, need_grad=True, **coef)
+    ad2, lse2, av2, zav2, kl2, s2, sd = block_math_exp2(zv2, zd2, sc2, need_grad=True, **coef)
     assert torch.equal(ad, ad2) and s == s2
     torch.testing.assert_close(lse2, lse, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(zd2 / sd[:, None], zd1, rtol=1e-12, atol=1e-14)  # G'' / s_d == G'
@@ -335,7 +336,7 @@ def test_exp2_block_matches_softmax_block(with_verifier, offset):
 
 
 def test_workspace_reuse_between_calls():
-    import dflash.loss.verifier as vl
+    import dflash.loss.workspace as ws
 
     release_workspace()
     mix = dict(ce=1.0, kl=1.0)
@@ -353,11 +354,11 @@ def test_workspace_reuse_between_calls():
         (g,) = torch.autograd.grad(out.loss, h_d)
         assert abs(out.loss.item() - ref["loss"].item()) <= 1e-9 * abs(ref["loss"].item())
         assert _rel(g, g_ref) <= 1e-9
-    assert len(vl._WS_CACHE) == 1  # the largest workspace (fp64) is kept
-    (kept,) = vl._WS_CACHE.values()
+    assert len(ws._WS_CACHE) == 1  # the largest workspace (fp64) is kept
+    (kept,) = ws._WS_CACHE.values()
     assert kept.numel() >= (2 * 8 + 8) * 1500
     release_workspace()
-    assert not vl._WS_CACHE
+    assert not ws._WS_CACHE
 
 
 def test_default_chunk_size():

@@ -1,0 +1,112 @@
+"""``python -m dflash.eval``: the config schema and the app.
+
+:class:`EvalAppConfig` is the schema of ``conf/eval_app.yaml`` (registered with Hydra as
+:data:`SCHEMA_NAME` by :func:`register_eval_schema`). :func:`run_app` loads everything with
+:func:`~dflash.eval.loading.load_for_eval`, runs :func:`~dflash.eval.report.evaluate`, prints the
+table, writes ``report.json`` and ``config.yaml`` to the run dir and logs ``eval/*`` to W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from dflash.config import LoggingConfig, PathsConfig, TargetConfig
+from dflash.eval.loading import load_for_eval
+from dflash.eval.report import EvalReport, evaluate, report_metrics, report_table
+
+log = logging.getLogger(__name__)
+
+SCHEMA_NAME = "dflash_eval_schema"
+
+
+@dataclass
+class EvalAppConfig:
+    """Schema of ``conf/eval_app.yaml`` (``python -m dflash.eval``)."""
+
+    name: str = "eval"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    drafter_path: str = MISSING
+    """An exported drafter directory (config.json + model.safetensors, see dflash.drafter.export)."""
+    prompts: str = MISSING
+    """JSONL of {"messages": [...]} (prompt = messages before the last assistant one) or a datasets path."""
+    split: str = "train"
+    """Split of a datasets path."""
+    num_prompts: int | None = None
+    """Use only the first N usable prompts (None = all)."""
+    max_new_tokens: int = 256
+    block_size: int | None = None
+    """None = the drafter's block size."""
+    baseline: bool = True
+    """Also run block size 1: needed for speedup, TPOT(AR) and the lossless check."""
+    warmup: bool = True
+    """One short untimed generation of each kind before timing."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to apply_chat_template, e.g. {enable_thinking: false} for Qwen3."""
+    eos_token_ids: list[int] | None = None
+    """None = the tokenizer's eos + the target's generation_config eos."""
+    step: int = 0
+    """train/step the metrics are logged at (e.g. the training step of the evaluated drafter)."""
+
+
+def register_eval_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=EvalAppConfig)
+
+
+def _histogram_object(report: EvalReport):
+    """A wandb.Histogram of the acceptance lengths (bins centred on 1..B)."""
+    import numpy as np
+    import wandb
+
+    counts = np.array([report.accept_len_hist[k] for k in sorted(report.accept_len_hist)], dtype=np.float64)
+    edges = np.arange(0.5, report.block_size + 1.0, 1.0)
+    return wandb.Histogram(np_histogram=(counts, edges))
+
+
+def run_app(dcfg: Any, run_dir: Path) -> EvalReport:
+    """What ``python -m dflash.eval`` does: load, evaluate, print the table, write report.json, log W&B."""
+    from omegaconf import OmegaConf
+
+    from dflash.metrics import WandbLogger, build_logger
+
+    obj = OmegaConf.to_object(dcfg)
+    assert isinstance(obj, EvalAppConfig), type(obj)
+    cfg: EvalAppConfig = obj
+    setup = load_for_eval(cfg)
+    log.info("eval: target %s, drafter %s, %d prompts, block size %d, taps %s, device %s",
+             setup.target_path, setup.drafter_path, len(setup.prompts), setup.block_size, setup.layer_ids, setup.device)
+    report = evaluate(
+        setup.target, setup.drafter, setup.embed, setup.head, setup.tokenizer, setup.prompts,
+        max_new_tokens=cfg.max_new_tokens, layer_ids=setup.layer_ids, block_size=setup.block_size,
+        eos_ids=setup.eos_ids, baseline=cfg.baseline, warmup=cfg.warmup,
+    )
+    print(report_table(report), flush=True)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
+    (run_dir / "report.json").write_text(json.dumps(report.to_dict(), indent=1, default=str))
+    metrics = report_metrics(report)
+    config = OmegaConf.to_container(dcfg, resolve=True)
+    logger = build_logger(cfg.logging, True, run_dir, config, run_name=cfg.name)
+    try:
+        row: dict[str, Any] = dict(metrics)
+        if isinstance(logger, WandbLogger):
+            row["eval/accept_len_histogram"] = _histogram_object(report)
+        logger.log(row, step=cfg.step)
+        logger.summary(metrics)
+    except BaseException:
+        logger.close(exit_code=1)
+        raise
+    logger.close()
+    return report

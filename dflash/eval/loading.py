@@ -1,0 +1,279 @@
+"""Loading for the eval: target, exported drafter, embed/head, tokenizer, prompts and eos ids.
+
+:func:`load_for_eval` checks the :class:`~dflash.eval.app.EvalAppConfig` (:func:`eval_config_problems`)
+and the exported drafter against the target (:func:`drafter_problems`) before the target's weights
+load, reporting every problem at once, and returns an :class:`EvalSetup`. :func:`load_prompts`,
+:func:`prompt_from_record` and :func:`eos_ids_of` are also used by the periodic eval during training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash.drafter.model import DFlashDraftModel, DrafterArch
+
+if TYPE_CHECKING:
+    from dflash.eval.app import EvalAppConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSetup:
+    target: torch.nn.Module
+    drafter: DFlashDraftModel
+    embed: torch.Tensor
+    head: torch.Tensor
+    tokenizer: Any
+    prompts: list[list[int]]
+    layer_ids: list[int]
+    block_size: int
+    eos_ids: set[int]
+    device: torch.device
+    target_path: str
+    drafter_path: str
+
+
+def _abs_path(path: str) -> str:
+    """A local path made absolute against the launch directory (Hydra does not chdir); a hub id as is."""
+    from hydra.utils import to_absolute_path
+
+    p = Path(path).expanduser()
+    local = p if p.is_absolute() else Path(to_absolute_path(str(p)))
+    return str(local) if local.exists() or path.startswith((".", "/", "~")) else path
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto -> bfloat16 on GPU, float32 on CPU (as training)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def eval_config_problems(cfg: EvalAppConfig) -> list[str]:
+    """Problems the eval config alone shows (no file read); empty when valid."""
+    p = []
+    if cfg.max_new_tokens < 1:
+        p.append(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
+    if cfg.block_size is not None and cfg.block_size < 1:
+        p.append(f"block_size={cfg.block_size}: must be >= 1 (1 = plain decoding) or null for the drafter's")
+    if cfg.num_prompts is not None and cfg.num_prompts < 1:
+        p.append(f"num_prompts={cfg.num_prompts}: must be >= 1 or null (all prompts)")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        p.append(f"device={cfg.device!r} is not one of ['auto', 'cpu', 'cuda']")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        p.append("device=cuda but CUDA is not available; set device=cpu (or auto)")
+    if cfg.logging.mode not in ("online", "offline", "disabled"):
+        p.append(f"logging.mode={cfg.logging.mode!r} is not one of ['online', 'offline', 'disabled']")
+    if cfg.target.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        p.append(f"target.dtype={cfg.target.dtype!r} is not one of ['auto', 'float32', 'bfloat16', 'float16']")
+    return p
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        lines = "\n".join(f"  - {m}" for m in problems)
+        raise ValueError(f"{len(problems)} eval config problem(s):\n{lines}")
+
+
+def drafter_problems(arch: DrafterArch, exported_cfg: dict, meta: Any, cfg: EvalAppConfig) -> list[str]:
+    """Why an exported drafter cannot run against this target (empty when it can)."""
+    p = []
+    where = f"drafter_path={cfg.drafter_path}"
+    tgt = f"target {cfg.target.name} ({cfg.target.path})"
+    fix = "evaluate the drafter against the target it was trained for (target=... / target.path=...)"
+    if arch.hidden_size != meta.hidden_size:
+        p.append(f"{where}: the drafter's hidden_size={arch.hidden_size} differs from {tgt} hidden_size="
+                 f"{meta.hidden_size} (it reuses the target's embedding and lm_head); {fix}")
+    if arch.vocab_size != meta.vocab_size:
+        p.append(f"{where}: the drafter's vocab_size={arch.vocab_size} differs from {tgt} vocab_size="
+                 f"{meta.vocab_size}; {fix}")
+    n_layers = exported_cfg.get("num_target_layers")
+    if n_layers is not None and int(n_layers) != meta.num_layers:
+        p.append(f"{where}: the drafter was exported for a {n_layers}-layer target, {tgt} has "
+                 f"{meta.num_layers} layers; {fix}")
+    bad = [i for i in arch.target_layer_ids if not 0 <= i < meta.num_layers]
+    if bad:
+        p.append(f"{where}: the drafter's tap ids (dflash_config.target_layer_ids={arch.target_layer_ids}) "
+                 f"include {bad}, outside the {meta.num_layers} decoder layers of {tgt}; {fix}")
+    if cfg.target.layer_ids is not None and [int(i) for i in cfg.target.layer_ids] != list(arch.target_layer_ids):
+        p.append(f"target.layer_ids={list(cfg.target.layer_ids)} but the drafter was trained on taps "
+                 f"{arch.target_layer_ids}; set target.layer_ids={list(arch.target_layer_ids)} "
+                 f"(or target.layer_ids=null to use the drafter's)")
+    if not 0 <= arch.mask_token_id < meta.vocab_size:
+        p.append(f"{where}: the drafter's mask_token_id={arch.mask_token_id} is outside the target vocabulary "
+                 f"[0, {meta.vocab_size}); {fix}")
+    return p
+
+
+def prompt_from_record(record: Any, tokenizer: Any, template_kwargs: dict[str, Any]) -> list[int]:
+    """Prompt ids of one record: the chat-template prompt of its messages (up to the last assistant
+    message), or for a pretokenized record (input_ids + loss_mask, no messages) the ids before the
+    first supervised token. Raises ValueError (MalformedConversation) on unusable records."""
+    from dflash.data.chat import prompt_ids
+    from dflash.data.dataset import parse_messages, pretokenized
+
+    if isinstance(record, dict) and "input_ids" in record and "messages" not in record:
+        ids, mask = pretokenized(record)
+        first = int(mask.argmax()) if mask.any() else len(ids)
+        if first == 0:
+            raise ValueError("pretokenized record supervises its first token: no prompt")
+        return [int(i) for i in ids[:first]]
+    ids = prompt_ids(tokenizer, parse_messages(record), **template_kwargs)
+    if not ids:
+        raise ValueError("empty prompt")
+    return ids
+
+
+def load_prompts(
+    path: str,
+    tokenizer: Any,
+    *,
+    split: str = "train",
+    num_prompts: int | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    field_name: str = "prompts",
+) -> list[list[int]]:
+    """Prompt ids from a JSONL of {"messages": [...]} or a ``datasets`` path (first ``num_prompts``
+    usable records; unusable ones are skipped with a warning)."""
+    import jinja2
+
+    from dflash.data.dataset import load_conversations
+
+    p = Path(path)
+    if p.suffix in (".jsonl", ".json") and not p.exists():
+        raise ValueError(f"{field_name}={path!r} does not exist; set {field_name}=<a JSONL of "
+                         '{"messages": [...]} or a datasets path>')
+    out: list[list[int]] = []
+    skipped = 0
+    for idx, rec in enumerate(load_conversations(str(path), split)):
+        try:
+            out.append(prompt_from_record(rec, tokenizer, template_kwargs or {}))
+        except (ValueError, jinja2.TemplateError) as exc:
+            skipped += 1
+            log.warning("%s record %d skipped: %s", field_name, idx, exc)
+            continue
+        if num_prompts is not None and len(out) >= num_prompts:
+            break
+    if not out:
+        raise ValueError(f"{field_name}={path!r}: no usable prompt ({skipped} records skipped); each record "
+                         'needs {"messages": [{"role": ..., "content": ...}, ...]}')
+    if skipped:
+        log.warning("%s: %d records skipped, %d prompts used", field_name, skipped, len(out))
+    return out
+
+
+def eos_ids_of(tokenizer: Any, target: torch.nn.Module | None) -> set[int]:
+    """The tokenizer's eos plus the target's generation_config eos (an int or a list)."""
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is not None:
+        ids |= {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    return ids
+
+
+def target_embed_and_head(target: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The loaded target's own embedding and lm_head weights [V, H] (shared, no copy): the same
+    tensors ``load_embed_and_head`` reads from the checkpoint, without a second copy on the device."""
+    try:
+        emb, out = target.get_input_embeddings(), target.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None, None
+    w_e, w_h = getattr(emb, "weight", None), getattr(out, "weight", None)
+    if not isinstance(w_e, torch.Tensor) or not isinstance(w_h, torch.Tensor) or w_e.shape != w_h.shape:
+        return None, None
+    return w_e.detach(), w_h.detach()
+
+
+def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
+    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head (the target's own
+    weights; ``load_embed_and_head`` when the model does not expose them), tokenizer, prompts.
+
+    Every mismatch between the drafter and the target is reported at once, before the target's
+    weights load, each naming the field and the fix.
+    """
+    from transformers import AutoTokenizer
+
+    from dflash.drafter.export import load_exported, load_into
+    from dflash.targets.loader import load_embed_and_head, load_target, read_target_meta
+
+    _raise(eval_config_problems(cfg))
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.target.dtype, device)
+    target_path = _abs_path(cfg.target.path)
+    if cfg.target.tiny is not None:
+        from dflash.targets.tiny import ensure_tiny_target
+
+        target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
+    drafter_dir = Path(_abs_path(cfg.drafter_path))
+    if not drafter_dir.is_dir():
+        raise ValueError(f"drafter_path={cfg.drafter_path!r} is not a directory ({drafter_dir}); set "
+                         "drafter_path=<a drafter exported with dflash.drafter.export (config.json + model.safetensors)>")
+    missing = [f for f in ("config.json", "model.safetensors") if not (drafter_dir / f).is_file()]
+    if missing:
+        raise ValueError(f"drafter_path={cfg.drafter_path!r} lacks {missing}: not an exported drafter; set "
+                         "drafter_path=<a drafter exported with dflash.drafter.export (config.json + model.safetensors)>")
+    try:
+        arch, state = load_exported(drafter_dir)
+    except ValueError as exc:
+        raise ValueError(f"drafter_path={cfg.drafter_path!r}: {exc}") from None
+    exported_cfg = json.loads((drafter_dir / "config.json").read_text())
+    meta = read_target_meta(target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+    _raise(drafter_problems(arch, exported_cfg, meta, cfg))
+    block_size = cfg.block_size or arch.block_size
+
+    tok_path = _abs_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
+    prompts_path = _abs_path(cfg.prompts)
+    prompts = load_prompts(prompts_path, tokenizer, split=cfg.split, num_prompts=cfg.num_prompts,
+                           template_kwargs=dict(cfg.chat_template_kwargs))
+    too_long = [i for i, ids in enumerate(prompts)
+                if meta.max_position_embeddings and len(ids) + cfg.max_new_tokens + block_size > meta.max_position_embeddings]
+    if too_long:
+        raise ValueError(f"prompts {too_long[:5]}: prompt + max_new_tokens={cfg.max_new_tokens} + block size exceeds the "
+                         f"target's max_position_embeddings={meta.max_position_embeddings}; lower max_new_tokens")
+
+    tcfg = type(cfg.target)(**{**asdict(cfg.target), "path": target_path})
+    target = load_target(tcfg, device, dtype)
+    drafter = DFlashDraftModel(arch)
+    load_into(drafter, state)
+    drafter.to(device).eval().requires_grad_(False)
+    with torch.no_grad():  # parameters only: the RoPE inv_freq buffer stays fp32, as in the target
+        for param in drafter.parameters():
+            param.data = param.data.to(dtype)
+    embed, head = target_embed_and_head(target)
+    if embed is None or head is None:
+        embed, head = load_embed_and_head(target_path, revision=cfg.target.revision,
+                                          trust_remote_code=cfg.target.trust_remote_code)
+    eos = set(cfg.eos_token_ids) if cfg.eos_token_ids is not None else eos_ids_of(tokenizer, target)
+    return EvalSetup(
+        target=target,
+        drafter=drafter,
+        embed=embed.to(device, dtype),
+        head=head.to(device, dtype),
+        tokenizer=tokenizer,
+        prompts=prompts,
+        layer_ids=list(arch.target_layer_ids),
+        block_size=block_size,
+        eos_ids=eos,
+        device=device,
+        target_path=target_path,
+        drafter_path=str(drafter_dir),
+    )
