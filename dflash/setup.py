@@ -20,8 +20,9 @@ import torch
 from hydra.utils import to_absolute_path
 
 from dflash.config import Config, raise_problems, validate
-from dflash.data.dataset import TokenizedDataset, build_or_load_dataset
+from dflash.data.cache import build_or_load_dataset
 from dflash.data.plan import DataPlan
+from dflash.data.tokenize import TokenizedDataset
 from dflash.distributed.topology import Topology
 from dflash.drafter.export import load_exported, warm_start_problems
 from dflash.drafter.model import DrafterArch
