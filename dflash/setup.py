@@ -9,8 +9,6 @@ cached artefacts are built once.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,8 +18,10 @@ import torch
 from hydra.utils import to_absolute_path
 
 from dflash.config import RESOLVED_CONTRACT_KEYS, Config, contract_values, raise_problems, validate
-from dflash.data.dataset import TokenizedDataset, build_or_load_dataset
+from dflash.data.cache import build_or_load_dataset
 from dflash.data.plan import DataPlan
+from dflash.data.sources import EMBEDDED, resolve_source
+from dflash.data.tokenize import TokenizedDataset
 from dflash.distributed.topology import Topology
 from dflash.drafter.export import load_exported, warm_start_problems
 from dflash.drafter.model import DrafterArch
@@ -130,10 +130,6 @@ def target_problems(cfg: Config, meta: TargetMeta, tokenizer: Any) -> list[str]:
     return p
 
 
-def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def run_contract(
     raw: dict[str, Any], layer_ids: list[int], meta: TargetMeta, arch: DrafterArch, dataset_fingerprint: str,
     plan_fingerprint: str, num_steps: int,
@@ -192,20 +188,11 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
     raise_problems(problems, "config")
 
     data_cfg = cfg.data
-    if data_cfg.path == "embedded":
-        from dflash.data.embedded import build_embedded_corpus
-
-        cache = Path(resolve_path(data_cfg.cache_dir))
-        corpus = build_embedded_corpus(
-            Path(target_path),
-            cache / f"embedded_{_fingerprint([target_path, data_cfg.embedded_num_prompts, data_cfg.embedded_max_new_tokens, data_cfg.seed])}.jsonl",
-            num_prompts=data_cfg.embedded_num_prompts,
-            max_new_tokens=data_cfg.embedded_max_new_tokens,
-            seed=data_cfg.seed,
-        )
-        data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": str(corpus), "cache_dir": str(cache)})
-    else:
-        data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": resolve_path(data_cfg.path), "cache_dir": resolve_path(data_cfg.cache_dir)})
+    path = data_cfg.path if data_cfg.path == EMBEDDED else resolve_path(data_cfg.path)
+    data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": path, "cache_dir": resolve_path(data_cfg.cache_dir)})
+    # embedded: the corpus file, built once from the target; every later reader of cfg.data (the
+    # held-out eval tail on the drafter) then finds the same file without the target directory
+    data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": resolve_source(data_cfg, target_path)})
     cfg.data = data_cfg
     dataset = build_or_load_dataset(data_cfg, tokenizer, meta.vocab_size)
     plan = DataPlan.build(dataset.lengths(), data_cfg.token_budget, data_cfg.seed, data_cfg.num_epochs)

@@ -34,7 +34,7 @@ import torch
 
 from dflash.data.chat import prompt_ids
 from dflash.data.stdlib import stdlib_text_files
-from dflash.files import file_lock
+from dflash.files import atomic_file, atomic_write, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +218,7 @@ def build_embedded_corpus(
         with _torch_threads(1 if torch.device(device).type == "cpu" else torch.get_num_threads()):
             responses, finished = generate_greedy(model, tokenizer, prompts, max_new_tokens)
         del model
-        tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with atomic_file(out_path) as fh:
             for conv, prompt, ids, done in zip(convs, prompts, responses, finished, strict=True):
                 text = tokenizer.decode(ids, skip_special_tokens=False)
                 response = ids + [tokenizer.eos_token_id] if done else ids
@@ -228,10 +227,7 @@ def build_embedded_corpus(
                     "input_ids": prompt + response,
                     "loss_mask": [0] * len(prompt) + [1] * len(response),
                 }) + "\n")
-        os.replace(tmp, out_path)
-        meta_tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}")
-        meta_tmp.write_text(json.dumps(want, indent=1))
-        os.replace(meta_tmp, meta_path)
+        atomic_write(meta_path, json.dumps(want, indent=1))
         log.info(
             "embedded corpus: %d prompts x <=%d tokens (%d finished with eos) in %.1fs -> %s",
             num_prompts,

@@ -123,7 +123,8 @@ def prompt_from_record(record: Any, tokenizer: Any, template_kwargs: dict[str, A
     message), or for a pretokenized record (input_ids + loss_mask, no messages) the ids before the
     first supervised token. Raises ValueError (MalformedConversation) on unusable records."""
     from dflash.data.chat import prompt_ids
-    from dflash.data.dataset import parse_messages, pretokenized
+    from dflash.data.sources import parse_messages
+    from dflash.data.tokenize import pretokenized
 
     if isinstance(record, dict) and "input_ids" in record and "messages" not in record:
         ids, mask = pretokenized(record)
@@ -150,7 +151,7 @@ def load_prompts(
     usable records; unusable ones are skipped with a warning)."""
     import jinja2
 
-    from dflash.data.dataset import load_conversations
+    from dflash.data.sources import load_conversations
 
     p = Path(path)
     if p.suffix in (".jsonl", ".json") and not p.exists():

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 
 from dflash.config import Config
-from dflash.data.dataset import load_eval_samples
+from dflash.data.tokenize import load_eval_samples
 from dflash.drafter.blocks import doc_ids_from_positions, eligible_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss

@@ -28,7 +28,7 @@ def corpus(tmp_path_factory, run_cache):
     """A pre-tokenized JSONL of clean samples of the embedded corpus with bad ones injected, the
     overrides to train on it, the expected counts and, from the data plan, the expected ledger."""
     vocab = json.loads((run_cache / "tiny_target_v1" / "config.json").read_text())["vocab_size"]
-    (src,) = (run_cache / "data").glob("embedded_*.jsonl")
+    (src,) = (run_cache / "data" / "embedded").glob("corpus-*.jsonl")
     clean = []
     for line in src.read_text().splitlines():
         r = json.loads(line)

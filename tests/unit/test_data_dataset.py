@@ -14,18 +14,12 @@ import torch
 from testpaths import REPO
 from transformers import AutoTokenizer
 
-import dflash.data.dataset as dataset_mod
+import dflash.data.cache as cache_mod
 from dflash.config import DataConfig
+from dflash.data.cache import build_or_load_dataset, cache_dir_of, lock_path
 from dflash.data.chat import tokenize_conversation
-from dflash.data.dataset import (
-    SKIP_REASONS,
-    build_or_load_dataset,
-    cache_dir_of,
-    load_conversations,
-    load_eval_conversations,
-    lock_path,
-    parse_messages,
-)
+from dflash.data.sources import load_conversations, load_eval_conversations, parse_messages
+from dflash.data.tokenize import SKIP_REASONS
 from dflash.files import file_lock
 
 OOV = "<oov_marker>"  # added to the tokenizer with an id >= the vocab size we pass
@@ -167,7 +161,7 @@ def test_cache_hit_does_not_retokenize(tok, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("re-tokenized on a cache hit")
 
-    monkeypatch.setattr(dataset_mod, "tokenize_records", boom)
+    monkeypatch.setattr(cache_mod, "tokenize_records", boom)
     second = build_or_load_dataset(cfg, tok, vocab(tok))
     assert second.loaded_from_cache and data_file.stat().st_mtime_ns == mtime
     assert second.fingerprint == first.fingerprint and second.skipped == first.skipped
@@ -253,7 +247,7 @@ CHILD = r"""
 import json, sys
 from transformers import AutoTokenizer
 from dflash.config import DataConfig
-from dflash.data.dataset import build_or_load_dataset
+from dflash.data.cache import build_or_load_dataset
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 tok.add_tokens([sys.argv[3]])
 cfg = DataConfig(**json.loads(sys.argv[2]))

@@ -9,9 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.config import DataConfig
+from dflash.data.cache import build_or_load_dataset
 from dflash.data.chat import prompt_ids
-from dflash.data.dataset import build_or_load_dataset, load_eval_conversations
 from dflash.data.embedded import build_embedded_corpus, make_prompts
+from dflash.data.sources import load_eval_conversations
 
 NUM_PROMPTS, MAX_NEW = 8, 16
 

@@ -1,0 +1,201 @@
+"""The tokenized training set of a DataConfig, fingerprinted and cached on disk.
+
+Cache: ``<cache_dir>/<fingerprint>/{data.safetensors, meta.json}`` (no pickle), where the
+fingerprint covers the source content, the tokenizer (+ chat template) and the tokenization
+settings. The directory is written with ``dflash.files.atomic_directory`` under a file lock, so
+every rank may call :func:`build_or_load_dataset` at once: one builds, the others load.
+``file_lock`` is ``flock``: it serializes processes of one host (or a shared filesystem with
+working flock).
+
+The held-out eval tail is read by ``dflash.data.sources.load_eval_conversations`` (messages) and
+``dflash.data.tokenize.load_eval_samples`` (tokenized, not cached).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from dflash.data.sources import Source, cache_root, resolve_source, split_ranges
+from dflash.data.tokenize import SKIP_REASONS, TokenizedDataset, check_skip_fraction, tokenize_records
+from dflash.files import atomic_directory, file_lock
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's backend JSON (vocab, merges, added tokens) and its chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # no fast backend: vocabulary + class
+        h.update(type(tokenizer).__name__.encode())
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(b"\0template\0")
+    h.update(str(tokenizer.chat_template).encode())
+    return h.hexdigest()
+
+
+def _settings(cfg: Any, vocab_size: int) -> dict[str, Any]:
+    if cfg.overlong not in ("truncate", "skip"):
+        raise ValueError(f"data.overlong={cfg.overlong!r}: must be truncate or skip")
+    if cfg.max_length < 2:
+        raise ValueError(f"data.max_length={cfg.max_length}: must be >= 2")
+    return {
+        "version": FORMAT_VERSION,
+        "split": cfg.split,
+        "vocab_size": int(vocab_size),
+        "max_length": int(cfg.max_length),
+        "overlong": cfg.overlong,
+        "train_only_last_turn": bool(cfg.train_only_last_turn),
+        "num_samples": cfg.num_samples,
+        "num_eval_prompts": int(cfg.num_eval_prompts),
+    }
+
+
+def dataset_fingerprint(source_fingerprint: str, tokenizer: Any, settings: dict[str, Any]) -> str:
+    """sha256 over the source content, the tokenizer (+ chat template) and the tokenization settings."""
+    blob = json.dumps(
+        {"source": source_fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer), "settings": settings},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def lock_path(root: Path, fingerprint: str) -> Path:
+    """The file lock that serializes building ``<root>/<fingerprint>`` (root: the cache root)."""
+    return root / f".{fingerprint}.lock"
+
+
+def save_dataset(ds: TokenizedDataset, final: Path, meta: dict[str, Any]) -> None:
+    """Write ``ds`` (its four tensors) and ``meta`` to the directory ``final`` atomically, replacing
+    any old one (``atomic_directory``: the files end with the user's default, world-readable mode)."""
+    with atomic_directory(final) as tmp:
+        save_file(
+            {
+                "tokens": ds.tokens.contiguous(),
+                "loss_mask": ds.loss_mask.contiguous(),
+                "offsets": ds.offsets.contiguous(),
+                "sample_ids": ds.sample_ids.contiguous(),
+            },
+            str(tmp / "data.safetensors"),
+        )
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+
+
+def load_cached_dataset(final: Path) -> TokenizedDataset | None:
+    """The dataset cached at ``final``, or None when there is no complete cache there."""
+    meta_file = final / "meta.json"
+    if not meta_file.exists():
+        return None
+    meta = json.loads(meta_file.read_text())
+    if meta.get("settings", {}).get("version") != FORMAT_VERSION:
+        return None
+    t = load_file(str(final / "data.safetensors"))
+    ds = TokenizedDataset(
+        tokens=t["tokens"],
+        loss_mask=t["loss_mask"],
+        offsets=t["offsets"],
+        sample_ids=t["sample_ids"],
+        skipped={r: int(meta["skipped"].get(r, 0)) for r in SKIP_REASONS},
+        num_source=int(meta["num_source"]),
+        fingerprint=meta["fingerprint"],
+        truncated=int(meta.get("truncated", 0)),
+        skip_examples=meta.get("skip_examples", {}),
+        loaded_from_cache=True,
+    )
+    if (
+        int(ds.offsets[-1]) != ds.tokens.numel()
+        or ds.loss_mask.numel() != ds.tokens.numel()
+        or len(ds) != ds.sample_ids.numel()
+    ):
+        raise ValueError(
+            f"corrupt dataset cache {final}: inconsistent sizes; delete the directory to rebuild"
+        )
+    return ds
+
+
+def _identify(
+    cfg: Any, tokenizer: Any, vocab_size: int, target_dir: str | os.PathLike | None
+) -> tuple[Source, dict[str, Any], str]:
+    """(the opened source, the tokenization settings, the dataset fingerprint) of ``cfg``."""
+    settings = _settings(cfg, vocab_size)
+    source = Source(resolve_source(cfg, target_dir), cfg.split)
+    return source, settings, dataset_fingerprint(source.fingerprint, tokenizer, settings)
+
+
+def cache_dir_of(
+    cfg: Any, tokenizer: Any, vocab_size: int, *, target_dir: str | os.PathLike | None = None
+) -> Path:
+    """``<cache_dir>/<fingerprint>``: where :func:`build_or_load_dataset` caches this dataset."""
+    return cache_root(cfg) / _identify(cfg, tokenizer, vocab_size, target_dir)[2]
+
+
+def build_or_load_dataset(
+    cfg: Any, tokenizer: Any, vocab_size: int, *, target_dir: str | os.PathLike | None = None
+) -> TokenizedDataset:
+    """The tokenized training set of ``cfg`` (a DataConfig), from the cache or built and cached.
+
+    Safe to call from every rank at once (exactly one builds). ``vocab_size`` is the target's
+    embedding rows (ids at or above it are skipped as token_out_of_vocab). ``target_dir`` is needed
+    for ``data.path=embedded`` only. Raises ValueError when too many samples are skipped.
+    """
+    source, settings, fp = _identify(cfg, tokenizer, vocab_size, target_dir)
+    train, _ = split_ranges(source.num_records, cfg.num_samples, cfg.num_eval_prompts)
+    root = cache_root(cfg)
+    final = root / fp
+    ds = load_cached_dataset(final)
+    if ds is None:
+        with file_lock(lock_path(root, fp)):
+            ds = load_cached_dataset(final)
+            if ds is None:
+                log.info("tokenizing %d conversations of %s into %s", len(train), source.path, final)
+                ds = tokenize_records(
+                    _take(source.records(), train.stop),
+                    tokenizer,
+                    vocab_size=vocab_size,
+                    max_length=cfg.max_length,
+                    overlong=cfg.overlong,
+                    train_only_last_turn=cfg.train_only_last_turn,
+                )
+                ds.fingerprint = fp
+                meta = {
+                    "fingerprint": fp,
+                    "skipped": ds.skipped,
+                    "truncated": ds.truncated,
+                    "num_source": ds.num_source,
+                    "num_samples_kept": len(ds),
+                    "num_tokens": ds.tokens.numel(),
+                    "source": source.path,
+                    "source_fingerprint": source.fingerprint,
+                    "settings": settings,
+                    "skip_examples": ds.skip_examples,
+                }
+                save_dataset(ds, final, meta)
+    log.info(
+        "dataset %s: %d samples, %d tokens, skipped %s, truncated %d",
+        fp[:12],
+        len(ds),
+        ds.tokens.numel(),
+        ds.skipped,
+        ds.truncated,
+    )
+    check_skip_fraction(ds, cfg.max_skip_fraction)
+    return ds
+
+
+def _take(records: Iterator[Any], stop: int) -> Iterator[tuple[int, Any]]:
+    for idx, rec in enumerate(records):
+        if idx >= stop:
+            return
+        yield idx, rec
