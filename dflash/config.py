@@ -371,8 +371,14 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         val = _get(cfg, key)
         need(val in allowed, f"{key}={val!r} is not one of {list(allowed)}; set {key}=<one of them>")
     t = cfg.topology
-    need(t.num_targets >= 1, f"topology.num_targets={t.num_targets}: need at least 1 target; set topology.num_targets=1 or more")
-    need(t.num_drafters >= 1, f"topology.num_drafters={t.num_drafters}: need at least 1 drafter; set topology.num_drafters=1")
+    need(
+        t.num_targets >= 1,
+        f"topology.num_targets={t.num_targets}: need at least 1 target; set topology.num_targets=1 or more",
+    )
+    need(
+        t.num_drafters >= 1,
+        f"topology.num_drafters={t.num_drafters}: need at least 1 drafter; set topology.num_drafters=1",
+    )
     ranks = t.num_targets + t.num_drafters
     need(
         world_size == ranks,
@@ -381,17 +387,34 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         f"topology.num_targets={max(world_size - t.num_drafters, 0)}",
     )
     need(t.max_in_flight >= 1, f"topology.max_in_flight={t.max_in_flight}: must be >= 1")
-    need(t.init_timeout_s > 0 and t.step_timeout_s > 0, "topology.init_timeout_s and topology.step_timeout_s must be > 0")
+    need(
+        t.init_timeout_s > 0 and t.step_timeout_s > 0,
+        "topology.init_timeout_s and topology.step_timeout_s must be > 0",
+    )
     tg = cfg.target
     if tg.layer_ids is not None:
-        need(len(tg.layer_ids) > 0, "target.layer_ids=[] is empty; list at least one tapped layer or set target.layer_ids=null")
-        need(min(tg.layer_ids, default=0) >= 0, f"target.layer_ids={tg.layer_ids} has a negative id; tap ids are decoder layer indices >= 0")
-        need(len(set(tg.layer_ids)) == len(tg.layer_ids), f"target.layer_ids={tg.layer_ids} has duplicates; list each tapped layer once")
+        need(
+            len(tg.layer_ids) > 0,
+            "target.layer_ids=[] is empty; list at least one tapped layer or set target.layer_ids=null",
+        )
+        need(
+            min(tg.layer_ids, default=0) >= 0,
+            f"target.layer_ids={tg.layer_ids} has a negative id; tap ids are decoder layer indices >= 0",
+        )
+        need(
+            len(set(tg.layer_ids)) == len(tg.layer_ids),
+            f"target.layer_ids={tg.layer_ids} has duplicates; list each tapped layer once",
+        )
         if tg.num_taps is not None:
-            need(tg.num_taps == len(tg.layer_ids), f"target.num_taps={tg.num_taps} but target.layer_ids lists "
-                 f"{len(tg.layer_ids)} layers; set target.num_taps=null (it only matters without layer_ids)")
+            need(
+                tg.num_taps == len(tg.layer_ids),
+                f"target.num_taps={tg.num_taps} but target.layer_ids lists "
+                f"{len(tg.layer_ids)} layers; set target.num_taps=null (it only matters without layer_ids)",
+            )
     elif tg.num_taps is not None:
-        need(tg.num_taps >= 1, f"target.num_taps={tg.num_taps}: must be >= 1 (or null for {DEFAULT_NUM_TAPS})")
+        need(
+            tg.num_taps >= 1, f"target.num_taps={tg.num_taps}: must be >= 1 (or null for {DEFAULT_NUM_TAPS})"
+        )
     if tg.trust_remote_code:
         rev = tg.revision or ""
         need(
@@ -403,12 +426,17 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
     need(d.block_size >= 2, f"drafter.block_size={d.block_size}: must be >= 2 (slot 0 is the given token)")
     need(d.num_anchors >= 1, f"drafter.num_anchors={d.num_anchors}: must be >= 1")
     if d.max_anchors_per_packet is not None:
-        need(d.max_anchors_per_packet >= 1, f"drafter.max_anchors_per_packet={d.max_anchors_per_packet}: must be >= 1 or null")
+        need(
+            d.max_anchors_per_packet >= 1,
+            f"drafter.max_anchors_per_packet={d.max_anchors_per_packet}: must be >= 1 or null",
+        )
     elif t.device in ("auto", "cpu", "cuda") and d.attention in ("auto", "sdpa", "flex"):
         if drafter_attention(d.attention, device_kind(t.device)) == "flex":
-            p.append(f"drafter.max_anchors_per_packet=null with flex attention (drafter.attention={d.attention} on "
-                     f"topology.device={t.device}, here {device_kind(t.device)}): packets are padded to a static number "
-                     "of blocks so flex_attention compiles once; set drafter.max_anchors_per_packet (e.g. 2048)")
+            p.append(
+                f"drafter.max_anchors_per_packet=null with flex attention (drafter.attention={d.attention} on "
+                f"topology.device={t.device}, here {device_kind(t.device)}): packets are padded to a static number "
+                "of blocks so flex_attention compiles once; set drafter.max_anchors_per_packet (e.g. 2048)"
+            )
     if d.mask_token_id is not None:
         need(d.mask_token_id >= 0, f"drafter.mask_token_id={d.mask_token_id}: must be >= 0 or null")
     dt = cfg.data
@@ -419,17 +447,29 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         f"set data.token_budget={dt.max_length} or more",
     )
     need(dt.num_epochs >= 1, f"data.num_epochs={dt.num_epochs}: must be >= 1")
-    need(0.0 <= dt.max_skip_fraction <= 1.0, f"data.max_skip_fraction={dt.max_skip_fraction}: must be in [0, 1]")
+    need(
+        0.0 <= dt.max_skip_fraction <= 1.0,
+        f"data.max_skip_fraction={dt.max_skip_fraction}: must be in [0, 1]",
+    )
     if dt.num_samples is not None:
         need(dt.num_samples >= 1, f"data.num_samples={dt.num_samples}: must be >= 1 or null")
     need(dt.num_eval_prompts >= 0, f"data.num_eval_prompts={dt.num_eval_prompts}: must be >= 0")
     lo = cfg.loss
-    need(min(lo.ce, lo.kl, lo.verifier_ce) >= 0, f"loss.ce/kl/verifier_ce = {lo.ce}/{lo.kl}/{lo.verifier_ce}: must be >= 0")
-    need(lo.ce + lo.kl + lo.verifier_ce > 0, "loss.ce, loss.kl and loss.verifier_ce are all 0: nothing to train; set loss.ce=1.0")
+    need(
+        min(lo.ce, lo.kl, lo.verifier_ce) >= 0,
+        f"loss.ce/kl/verifier_ce = {lo.ce}/{lo.kl}/{lo.verifier_ce}: must be >= 0",
+    )
+    need(
+        lo.ce + lo.kl + lo.verifier_ce > 0,
+        "loss.ce, loss.kl and loss.verifier_ce are all 0: nothing to train; set loss.ce=1.0",
+    )
     need(lo.temperature > 0, f"loss.temperature={lo.temperature}: must be > 0")
     need(lo.gamma > 0, f"loss.gamma={lo.gamma}: must be > 0")
     if lo.chunk_size is not None:
-        need(lo.chunk_size >= 1, f"loss.chunk_size={lo.chunk_size}: must be >= 1 or null (from loss.mem_budget_gib)")
+        need(
+            lo.chunk_size >= 1,
+            f"loss.chunk_size={lo.chunk_size}: must be >= 1 or null (from loss.mem_budget_gib)",
+        )
     need(lo.mem_budget_gib > 0, f"loss.mem_budget_gib={lo.mem_budget_gib}: must be > 0")
     o = cfg.optim
     need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
@@ -441,7 +481,10 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
     if tr.max_steps is not None:
         need(tr.max_steps >= 1, f"train.max_steps={tr.max_steps}: must be >= 1 or null (whole data plan)")
     need(tr.save_every >= 1, f"train.save_every={tr.save_every}: must be >= 1")
-    need(tr.keep_checkpoints >= 2, f"train.keep_checkpoints={tr.keep_checkpoints}: keep at least 2 so a damaged newest one has a fallback")
+    need(
+        tr.keep_checkpoints >= 2,
+        f"train.keep_checkpoints={tr.keep_checkpoints}: keep at least 2 so a damaged newest one has a fallback",
+    )
     need(tr.log_every >= 1, f"train.log_every={tr.log_every}: must be >= 1")
     need(cfg.eval.every >= 0, f"eval.every={cfg.eval.every}: must be >= 0 (0 = off)")
     return p

@@ -66,7 +66,9 @@ def _temp_sibling(path: Path, kind: str) -> Path:
 
 
 @contextmanager
-def atomic_file(path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+def atomic_file(
+    path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8"
+) -> Iterator[IO]:
     """Open a temp sibling of ``path`` for writing; on a clean exit it replaces ``path`` atomically.
 
     On an exception the temp file is removed and ``path`` is untouched.

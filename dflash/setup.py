@@ -51,7 +51,9 @@ def resolve_path(path: str) -> str:
     return str(local) if local.exists() or path.startswith((".", "/")) else path
 
 
-def resolve_mask_token_id(configured: int | None, from_checkpoint: int | None, tokenizer: Any, vocab_size: int) -> int:
+def resolve_mask_token_id(
+    configured: int | None, from_checkpoint: int | None, tokenizer: Any, vocab_size: int
+) -> int:
     """Config, then the drafter checkpoint, then the tokenizer's mask token, then the first embedding row
     past the tokenizer's vocabulary. Never pad, eos or bos: ValueError if that is all there is."""
     forbidden = {
@@ -63,7 +65,10 @@ def resolve_mask_token_id(configured: int | None, from_checkpoint: int | None, t
         ("drafter.mask_token_id", configured),
         ("the drafter.init_from checkpoint", from_checkpoint),
         ("the tokenizer's mask token", getattr(tokenizer, "mask_token_id", None)),
-        ("the first embedding row past the tokenizer", len(tokenizer) if len(tokenizer) < vocab_size else None),
+        (
+            "the first embedding row past the tokenizer",
+            len(tokenizer) if len(tokenizer) < vocab_size else None,
+        ),
     ]
     for source, tid in candidates:
         if tid is None:
@@ -104,7 +109,9 @@ def build_arch(cfg: Config, meta: TargetMeta, layer_ids: list[int], mask_token_i
         rms_norm_eps=meta.rms_norm_eps,
         max_position_embeddings=meta.max_position_embeddings,
         rope_parameters={k: v for k, v in rope.items() if k != "partial_rotary_factor"},
-        partial_rotary_factor=float(text.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+        partial_rotary_factor=float(
+            text.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+        ),
         initializer_range=d.init_std,
     )
 
@@ -115,24 +122,35 @@ def target_problems(cfg: Config, meta: TargetMeta, tokenizer: Any) -> list[str]:
     Tap ids are checked by ``resolve_layer_ids``."""
     p: list[str] = []
     if cfg.drafter.hidden_size is not None and cfg.drafter.hidden_size != meta.hidden_size:
-        p.append(f"drafter.hidden_size={cfg.drafter.hidden_size} differs from the target's hidden_size={meta.hidden_size}; "
-                 f"the drafter reuses the target's embedding and lm_head, so set drafter.hidden_size=null")
+        p.append(
+            f"drafter.hidden_size={cfg.drafter.hidden_size} differs from the target's hidden_size={meta.hidden_size}; "
+            f"the drafter reuses the target's embedding and lm_head, so set drafter.hidden_size=null"
+        )
     if len(tokenizer) > meta.vocab_size:
-        p.append(f"the tokenizer has {len(tokenizer)} tokens but the target embedding only {meta.vocab_size} rows; "
-                 f"set target.tokenizer to the target's own tokenizer")
+        p.append(
+            f"the tokenizer has {len(tokenizer)} tokens but the target embedding only {meta.vocab_size} rows; "
+            f"set target.tokenizer to the target's own tokenizer"
+        )
     heads = cfg.drafter.num_heads or meta.num_heads
     kv = cfg.drafter.num_kv_heads or meta.num_kv_heads
     if heads % kv:
         p.append(f"drafter.num_heads={heads} is not a multiple of drafter.num_kv_heads={kv}")
     if cfg.data.max_length + cfg.drafter.block_size > meta.max_position_embeddings:
-        p.append(f"data.max_length={cfg.data.max_length} + drafter.block_size exceeds the target's "
-                 f"max_position_embeddings={meta.max_position_embeddings}; lower data.max_length")
+        p.append(
+            f"data.max_length={cfg.data.max_length} + drafter.block_size exceeds the target's "
+            f"max_position_embeddings={meta.max_position_embeddings}; lower data.max_length"
+        )
     return p
 
 
 def run_contract(
-    raw: dict[str, Any], layer_ids: list[int], meta: TargetMeta, arch: DrafterArch, dataset_fingerprint: str,
-    plan_fingerprint: str, num_steps: int,
+    raw: dict[str, Any],
+    layer_ids: list[int],
+    meta: TargetMeta,
+    arch: DrafterArch,
+    dataset_fingerprint: str,
+    plan_fingerprint: str,
+    num_steps: int,
 ) -> dict[str, Any]:
     """What must not change across a resume: the CONTRACT-tagged config values (``raw``, from
     ``contract_values``) and the entries of ``RESOLVED_CONTRACT_KEYS`` that cover the derived fields."""
@@ -153,13 +171,17 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
     """Everything a rank needs before the process group; raises ValueError on any config problem."""
     validate(cfg, world_size)
     raw_contract = contract_values(cfg)  # as the user gave it (paths below get resolved)
-    topology = Topology(cfg.topology.num_targets, cfg.topology.num_drafters, world_size, cfg.optim.grad_accum_steps)
+    topology = Topology(
+        cfg.topology.num_targets, cfg.topology.num_drafters, world_size, cfg.optim.grad_accum_steps
+    )
     target_path = resolve_path(cfg.target.path)
     if cfg.target.tiny is not None:
         from dflash.targets.tiny import ensure_tiny_target
 
         target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
-    meta = read_target_meta(target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+    meta = read_target_meta(
+        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
     from transformers import AutoTokenizer
 
     tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
@@ -177,7 +199,10 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
         saved_arch, _ = load_exported(resolve_path(cfg.drafter.init_from))
     try:
         mask_id = resolve_mask_token_id(
-            cfg.drafter.mask_token_id, saved_arch.mask_token_id if saved_arch else None, tokenizer, meta.vocab_size
+            cfg.drafter.mask_token_id,
+            saved_arch.mask_token_id if saved_arch else None,
+            tokenizer,
+            meta.vocab_size,
         )
     except ValueError as e:
         problems.append(str(e))
@@ -189,7 +214,9 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
 
     data_cfg = cfg.data
     path = data_cfg.path if data_cfg.path == EMBEDDED else resolve_path(data_cfg.path)
-    data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": path, "cache_dir": resolve_path(data_cfg.cache_dir)})
+    data_cfg = type(data_cfg)(
+        **{**asdict(data_cfg), "path": path, "cache_dir": resolve_path(data_cfg.cache_dir)}
+    )
     # embedded: the corpus file, built once from the target; every later reader of cfg.data (the
     # held-out eval tail on the drafter) then finds the same file without the target directory
     data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": resolve_source(data_cfg, target_path)})
@@ -204,14 +231,30 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
         )
     num_steps = min(cfg.train.max_steps or available, available)
     if cfg.train.max_steps and cfg.train.max_steps > available:
-        log.warning("train.max_steps=%d but the data plan supports %d steps; training %d", cfg.train.max_steps, available, num_steps)
-    contract = run_contract(raw_contract, layer_ids, meta, arch, dataset.fingerprint, plan.fingerprint(), num_steps)
+        log.warning(
+            "train.max_steps=%d but the data plan supports %d steps; training %d",
+            cfg.train.max_steps,
+            available,
+            num_steps,
+        )
+    contract = run_contract(
+        raw_contract, layer_ids, meta, arch, dataset.fingerprint, plan.fingerprint(), num_steps
+    )
     log.info(
         "setup: target %s (%d layers, H=%d, V=%d), taps %s, mask %d, %d samples, %d packets, %d steps",
-        cfg.target.name, meta.num_layers, meta.hidden_size, meta.vocab_size, layer_ids, mask_id,
-        len(dataset), plan.num_packets, num_steps,
+        cfg.target.name,
+        meta.num_layers,
+        meta.hidden_size,
+        meta.vocab_size,
+        layer_ids,
+        mask_id,
+        len(dataset),
+        plan.num_packets,
+        num_steps,
     )
-    return RunSetup(cfg, target_path, meta, tokenizer, layer_ids, arch, dataset, plan, topology, num_steps, contract)
+    return RunSetup(
+        cfg, target_path, meta, tokenizer, layer_ids, arch, dataset, plan, topology, num_steps, contract
+    )
 
 
 def torch_dtype(name: str, device: torch.device) -> torch.dtype:

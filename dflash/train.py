@@ -1,7 +1,7 @@
 """Entry point: compose -> validate -> prepare -> init dist -> build this rank's role -> run -> close.
 
-    torchrun --standalone --nproc_per_node 3 -m dflash.train                       # embedded CPU default
-    torchrun --nproc_per_node 8 -m dflash.train experiment=qwen3_8b_7x1 data.path=/data/chat.jsonl
+torchrun --standalone --nproc_per_node 3 -m dflash.train                       # embedded CPU default
+torchrun --nproc_per_node 8 -m dflash.train experiment=qwen3_8b_7x1 data.path=/data/chat.jsonl
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def _run(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> None
         atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(dcfg, resolve=True))
     ctx = init_distributed(cfg.topology)
     cleanup.callback(destroy, ctx)
-    warm_up_links(setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, control_group=ctx.control_group)
+    warm_up_links(
+        setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, control_group=ctx.control_group
+    )
     log.info("%s in %s", setup.topology.describe(ctx.rank), run_dir)
     role = build_role(cfg, setup, ctx, run_dir)
     cleanup.push(lambda exc_type, exc, tb: role.close(0 if exc_type is None else 1))

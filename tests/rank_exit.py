@@ -39,7 +39,9 @@ def main() -> None:
     start = time.time()
     # A session of its own: torchrun signals this wrapper's whole process group, the child only via on_signal.
     child = subprocess.Popen(
-        [sys.executable, "-m", "dflash.train", *sys.argv[1:]], preexec_fn=_die_with_parent, start_new_session=True
+        [sys.executable, "-m", "dflash.train", *sys.argv[1:]],
+        preexec_fn=_die_with_parent,
+        start_new_session=True,
     )
 
     def on_signal(signum: int, frame: object) -> None:
@@ -51,7 +53,14 @@ def main() -> None:
         signal.signal(s, on_signal)
     rc = child.wait()
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "attempt": attempt, "returncode": rc, "start": start, "end": time.time(), "signals": received}
+    record = {
+        "rank": rank,
+        "attempt": attempt,
+        "returncode": rc,
+        "start": start,
+        "end": time.time(),
+        "signals": received,
+    }
     (out_dir / f"rank{rank}.attempt{attempt}.json").write_text(json.dumps(record))
     if rc < 0:
         signal.signal(-rc, signal.SIG_DFL)

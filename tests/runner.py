@@ -60,7 +60,9 @@ class Launch:
     def exits(self) -> dict[tuple[int, int], dict]:
         """``(rank, attempt) -> exit record`` written by tests/rank_exit.py (``record_exits=True``)."""
         d = exits_dir(self.run_dir)
-        recs = [json.loads(p.read_text()) for p in sorted(d.glob("rank*.attempt*.json"))] if d.is_dir() else []
+        recs = (
+            [json.loads(p.read_text()) for p in sorted(d.glob("rank*.attempt*.json"))] if d.is_dir() else []
+        )
         return {(r["rank"], r["attempt"]): r for r in recs}
 
 
@@ -79,28 +81,53 @@ def ledger_steps(run_dir: Path) -> int:
 def env_for(cache_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline",
-        DFLASH_CACHE_DIR=str(cache_dir), HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="offline",
+        DFLASH_CACHE_DIR=str(cache_dir),
+        HYDRA_FULL_ERROR="1",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
     )
     env.pop("WANDB_API_KEY", None)
     env.update(extra or {})
     return env
 
 
-def torchrun_cmd(run_dir: Path, overrides: list[str], nproc: int = 3, max_restarts: int = 0,
-                 record_exits: bool = False) -> list[str]:
+def torchrun_cmd(
+    run_dir: Path, overrides: list[str], nproc: int = 3, max_restarts: int = 0, record_exits: bool = False
+) -> list[str]:
     entry = [str(REPO / "tests" / "rank_exit.py")] if record_exits else ["-m", "dflash.train"]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *entry,
-        f"hydra.run.dir={run_dir}", *FAST, *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.5",
+        *entry,
+        f"hydra.run.dir={run_dir}",
+        *FAST,
+        *overrides,
     ]
 
 
-def launch(run_dir: Path, overrides: list[str], cache_dir: Path, *, nproc: int = 3, max_restarts: int = 0,
-           timeout: float = 240, env: dict[str, str] | None = None, signal_after: tuple[float, int] | None = None,
-           signal_at_step: tuple[int, int] | None = None, record_exits: bool = False,
-           forward_signals: bool = True) -> Launch:
+def launch(
+    run_dir: Path,
+    overrides: list[str],
+    cache_dir: Path,
+    *,
+    nproc: int = 3,
+    max_restarts: int = 0,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    signal_after: tuple[float, int] | None = None,
+    signal_at_step: tuple[int, int] | None = None,
+    record_exits: bool = False,
+    forward_signals: bool = True,
+) -> Launch:
     """Run one torchrun job to completion (on timeout, torchrun and every process below it are killed).
 
     ``signal_after=(seconds, signum)`` sends a signal to the job's process group (torchrun: it starts
@@ -112,15 +139,21 @@ def launch(run_dir: Path, overrides: list[str], cache_dir: Path, *, nproc: int =
     extra_env = dict(env or {})
     if record_exits:
         shutil.rmtree(exits_dir(run_dir), ignore_errors=True)
-        extra_env.update(DFLASH_RANK_EXIT_DIR=str(exits_dir(run_dir)), DFLASH_RANK_EXIT_FORWARD=str(int(forward_signals)))
+        extra_env.update(
+            DFLASH_RANK_EXIT_DIR=str(exits_dir(run_dir)), DFLASH_RANK_EXIT_FORWARD=str(int(forward_signals))
+        )
     started_at = time.time()
     t0 = time.perf_counter()
     signalled_after = None
     # Files, not pipes: nothing reads the output until the job ends, and a full pipe would block it.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            torchrun_cmd(run_dir, overrides, nproc, max_restarts, record_exits), cwd=REPO,
-            env=env_for(cache_dir, extra_env), stdout=out, stderr=err, start_new_session=True,
+            torchrun_cmd(run_dir, overrides, nproc, max_restarts, record_exits),
+            cwd=REPO,
+            env=env_for(cache_dir, extra_env),
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
         )
         try:
             if signal_after is not None:
@@ -149,8 +182,15 @@ def launch(run_dir: Path, overrides: list[str], cache_dir: Path, *, nproc: int =
             if proc.poll() is None:
                 _kill_tree(proc.pid)
                 proc.wait()
-        return Launch(proc.returncode, _read(out), _read(err), time.perf_counter() - t0, run_dir, signalled_after,
-                      started_at)
+        return Launch(
+            proc.returncode,
+            _read(out),
+            _read(err),
+            time.perf_counter() - t0,
+            run_dir,
+            signalled_after,
+            started_at,
+        )
 
 
 def _read(f) -> str:
@@ -162,7 +202,9 @@ def _kill_tree(root: int) -> None:
     """SIGKILL ``root`` and every process below it. Killing torchrun's process group is not enough:
     torchrun starts each worker in a session of its own."""
     children: dict[int, list[int]] = {}
-    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
+    for line in subprocess.run(
+        ["ps", "-eo", "pid=,ppid="], capture_output=True, text=True
+    ).stdout.splitlines():
         pid, ppid = (int(x) for x in line.split())
         children.setdefault(ppid, []).append(pid)
     tree, todo = [], [root]

@@ -13,9 +13,19 @@ MASK_ID = 119
 
 
 def tiny_arch(**kw) -> DrafterArch:
-    base = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                vocab_size=120, target_layer_ids=[1, 3, 5], block_size=BS, mask_token_id=MASK_ID,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    base = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=120,
+        target_layer_ids=[1, 3, 5],
+        block_size=BS,
+        mask_token_id=MASK_ID,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     base.update(kw)
     return DrafterArch(**base)
 

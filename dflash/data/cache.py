@@ -23,6 +23,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
+from dflash.config import DataConfig, dataset_settings
 from dflash.data.sources import Source, cache_root, resolve_source, split_ranges
 from dflash.data.tokenize import SKIP_REASONS, TokenizedDataset, check_skip_fraction, tokenize_records
 from dflash.files import atomic_directory, file_lock
@@ -46,21 +47,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def _settings(cfg: Any, vocab_size: int) -> dict[str, Any]:
+def _settings(cfg: DataConfig, vocab_size: int) -> dict[str, Any]:
+    """What shapes the tokenized dataset besides the source content and the tokenizer: the
+    DataConfig fields tagged ``data=True`` (``dflash.config.dataset_settings``), the target's
+    vocabulary size and the cache format."""
     if cfg.overlong not in ("truncate", "skip"):
         raise ValueError(f"data.overlong={cfg.overlong!r}: must be truncate or skip")
     if cfg.max_length < 2:
         raise ValueError(f"data.max_length={cfg.max_length}: must be >= 2")
-    return {
-        "version": FORMAT_VERSION,
-        "split": cfg.split,
-        "vocab_size": int(vocab_size),
-        "max_length": int(cfg.max_length),
-        "overlong": cfg.overlong,
-        "train_only_last_turn": bool(cfg.train_only_last_turn),
-        "num_samples": cfg.num_samples,
-        "num_eval_prompts": int(cfg.num_eval_prompts),
-    }
+    return {"version": FORMAT_VERSION, "vocab_size": int(vocab_size), **dataset_settings(cfg)}
 
 
 def dataset_fingerprint(source_fingerprint: str, tokenizer: Any, settings: dict[str, Any]) -> str:

@@ -222,11 +222,16 @@ def build_embedded_corpus(
             for conv, prompt, ids, done in zip(convs, prompts, responses, finished, strict=True):
                 text = tokenizer.decode(ids, skip_special_tokens=False)
                 response = ids + [tokenizer.eos_token_id] if done else ids
-                fh.write(json.dumps({
-                    "messages": conv + [{"role": "assistant", "content": text}],
-                    "input_ids": prompt + response,
-                    "loss_mask": [0] * len(prompt) + [1] * len(response),
-                }) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "messages": conv + [{"role": "assistant", "content": text}],
+                            "input_ids": prompt + response,
+                            "loss_mask": [0] * len(prompt) + [1] * len(response),
+                        }
+                    )
+                    + "\n"
+                )
         atomic_write(meta_path, json.dumps(want, indent=1))
         log.info(
             "embedded corpus: %d prompts x <=%d tokens (%d finished with eos) in %.1fs -> %s",

@@ -214,6 +214,10 @@ def load_eval_samples(
     _, held_out = split_ranges(source.num_records, cfg.num_samples, cfg.num_eval_prompts)
     records = ((i, r) for i, r in enumerate(source.records()) if i in held_out)
     return tokenize_records(
-        records, tokenizer, vocab_size=vocab_size, max_length=cfg.max_length, overlong=cfg.overlong,
+        records,
+        tokenizer,
+        vocab_size=vocab_size,
+        max_length=cfg.max_length,
+        overlong=cfg.overlong,
         train_only_last_turn=cfg.train_only_last_turn,
     )

@@ -21,7 +21,9 @@ from dflash.distributed.protocol import ProtocolError
 from dflash.distributed.topology import Topology, first_on_link
 
 
-def _collective_wait(ctx: DistContext, work: dist.Work, what: str, ranks: list[int], timeout_s: float | None) -> None:
+def _collective_wait(
+    ctx: DistContext, work: dist.Work, what: str, ranks: list[int], timeout_s: float | None
+) -> None:
     timeout = float(timeout_s if timeout_s is not None else (ctx.timeout_s or 1800.0))
     topo = ctx.topology
     names = ", ".join(topo.describe(r) for r in ranks) if topo else str(ranks)

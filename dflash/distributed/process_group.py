@@ -43,6 +43,7 @@ from dflash.distributed.topology import Topology
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class DistContext:
     rank: int
@@ -127,7 +128,10 @@ def attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
             )
         return None
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
         timeout=timedelta(seconds=timeout_s),
     )
     return dist.PrefixStore(f"dflash/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
@@ -149,7 +153,9 @@ def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = 
         kwargs["store"] = store
     else:
         kwargs["init_method"] = init_method or "env://"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **kwargs
+    )
     drafter_group = dist.new_group(topology.drafter_ranks)  # collective: every rank calls it
     control_group = dist.new_group(list(range(world_size)))
     ctx = DistContext(

@@ -131,7 +131,9 @@ class Header:
 
 HEADER_FIELDS = tuple(HEADER_DOC)
 NUM_SPARE = HEADER_LEN - len(HEADER_FIELDS)
-Header.__doc__ = f"One packet header. Wire form: int64 [{HEADER_LEN}] (index, field, meaning):\n\n{_header_doc()}\n"
+Header.__doc__ = (
+    f"One packet header. Wire form: int64 [{HEADER_LEN}] (index, field, meaning):\n\n{_header_doc()}\n"
+)
 
 
 @dataclass
@@ -163,7 +165,9 @@ Packet.__doc__ = (
 )
 # The tables are the single source of the wire order: the dataclasses must follow them.
 assert tuple(f.name for f in dataclasses.fields(Header))[: len(HEADER_FIELDS)] == HEADER_FIELDS
-assert tuple(f.name for f in dataclasses.fields(Packet))[1 : 1 + len(PAYLOAD)] == tuple(f.name for f in PAYLOAD)
+assert tuple(f.name for f in dataclasses.fields(Packet))[1 : 1 + len(PAYLOAD)] == tuple(
+    f.name for f in PAYLOAD
+)
 
 
 @dataclass(frozen=True)

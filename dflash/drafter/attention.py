@@ -33,10 +33,14 @@ def _flex(device_type: str):
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None, scale: float
+) -> torch.Tensor:
     """q [B, nh, Q, hd], k/v [B, nkv, KV, hd] -> [B, nh, Q, hd] (GQA handled here)."""
     if mask is not None and mask.block_mask is not None:
-        return _flex(q.device.type)(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return _flex(q.device.type)(
+            q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
     attn_mask = None if mask is None else mask.dense
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]

@@ -113,7 +113,9 @@ def make_blocks(
     pos = a.unsqueeze(-1) + k  # [B, N, bs]
     inside = pos < S
     pos_c = pos.clamp(max=S - 1)
-    same_doc = doc_ids.gather(1, pos_c.view(B, -1)).view(B, N, block_size) == doc_ids.gather(1, a).unsqueeze(-1)
+    same_doc = doc_ids.gather(1, pos_c.view(B, -1)).view(B, N, block_size) == doc_ids.gather(1, a).unsqueeze(
+        -1
+    )
     label_valid = valid.unsqueeze(-1) & inside & same_doc & (k >= 1)
     return Blocks(
         anchors=anchors,

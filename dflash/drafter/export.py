@@ -31,8 +31,17 @@ def drafter_state(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
 
 def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype) -> dict:
     cfg = arch.qwen3_config().to_dict()
-    for key in ("transformers_version", "_name_or_path", "output_hidden_states", "return_dict", "id2label",
-                "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder"):
+    for key in (
+        "transformers_version",
+        "_name_or_path",
+        "output_hidden_states",
+        "return_dict",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+    ):
         cfg.pop(key, None)
     cfg.update(
         architectures=[ARCHITECTURE],
@@ -59,7 +68,9 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, targe
     dtype = next(iter(state.values())).dtype
     with atomic_directory(out_dir) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(export_config(model.arch, target_num_layers, dtype), indent=2))
+        (tmp / "config.json").write_text(
+            json.dumps(export_config(model.arch, target_num_layers, dtype), indent=2)
+        )
     return Path(out_dir)
 
 
@@ -82,7 +93,8 @@ def arch_from_export(config: dict) -> DrafterArch:
             mask_token_id=dcfg["mask_token_id"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 32768),
-            rope_parameters=config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e6)},
+            rope_parameters=config.get("rope_parameters")
+            or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e6)},
             partial_rotary_factor=config.get("partial_rotary_factor", 1.0),
             initializer_range=config.get("initializer_range", 0.02),
         )
@@ -94,7 +106,9 @@ def load_exported(path: str | os.PathLike) -> tuple[DrafterArch, dict[str, torch
     """Read an exported drafter directory: (architecture, tensors by public name)."""
     d = Path(path)
     if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
-        raise ValueError(f"drafter.init_from={str(d)!r} is not an exported drafter (needs config.json and model.safetensors)")
+        raise ValueError(
+            f"drafter.init_from={str(d)!r} is not an exported drafter (needs config.json and model.safetensors)"
+        )
     arch = arch_from_export(json.loads((d / "config.json").read_text()))
     return arch, load_file(str(d / "model.safetensors"))
 

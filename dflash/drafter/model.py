@@ -42,7 +42,9 @@ class DrafterArch:
     mask_token_id: int
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6}
+    )
     partial_rotary_factor: float = 1.0
     initializer_range: float = 0.02
 
@@ -167,7 +169,9 @@ class DFlashAttention(nn.Module):
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
         out = attend(q, k, v, mask, scale=1.0 / math.sqrt(self.head_dim))
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.num_heads * self.head_dim))
+        return self.o_proj(
+            out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.num_heads * self.head_dim)
+        )
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -178,7 +182,9 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.mlp = Qwen3MLP(arch.qwen3_config())
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache, layer) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache, layer
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_ctx, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -243,6 +249,3 @@ class DFlashDraftModel(nn.Module):
 
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-

@@ -51,7 +51,9 @@ class ObjectiveOutput:
     num_rows: int
 
 
-def slot_weights(block_size: int, gamma: float, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def slot_weights(
+    block_size: int, gamma: float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """[bs] exp(-(k-1)/gamma) for k >= 1, 0 for the given slot k = 0."""
     k = torch.arange(block_size, device=device, dtype=dtype)
     w = torch.exp(-(k - 1) / gamma)
@@ -64,11 +66,15 @@ def prefix_accept(hits: torch.Tensor) -> torch.Tensor:
     return 1 + torch.cumprod(hits[..., 1:].long(), dim=-1).sum(-1)
 
 
-def pad_to_static(aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, s_max: int, n_max: int):
+def pad_to_static(
+    aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, s_max: int, n_max: int
+):
     """Pad [B, S] rows to s_max tokens and [B, N] anchors to n_max (see ``dflash_loss``)."""
     B, S = input_ids.shape
     if S > s_max or anchors.shape[1] > n_max:
-        raise ValueError(f"batch of {S} tokens / {anchors.shape[1]} blocks exceeds the static shape ({s_max}, {n_max})")
+        raise ValueError(
+            f"batch of {S} tokens / {anchors.shape[1]} blocks exceeds the static shape ({s_max}, {n_max})"
+        )
     pad = s_max - S
 
     def grow(x: torch.Tensor, value: float = 0) -> torch.Tensor:
@@ -79,8 +85,14 @@ def pad_to_static(aux_hidden, final_hidden, input_ids, loss_mask, position_ids, 
 
     extra = torch.arange(pad, device=position_ids.device).expand(B, pad)
     anchors = torch.cat([anchors, anchors.new_full((B, n_max - anchors.shape[1]), -1)], dim=1)
-    return (grow(aux_hidden), grow(final_hidden), grow(input_ids), grow(loss_mask),
-            torch.cat([position_ids, extra], dim=1), anchors)
+    return (
+        grow(aux_hidden),
+        grow(final_hidden),
+        grow(input_ids),
+        grow(loss_mask),
+        torch.cat([position_ids, extra], dim=1),
+        anchors,
+    )
 
 
 def dflash_loss(

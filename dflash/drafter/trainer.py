@@ -58,8 +58,16 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Per-step sums reduced over micro-batches and drafters: name -> length (block-size-long ones use 0).
 _SUMS = {
-    "weight_sum": 1, "loss_sum": 1, "slot_count": 0, "slot_hit": 0, "slot_hit_verifier": 0,
-    "tau_sum": 1, "tau_verifier_sum": 1, "inv_tau_sum": 1, "inv_tau_verifier_sum": 1, "num_blocks": 1,
+    "weight_sum": 1,
+    "loss_sum": 1,
+    "slot_count": 0,
+    "slot_hit": 0,
+    "slot_hit_verifier": 0,
+    "tau_sum": 1,
+    "tau_verifier_sum": 1,
+    "inv_tau_sum": 1,
+    "inv_tau_verifier_sum": 1,
+    "num_blocks": 1,
     "term_sums": len(TERMS),
 }
 
@@ -105,14 +113,18 @@ class DrafterTrainer:
         self.state = TrainState(skipped=dict(setup.dataset.skipped))
         if cfg.train.resume != "never":
             loaded = (
-                find_resume_checkpoint(self.run_dir / "checkpoints") if cfg.train.resume == "auto"
+                find_resume_checkpoint(self.run_dir / "checkpoints")
+                if cfg.train.resume == "auto"
                 else load_checkpoint(Path(resolve_path(cfg.train.resume)))
             )
             if loaded is not None:
                 self._restore(loaded)
         spec = PacketSpec(
-            num_taps=len(setup.layer_ids), hidden_size=setup.meta.hidden_size, dtype=self.target_dtype,
-            max_tokens=cfg.data.token_budget, device=self.device,
+            num_taps=len(setup.layer_ids),
+            hidden_size=setup.meta.hidden_size,
+            dtype=self.target_dtype,
+            max_tokens=cfg.data.token_budget,
+            device=self.device,
         )
         self.link = DrafterLink(
             self.topology, ctx.rank, spec, cfg.topology.init_timeout_s, control_group=ctx.control_group
@@ -121,23 +133,36 @@ class DrafterTrainer:
         self.static_shape = (
             (cfg.data.token_budget, cfg.drafter.max_anchors_per_packet) if self.attention == "flex" else None
         )
-        self.evaluator = PeriodicEval(cfg, setup, self.device) if self.is_leader and cfg.eval.every > 0 else None
+        self.evaluator = (
+            PeriodicEval(cfg, setup, self.device) if self.is_leader and cfg.eval.every > 0 else None
+        )
         self.logger: MetricLogger = NullLogger()
         if self.is_leader:
             config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-            self.logger = build_logger(cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id)
+            self.logger = build_logger(
+                cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
+            )
             self.state.wandb_run_id = self.logger.run_id
             self._truncate_ledger()
-        log.info("drafter: %.2fM trainable parameters, attention=%s, %d steps from step %d",
-                 num_parameters(self.model) / 1e6, self.attention, setup.num_steps, self.state.step)
+        log.info(
+            "drafter: %.2fM trainable parameters, attention=%s, %d steps from step %d",
+            num_parameters(self.model) / 1e6,
+            self.attention,
+            setup.num_steps,
+            self.state.step,
+        )
 
     # ---------------------------------------------------------------- lifecycle
     def _on_signal(self, signum: int, frame: object) -> None:
-        log.warning("drafter rank %d: got signal %d; stopping at the next step boundary", self.ctx.rank, signum)
+        log.warning(
+            "drafter rank %d: got signal %d; stopping at the next step boundary", self.ctx.rank, signum
+        )
         self.stop_requested = True
 
     def _restore(self, loaded: LoadedCheckpoint) -> None:
-        changes = check_contract(loaded.contract, self.setup.contract, allow_change=self.cfg.train.allow_contract_change)
+        changes = check_contract(
+            loaded.contract, self.setup.contract, allow_change=self.cfg.train.allow_contract_change
+        )
         for c in changes:
             log.warning("resuming with a changed contract (train.allow_contract_change=true): %s", c)
         self.model.load_state_dict(loaded.model_state)
@@ -145,7 +170,9 @@ class DrafterTrainer:
         self.scheduler.load_state_dict(loaded.scheduler_state)
         restore_rng_state(loaded.rng_state)
         self.state = loaded.train_state
-        log.info("resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet)
+        log.info(
+            "resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet
+        )
 
     def close(self, exit_code: int = 0) -> None:
         self.logger.close(exit_code)
@@ -162,7 +189,9 @@ class DrafterTrainer:
         path = self._ledger_path
         if not self.cfg.train.ledger or not path.exists():
             return
-        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.state.step]
+        keep = [
+            ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.state.step
+        ]
         path.write_text("".join(ln + "\n" for ln in keep))
 
     def _write_ledger(self, step: int, packets: list[int], sample_ids: list[int]) -> None:
@@ -176,13 +205,27 @@ class DrafterTrainer:
         mask = packet.loss_mask.to(self.device).unsqueeze(0)
         pos = packet_positions(packet.seq_lens.to(self.device)).unsqueeze(0)
         anchors = sample_anchors(
-            mask, doc_ids_from_positions(pos), self.cfg.drafter.num_anchors,
-            anchor_generator(self.cfg.train.seed, packet.index), self.cfg.drafter.max_anchors_per_packet,
+            mask,
+            doc_ids_from_positions(pos),
+            self.cfg.drafter.num_anchors,
+            anchor_generator(self.cfg.train.seed, packet.index),
+            self.cfg.drafter.max_anchors_per_packet,
         )
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32):
+        with torch.autocast(
+            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32
+        ):
             return dflash_loss(
-                self.model, packet.aux_hidden.unsqueeze(0), packet.final_hidden.unsqueeze(0), ids, mask, anchors,
-                self.embed, self.head, self.cfg.loss, position_ids=pos, attention=self.attention,
+                self.model,
+                packet.aux_hidden.unsqueeze(0),
+                packet.final_hidden.unsqueeze(0),
+                ids,
+                mask,
+                anchors,
+                self.embed,
+                self.head,
+                self.cfg.loss,
+                position_ids=pos,
+                attention=self.attention,
                 static_shape=self.static_shape,
             )
 
@@ -194,20 +237,22 @@ class DrafterTrainer:
             all_reduce_sum(self.ctx, flat)
             offset = 0
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
         for g in grads:
             g.mul_(scale)
 
-    def _reduce(self, sums: dict[str, torch.Tensor], extra: list[float]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    def _reduce(
+        self, sums: dict[str, torch.Tensor], extra: list[float]
+    ) -> tuple[dict[str, torch.Tensor], list[float]]:
         """Sum the per-step statistics (and ``extra`` scalars) over the drafters."""
         flat = torch.cat([sums[k] for k in _SUMS] + [torch.tensor(extra, dtype=torch.float64)])
         if self.topology.num_drafters > 1:
             flat = all_reduce_sum(self.ctx, flat.to(self.device)).cpu()
         out, offset = {}, 0
         for k in _SUMS:
-            out[k] = flat[offset:offset + sums[k].numel()]
+            out[k] = flat[offset : offset + sums[k].numel()]
             offset += sums[k].numel()
         return out, flat[offset:].tolist()
 
@@ -230,10 +275,15 @@ class DrafterTrainer:
             elif step + 1 < self.setup.num_steps:
                 self.link.prefetch(self.topology.packets_of_step(step + 1, self.ctx.rank)[0])
             wait += self.link.last_wait_s
-            self.target_stats[self.topology.producer_of(g)] = (packet.forward_s, packet.peak_mem_bytes / 2**30)
+            self.target_stats[self.topology.producer_of(g)] = (
+                packet.forward_s,
+                packet.peak_mem_bytes / 2**30,
+            )
             flagged = max(flagged, float(packet.flags & 1))
             if packet.num_skipped_nonfinite:
-                self.state.skipped["nonfinite_hidden"] = self.state.skipped.get("nonfinite_hidden", 0) + packet.num_skipped_nonfinite
+                self.state.skipped["nonfinite_hidden"] = (
+                    self.state.skipped.get("nonfinite_hidden", 0) + packet.num_skipped_nonfinite
+                )
             sample_ids += packet.sample_ids.tolist()
             tokens += int(packet.input_ids.numel())
             if packet.input_ids.numel() == 0:
@@ -262,7 +312,11 @@ class DrafterTrainer:
                     f"(grad_norm={grad_norm}); the optimizer step was not applied. "
                     f"Set train.on_nonfinite=skip to skip such steps instead"
                 )
-            log.warning("step %d: loss or gradient not finite on drafter rank %d; step skipped", step + 1, self.ctx.rank)
+            log.warning(
+                "step %d: loss or gradient not finite on drafter rank %d; step skipped",
+                step + 1,
+                self.ctx.rank,
+            )
         else:
             self.optimizer.step()
         self.scheduler.step()
@@ -272,8 +326,15 @@ class DrafterTrainer:
         self._write_ledger(step + 1, packets, sample_ids)
         return self._metrics(agg, grad_norm, lr, time.perf_counter() - t0, tokens_all, wait_all)
 
-    def _metrics(self, agg: dict[str, torch.Tensor], grad_norm: float, lr: float, step_s: float,
-                 tokens: float, wait: float) -> dict[str, float]:
+    def _metrics(
+        self,
+        agg: dict[str, torch.Tensor],
+        grad_norm: float,
+        lr: float,
+        step_s: float,
+        tokens: float,
+        wait: float,
+    ) -> dict[str, float]:
         w = max(float(agg["weight_sum"]), 1e-12)
         count = agg["slot_count"].clamp(min=1)
         supervised = float(agg["slot_count"].sum().clamp(min=1))
@@ -316,10 +377,15 @@ class DrafterTrainer:
         if not self.is_leader:
             return
         save_checkpoint(
-            self.run_dir / "checkpoints", self.state.step,
-            model_state=self.model.state_dict(), optimizer_state=self.optimizer.state_dict(),
-            scheduler_state=self.scheduler.state_dict(), train_state=self.state, rng_state=capture_rng_state(),
-            contract=self.setup.contract, config_yaml=OmegaConf.to_yaml(OmegaConf.structured(self.cfg), resolve=True),
+            self.run_dir / "checkpoints",
+            self.state.step,
+            model_state=self.model.state_dict(),
+            optimizer_state=self.optimizer.state_dict(),
+            scheduler_state=self.scheduler.state_dict(),
+            train_state=self.state,
+            rng_state=capture_rng_state(),
+            contract=self.setup.contract,
+            config_yaml=OmegaConf.to_yaml(OmegaConf.structured(self.cfg), resolve=True),
             keep=self.cfg.train.keep_checkpoints,
         )
 
@@ -347,20 +413,32 @@ class DrafterTrainer:
                     self.logger.log(metrics, self.state.step)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tau_hat=f"{metrics['train/tau_hat']:.2f}")
+                    bar.set_postfix(
+                        loss=f"{metrics['train/loss']:.3f}", tau_hat=f"{metrics['train/tau_hat']:.2f}"
+                    )
                 preempted = self.stop_requested or (
                     cfg.train.stop_after_steps is not None and self.state.step >= cfg.train.stop_after_steps
                 )
                 if done or preempted or self.state.step % cfg.train.save_every == 0:
                     self.save()
                 if preempted and not done:
-                    log.warning("stopping at step %d with a checkpoint (signal or train.stop_after_steps)", self.state.step)
+                    log.warning(
+                        "stopping at step %d with a checkpoint (signal or train.stop_after_steps)",
+                        self.state.step,
+                    )
                     break
         finally:
             if bar is not None:
                 bar.close()
         if self.is_leader and self.state.step == self.setup.num_steps:
-            out = export_drafter(self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers)
+            out = export_drafter(
+                self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
+            )
             log.info("exported the drafter to %s", out)
         discarded = self.link.stop_all()
-        log.info("drafter rank %d done at step %d (%d in-flight packets discarded)", self.ctx.rank, self.state.step, discarded)
+        log.info(
+            "drafter rank %d done at step %d (%d in-flight packets discarded)",
+            self.ctx.rank,
+            self.state.step,
+            discarded,
+        )

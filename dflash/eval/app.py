@@ -19,6 +19,7 @@ from omegaconf import MISSING
 from dflash.config import LoggingConfig, PathsConfig, TargetConfig
 from dflash.eval.loading import load_for_eval
 from dflash.eval.report import EvalReport, evaluate, report_metrics, report_table
+from dflash.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +85,34 @@ def run_app(dcfg: Any, run_dir: Path) -> EvalReport:
     assert isinstance(obj, EvalAppConfig), type(obj)
     cfg: EvalAppConfig = obj
     setup = load_for_eval(cfg)
-    log.info("eval: target %s, drafter %s, %d prompts, block size %d, taps %s, device %s",
-             setup.target_path, setup.drafter_path, len(setup.prompts), setup.block_size, setup.layer_ids, setup.device)
+    log.info(
+        "eval: target %s, drafter %s, %d prompts, block size %d, taps %s, device %s",
+        setup.target_path,
+        setup.drafter_path,
+        len(setup.prompts),
+        setup.block_size,
+        setup.layer_ids,
+        setup.device,
+    )
     report = evaluate(
-        setup.target, setup.drafter, setup.embed, setup.head, setup.tokenizer, setup.prompts,
-        max_new_tokens=cfg.max_new_tokens, layer_ids=setup.layer_ids, block_size=setup.block_size,
-        eos_ids=setup.eos_ids, baseline=cfg.baseline, warmup=cfg.warmup,
+        setup.target,
+        setup.drafter,
+        setup.embed,
+        setup.head,
+        setup.tokenizer,
+        setup.prompts,
+        max_new_tokens=cfg.max_new_tokens,
+        layer_ids=setup.layer_ids,
+        block_size=setup.block_size,
+        eos_ids=setup.eos_ids,
+        baseline=cfg.baseline,
+        warmup=cfg.warmup,
     )
     print(report_table(report), flush=True)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
-    (run_dir / "report.json").write_text(json.dumps(report.to_dict(), indent=1, default=str))
+    atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(dcfg, resolve=True))
+    atomic_write(run_dir / "report.json", json.dumps(report.to_dict(), indent=1, default=str))
     metrics = report_metrics(report)
     config = OmegaConf.to_container(dcfg, resolve=True)
     logger = build_logger(cfg.logging, True, run_dir, config, run_name=cfg.name)

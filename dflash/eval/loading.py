@@ -78,7 +78,9 @@ def eval_config_problems(cfg: EvalAppConfig) -> list[str]:
     if cfg.logging.mode not in ("online", "offline", "disabled"):
         p.append(f"logging.mode={cfg.logging.mode!r} is not one of ['online', 'offline', 'disabled']")
     if cfg.target.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        p.append(f"target.dtype={cfg.target.dtype!r} is not one of ['auto', 'float32', 'bfloat16', 'float16']")
+        p.append(
+            f"target.dtype={cfg.target.dtype!r} is not one of ['auto', 'float32', 'bfloat16', 'float16']"
+        )
     return p
 
 
@@ -95,26 +97,40 @@ def drafter_problems(arch: DrafterArch, exported_cfg: dict, meta: Any, cfg: Eval
     tgt = f"target {cfg.target.name} ({cfg.target.path})"
     fix = "evaluate the drafter against the target it was trained for (target=... / target.path=...)"
     if arch.hidden_size != meta.hidden_size:
-        p.append(f"{where}: the drafter's hidden_size={arch.hidden_size} differs from {tgt} hidden_size="
-                 f"{meta.hidden_size} (it reuses the target's embedding and lm_head); {fix}")
+        p.append(
+            f"{where}: the drafter's hidden_size={arch.hidden_size} differs from {tgt} hidden_size="
+            f"{meta.hidden_size} (it reuses the target's embedding and lm_head); {fix}"
+        )
     if arch.vocab_size != meta.vocab_size:
-        p.append(f"{where}: the drafter's vocab_size={arch.vocab_size} differs from {tgt} vocab_size="
-                 f"{meta.vocab_size}; {fix}")
+        p.append(
+            f"{where}: the drafter's vocab_size={arch.vocab_size} differs from {tgt} vocab_size="
+            f"{meta.vocab_size}; {fix}"
+        )
     n_layers = exported_cfg.get("num_target_layers")
     if n_layers is not None and int(n_layers) != meta.num_layers:
-        p.append(f"{where}: the drafter was exported for a {n_layers}-layer target, {tgt} has "
-                 f"{meta.num_layers} layers; {fix}")
+        p.append(
+            f"{where}: the drafter was exported for a {n_layers}-layer target, {tgt} has "
+            f"{meta.num_layers} layers; {fix}"
+        )
     bad = [i for i in arch.target_layer_ids if not 0 <= i < meta.num_layers]
     if bad:
-        p.append(f"{where}: the drafter's tap ids (dflash_config.target_layer_ids={arch.target_layer_ids}) "
-                 f"include {bad}, outside the {meta.num_layers} decoder layers of {tgt}; {fix}")
-    if cfg.target.layer_ids is not None and [int(i) for i in cfg.target.layer_ids] != list(arch.target_layer_ids):
-        p.append(f"target.layer_ids={list(cfg.target.layer_ids)} but the drafter was trained on taps "
-                 f"{arch.target_layer_ids}; set target.layer_ids={list(arch.target_layer_ids)} "
-                 f"(or target.layer_ids=null to use the drafter's)")
+        p.append(
+            f"{where}: the drafter's tap ids (dflash_config.target_layer_ids={arch.target_layer_ids}) "
+            f"include {bad}, outside the {meta.num_layers} decoder layers of {tgt}; {fix}"
+        )
+    if cfg.target.layer_ids is not None and [int(i) for i in cfg.target.layer_ids] != list(
+        arch.target_layer_ids
+    ):
+        p.append(
+            f"target.layer_ids={list(cfg.target.layer_ids)} but the drafter was trained on taps "
+            f"{arch.target_layer_ids}; set target.layer_ids={list(arch.target_layer_ids)} "
+            f"(or target.layer_ids=null to use the drafter's)"
+        )
     if not 0 <= arch.mask_token_id < meta.vocab_size:
-        p.append(f"{where}: the drafter's mask_token_id={arch.mask_token_id} is outside the target vocabulary "
-                 f"[0, {meta.vocab_size}); {fix}")
+        p.append(
+            f"{where}: the drafter's mask_token_id={arch.mask_token_id} is outside the target vocabulary "
+            f"[0, {meta.vocab_size}); {fix}"
+        )
     return p
 
 
@@ -155,8 +171,10 @@ def load_prompts(
 
     p = Path(path)
     if p.suffix in (".jsonl", ".json") and not p.exists():
-        raise ValueError(f"{field_name}={path!r} does not exist; set {field_name}=<a JSONL of "
-                         '{"messages": [...]} or a datasets path>')
+        raise ValueError(
+            f"{field_name}={path!r} does not exist; set {field_name}=<a JSONL of "
+            '{"messages": [...]} or a datasets path>'
+        )
     out: list[list[int]] = []
     skipped = 0
     for idx, rec in enumerate(load_conversations(str(path), split)):
@@ -169,8 +187,10 @@ def load_prompts(
         if num_prompts is not None and len(out) >= num_prompts:
             break
     if not out:
-        raise ValueError(f"{field_name}={path!r}: no usable prompt ({skipped} records skipped); each record "
-                         'needs {"messages": [{"role": ..., "content": ...}, ...]}')
+        raise ValueError(
+            f"{field_name}={path!r}: no usable prompt ({skipped} records skipped); each record "
+            'needs {"messages": [{"role": ..., "content": ...}, ...]}'
+        )
     if skipped:
         log.warning("%s: %d records skipped, %d prompts used", field_name, skipped, len(out))
     return out
@@ -223,18 +243,24 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
         target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
     drafter_dir = Path(_abs_path(cfg.drafter_path))
     if not drafter_dir.is_dir():
-        raise ValueError(f"drafter_path={cfg.drafter_path!r} is not a directory ({drafter_dir}); set "
-                         "drafter_path=<a drafter exported with dflash.drafter.export (config.json + model.safetensors)>")
+        raise ValueError(
+            f"drafter_path={cfg.drafter_path!r} is not a directory ({drafter_dir}); set "
+            "drafter_path=<a drafter exported with dflash.drafter.export (config.json + model.safetensors)>"
+        )
     missing = [f for f in ("config.json", "model.safetensors") if not (drafter_dir / f).is_file()]
     if missing:
-        raise ValueError(f"drafter_path={cfg.drafter_path!r} lacks {missing}: not an exported drafter; set "
-                         "drafter_path=<a drafter exported with dflash.drafter.export (config.json + model.safetensors)>")
+        raise ValueError(
+            f"drafter_path={cfg.drafter_path!r} lacks {missing}: not an exported drafter; set "
+            "drafter_path=<a drafter exported with dflash.drafter.export (config.json + model.safetensors)>"
+        )
     try:
         arch, state = load_exported(drafter_dir)
     except ValueError as exc:
         raise ValueError(f"drafter_path={cfg.drafter_path!r}: {exc}") from None
     exported_cfg = json.loads((drafter_dir / "config.json").read_text())
-    meta = read_target_meta(target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code)
+    meta = read_target_meta(
+        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
     _raise(drafter_problems(arch, exported_cfg, meta, cfg))
     block_size = cfg.block_size or arch.block_size
 
@@ -243,13 +269,24 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
         tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
     prompts_path = _abs_path(cfg.prompts)
-    prompts = load_prompts(prompts_path, tokenizer, split=cfg.split, num_prompts=cfg.num_prompts,
-                           template_kwargs=dict(cfg.chat_template_kwargs))
-    too_long = [i for i, ids in enumerate(prompts)
-                if meta.max_position_embeddings and len(ids) + cfg.max_new_tokens + block_size > meta.max_position_embeddings]
+    prompts = load_prompts(
+        prompts_path,
+        tokenizer,
+        split=cfg.split,
+        num_prompts=cfg.num_prompts,
+        template_kwargs=dict(cfg.chat_template_kwargs),
+    )
+    too_long = [
+        i
+        for i, ids in enumerate(prompts)
+        if meta.max_position_embeddings
+        and len(ids) + cfg.max_new_tokens + block_size > meta.max_position_embeddings
+    ]
     if too_long:
-        raise ValueError(f"prompts {too_long[:5]}: prompt + max_new_tokens={cfg.max_new_tokens} + block size exceeds the "
-                         f"target's max_position_embeddings={meta.max_position_embeddings}; lower max_new_tokens")
+        raise ValueError(
+            f"prompts {too_long[:5]}: prompt + max_new_tokens={cfg.max_new_tokens} + block size exceeds the "
+            f"target's max_position_embeddings={meta.max_position_embeddings}; lower max_new_tokens"
+        )
 
     tcfg = type(cfg.target)(**{**asdict(cfg.target), "path": target_path})
     target = load_target(tcfg, device, dtype)
@@ -261,8 +298,9 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
             param.data = param.data.to(dtype)
     embed, head = target_embed_and_head(target)
     if embed is None or head is None:
-        embed, head = load_embed_and_head(target_path, revision=cfg.target.revision,
-                                          trust_remote_code=cfg.target.trust_remote_code)
+        embed, head = load_embed_and_head(
+            target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+        )
     eos = set(cfg.eos_token_ids) if cfg.eos_token_ids is not None else eos_ids_of(tokenizer, target)
     return EvalSetup(
         target=target,

@@ -51,7 +51,9 @@ class PeriodicEval:
         log.info("periodic eval: %d held-out prompts every %d steps", n, cfg.eval.every)
 
     @torch.no_grad()
-    def tau_hat(self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor) -> tuple[float, float]:
+    def tau_hat(
+        self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor
+    ) -> tuple[float, float]:
         """The objective's tau_hat (harmonic, as train/tau_hat) and its arithmetic mean, against the
         verifier argmax, over every eligible anchor of the held-out samples."""
         tau = inv = blocks = 0.0
@@ -62,8 +64,18 @@ class PeriodicEval:
             anchors = eligible_anchors(mask, doc_ids_from_positions(pos))[0].nonzero().view(1, -1)
             if anchors.numel() == 0:
                 continue
-            out = dflash_loss(drafter, aux.clone(), final.clone(), ids, mask, anchors, embed, head, self.cfg.loss,
-                              attention="sdpa")
+            out = dflash_loss(
+                drafter,
+                aux.clone(),
+                final.clone(),
+                ids,
+                mask,
+                anchors,
+                embed,
+                head,
+                self.cfg.loss,
+                attention="sdpa",
+            )
             tau += float(out.tau_verifier_sum)
             inv += float(out.inv_tau_verifier_sum)
             blocks += float(out.num_blocks)
@@ -75,9 +87,18 @@ class PeriodicEval:
         try:
             with self.autocast:
                 report = evaluate(
-                    self.target, drafter, embed, head, self.setup.tokenizer, self.prompts,
-                    max_new_tokens=self.cfg.eval.max_new_tokens, layer_ids=self.setup.layer_ids,
-                    block_size=self.setup.arch.block_size, eos_ids=self.eos_ids, baseline=False, warmup=False,
+                    self.target,
+                    drafter,
+                    embed,
+                    head,
+                    self.setup.tokenizer,
+                    self.prompts,
+                    max_new_tokens=self.cfg.eval.max_new_tokens,
+                    layer_ids=self.setup.layer_ids,
+                    block_size=self.setup.arch.block_size,
+                    eos_ids=self.eos_ids,
+                    baseline=False,
+                    warmup=False,
                 )
                 metrics = report_metrics(report)
                 metrics["eval/tau_hat"], metrics["eval/tau_hat_arith"] = self.tau_hat(drafter, embed, head)

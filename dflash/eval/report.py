@@ -111,7 +111,9 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
         return str(ids)
 
 
-def build_report(results: list[PromptResult], block_size: int, max_new_tokens: int, tokenizer: Any = None) -> EvalReport:
+def build_report(
+    results: list[PromptResult], block_size: int, max_new_tokens: int, tokenizer: Any = None
+) -> EvalReport:
     steps = [a for r in results for a in r.accept_lengths]
     hist = dict.fromkeys(range(1, block_size + 1), 0)
     for a in steps:
@@ -128,8 +130,8 @@ def build_report(results: list[PromptResult], block_size: int, max_new_tokens: i
         if i is not None:
             mismatches.append(
                 f"prompt {r.index}: output differs from the block-size-1 baseline at new token {i} "
-                f"(speculative {_decode(tokenizer, r.output_ids[i:i + 8])} vs baseline "
-                f"{_decode(tokenizer, (r.baseline_ids or [])[i:i + 8])})"
+                f"(speculative {_decode(tokenizer, r.output_ids[i : i + 8])} vs baseline "
+                f"{_decode(tokenizer, (r.baseline_ids or [])[i : i + 8])})"
             )
     return EvalReport(
         block_size=block_size,
@@ -173,8 +175,15 @@ def evaluate(
 
     def gen(ids: list[int], bs: int, n: int) -> GenerationResult:
         return speculative_generate(
-            target, drafter if bs > 1 else None, embed, head, ids, max_new_tokens=n,
-            eos_token_ids=eos_ids, layer_ids=layer_ids, block_size=bs,
+            target,
+            drafter if bs > 1 else None,
+            embed,
+            head,
+            ids,
+            max_new_tokens=n,
+            eos_token_ids=eos_ids,
+            layer_ids=layer_ids,
+            block_size=bs,
         )
 
     if warmup:
@@ -198,8 +207,15 @@ def evaluate(
         )
         log.info(
             "prompt %d/%d: %d tokens in, %d out, tau %.2f, tpot %.2f ms%s",
-            i + 1, len(prompts), len(ids), len(r.output_ids), r.tau, 1e3 * r.tpot_s,
-            "" if ar is None else f", tpot AR {1e3 * ar.tpot_s:.2f} ms, {'lossless' if r.matches else 'MISMATCH'}",
+            i + 1,
+            len(prompts),
+            len(ids),
+            len(r.output_ids),
+            r.tau,
+            1e3 * r.tpot_s,
+            ""
+            if ar is None
+            else f", tpot AR {1e3 * ar.tpot_s:.2f} ms, {'lossless' if r.matches else 'MISMATCH'}",
         )
         results.append(r)
         if progress is not None:
@@ -233,11 +249,31 @@ def report_table(report: EvalReport) -> str:
         return s
 
     for r in report.results:
-        lines.append(row(str(r.index), str(r.prompt_len), len(r.output_ids), len(r.accept_lengths), r.tau,
-                         r.tpot_s, r.tpot_ar_s, r.matches))
+        lines.append(
+            row(
+                str(r.index),
+                str(r.prompt_len),
+                len(r.output_ids),
+                len(r.accept_lengths),
+                r.tau,
+                r.tpot_s,
+                r.tpot_ar_s,
+                r.matches,
+            )
+        )
     lines.append("-" * len(head))
-    lines.append(row("all", "", report.num_output_tokens, report.num_steps, report.tau, report.tpot_s,
-                     report.tpot_ar_s, report.lossless))
+    lines.append(
+        row(
+            "all",
+            "",
+            report.num_output_tokens,
+            report.num_steps,
+            report.tau,
+            report.tpot_s,
+            report.tpot_ar_s,
+            report.lossless,
+        )
+    )
     lines.append("")
     lines.append(f"tau = {_fmt(report.tau, '.3f')} (mean accepted+1 over {report.num_steps} decode steps)")
     if has_ar:

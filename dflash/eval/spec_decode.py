@@ -102,7 +102,9 @@ def accepted_prefix(block: torch.Tensor, predictions: torch.Tensor) -> int:
     at the block positions (y_{j-1} is what the target says follows d_{j-1}, i.e. the true token j).
     """
     if block.shape != predictions.shape or block.dim() != 1:
-        raise ValueError(f"block {tuple(block.shape)} and predictions {tuple(predictions.shape)} must be equal 1-D shapes")
+        raise ValueError(
+            f"block {tuple(block.shape)} and predictions {tuple(predictions.shape)} must be equal 1-D shapes"
+        )
     if block.numel() <= 1:
         return 0
     match = (block[1:] == predictions[:-1]).to(torch.int64)
@@ -199,7 +201,9 @@ def speculative_generate(
         head = lm_head_weight.to(d_dev, d_dtype)
         mask_id = int(drafter.arch.mask_token_id)
         if not 0 <= mask_id < embed.shape[0]:
-            raise ValueError(f"drafter mask_token_id={mask_id} is outside the embedding's {embed.shape[0]} rows")
+            raise ValueError(
+                f"drafter mask_token_id={mask_id} is outside the embedding's {embed.shape[0]} rows"
+            )
         d_cache = KVCache(drafter.arch.num_layers)
     else:
         block_size = 1

@@ -25,7 +25,9 @@ def layer_output(output) -> torch.Tensor:
 def check_layer_ids(model: nn.Module, layer_ids: list[int]) -> nn.ModuleList:
     layers = decoder_layers(model)
     check_tap_ids(
-        list(layer_ids), len(layers), f"target.layer_ids={list(layer_ids)}",
+        list(layer_ids),
+        len(layers),
+        f"target.layer_ids={list(layer_ids)}",
         f"use distinct decoder layers in [0, {len(layers) - 1}]",
     )
     return layers

@@ -38,23 +38,37 @@ class TargetWorker:
         self.device = ctx.device
         self.dtype = torch_dtype(cfg.target.dtype, self.device)
         self.stop_requested = False
-        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._previous_handlers = {
+            s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)
+        }
         self.model = load_target(cfg.target, self.device, self.dtype)
         self.pad_id = setup.tokenizer.pad_token_id if setup.tokenizer.pad_token_id is not None else 0
         spec = PacketSpec(
-            num_taps=len(setup.layer_ids), hidden_size=setup.meta.hidden_size, dtype=self.dtype,
-            max_tokens=cfg.data.token_budget, device=self.device,
+            num_taps=len(setup.layer_ids),
+            hidden_size=setup.meta.hidden_size,
+            dtype=self.dtype,
+            max_tokens=cfg.data.token_budget,
+            device=self.device,
         )
         self.links = {
             d: TargetLink(
-                self.topology, ctx.rank, d, spec, cfg.topology.init_timeout_s, cfg.topology.max_in_flight,
+                self.topology,
+                ctx.rank,
+                d,
+                spec,
+                cfg.topology.init_timeout_s,
+                cfg.topology.max_in_flight,
                 control_group=ctx.control_group,
             )
             for d in linked_drafters(self.topology, ctx.rank)
         }
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        log.warning("target rank %d: got signal %d; asking the drafter to stop at the next step", self.ctx.rank, signum)
+        log.warning(
+            "target rank %d: got signal %d; asking the drafter to stop at the next step",
+            self.ctx.rank,
+            signum,
+        )
         self.stop_requested = True
 
     def close(self, exit_code: int = 0) -> None:
@@ -68,9 +82,14 @@ class TargetWorker:
         samples = [ds.sample(i) for i in sample_idx]
         reset_peak_memory(self.device)
         t0 = time.perf_counter()
-        ids, attn, pos, keep = build_batch([s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id)
+        ids, attn, pos, keep = build_batch(
+            [s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id
+        )
         aux, final = target_forward(
-            self.model, ids.to(self.device), None if attn is None else attn.to(self.device), self.setup.layer_ids,
+            self.model,
+            ids.to(self.device),
+            None if attn is None else attn.to(self.device),
+            self.setup.layer_ids,
             position_ids=pos.to(self.device),
         )
         aux = aux.reshape(-1, aux.shape[-1])[keep.to(self.device)]
@@ -122,7 +141,9 @@ class TargetWorker:
         """[S] bool: every hidden value of the sample is finite."""
         tok_ok = torch.isfinite(aux).all(dim=1) & torch.isfinite(final).all(dim=1)
         seg = torch.repeat_interleave(torch.arange(lens.numel()), lens).to(tok_ok.device)
-        bad = torch.zeros(lens.numel(), dtype=torch.long, device=tok_ok.device).index_add_(0, seg, (~tok_ok).long())
+        bad = torch.zeros(lens.numel(), dtype=torch.long, device=tok_ok.device).index_add_(
+            0, seg, (~tok_ok).long()
+        )
         return (bad == 0).cpu()
 
     def run(self) -> None:

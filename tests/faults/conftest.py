@@ -33,13 +33,17 @@ def killed_target_run(tmp_path_factory: pytest.TempPathFactory, run_cache) -> La
     return launch(
         tmp_path_factory.mktemp("killed_target") / "run",
         [*STEPS, "train.keep_checkpoints=3", "fault.kill_rank=1", "fault.kill_at_step=10"],
-        run_cache, max_restarts=1, record_exits=True, timeout=300,
+        run_cache,
+        max_restarts=1,
+        record_exits=True,
+        timeout=300,
     )
 
 
 @pytest.fixture(scope="session", autouse=True)
-def hung_target_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                    run_cache) -> Iterator[Future[Launch] | None]:
+def hung_target_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, run_cache
+) -> Iterator[Future[Launch] | None]:
     """R4's run: target 0 stops responding at step 6 with topology.step_timeout_s=8. It spends ~40 s
     waiting (the drafter's timeout, then torchrun's 30 s SIGKILL grace for the hung rank, which ignores
     SIGTERM like a stuck process), so it starts in the background when R4 is among the selected tests
@@ -49,8 +53,16 @@ def hung_target_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
         return
     with ThreadPoolExecutor(max_workers=1) as pool:
         yield pool.submit(
-            launch, tmp_path_factory.mktemp("hung_target") / "run",
-            ["train.max_steps=12", "logging.mode=disabled", f"topology.step_timeout_s={HANG_TIMEOUT_S}",
-             "fault.hang_rank=0", "fault.hang_at_step=6"],
-            run_cache, record_exits=True, timeout=240,
+            launch,
+            tmp_path_factory.mktemp("hung_target") / "run",
+            [
+                "train.max_steps=12",
+                "logging.mode=disabled",
+                f"topology.step_timeout_s={HANG_TIMEOUT_S}",
+                "fault.hang_rank=0",
+                "fault.hang_at_step=6",
+            ],
+            run_cache,
+            record_exits=True,
+            timeout=240,
         )

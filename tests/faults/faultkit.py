@@ -57,7 +57,9 @@ def assert_continues_reference(run: Launch, reference: Launch, from_step: int, l
     ref, got = losses(reference.run_dir), losses(run.run_dir)
     last = max(ref)
     assert sorted(got) == list(range(logged_from, last + 1)), sorted(got)
-    assert [got[s] for s in range(from_step + 1, last + 1)] == [ref[s] for s in range(from_step + 1, last + 1)]
+    assert [got[s] for s in range(from_step + 1, last + 1)] == [
+        ref[s] for s in range(from_step + 1, last + 1)
+    ]
     a = load_file(str(reference.run_dir / "drafter" / "model.safetensors"))
     b = load_file(str(run.run_dir / "drafter" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

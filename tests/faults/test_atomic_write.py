@@ -71,7 +71,10 @@ def _die_at_call(n: int) -> None:
     import shutil
 
     builtins.open = wrap(builtins.open)
-    for mod, names in ((os, ("replace", "rename", "fsync", "mkdir", "chmod", "write")), (shutil, ("rmtree",))):
+    for mod, names in (
+        (os, ("replace", "rename", "fsync", "mkdir", "chmod", "write")),
+        (shutil, ("rmtree",)),
+    ):
         for name in names:
             setattr(mod, name, wrap(getattr(mod, name)))
     files._exchange = wrap(files._exchange)

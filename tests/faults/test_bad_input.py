@@ -41,7 +41,10 @@ def corpus(tmp_path_factory, run_cache):
     bad = {
         "no_supervised_pair": [
             {"input_ids": a["input_ids"], "loss_mask": [0] * len(a["input_ids"])},  # empty loss mask
-            {"input_ids": b["input_ids"], "loss_mask": [i % 2 for i in range(len(b["input_ids"]))]},  # no two in a row
+            {
+                "input_ids": b["input_ids"],
+                "loss_mask": [i % 2 for i in range(len(b["input_ids"]))],
+            },  # no two in a row
         ],
         "too_long": [{"input_ids": long_ids, "loss_mask": [1] * len(long_ids)}],
         "token_out_of_vocab": [
@@ -55,8 +58,14 @@ def corpus(tmp_path_factory, run_cache):
         bad_ids.setdefault(reason, []).append(4 + 7 * k)
     path = tmp_path_factory.mktemp("bad_corpus") / "corpus.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    overrides = [f"data.path={path}", "data.num_eval_prompts=0", "data.num_epochs=1", "data.overlong=skip",
-                 "data.max_skip_fraction=0.2", "train.save_every=100"]
+    overrides = [
+        f"data.path={path}",
+        "data.num_eval_prompts=0",
+        "data.num_epochs=1",
+        "data.overlong=skip",
+        "data.max_skip_fraction=0.2",
+        "train.save_every=100",
+    ]
 
     # The data plan, as every rank computes it (this also builds the dataset cache the ranks load).
     from hydra import compose, initialize_config_dir
@@ -85,8 +94,15 @@ def corpus(tmp_path_factory, run_cache):
     ]
     counts = {"malformed": 0, **{k: len(v) for k, v in bad_ids.items()}, "nonfinite_hidden": len(nonfinite)}
     overrides.append(f"fault.nonfinite_sample_ids=[{nonfinite[0]},{nonfinite[1]}]")
-    return {"path": path, "overrides": overrides, "counts": counts, "bad_ids": bad_ids, "nonfinite": nonfinite,
-            "ledger": expected_ledger, "num_records": len(records)}
+    return {
+        "path": path,
+        "overrides": overrides,
+        "counts": counts,
+        "bad_ids": bad_ids,
+        "nonfinite": nonfinite,
+        "ledger": expected_ledger,
+        "num_records": len(records),
+    }
 
 
 def _skipped(ckpt: Path) -> dict[str, int]:
@@ -98,13 +114,18 @@ def test_bad_samples_are_skipped_counted_and_never_trained(tmp_path, run_cache, 
     first = launch(run_dir, [*corpus["overrides"], f"train.stop_after_steps={STOP}"], run_cache)
     assert first.returncode == 0, first.output[-4000:]
     at_stop = _skipped(run_dir / "checkpoints" / f"step_{STOP:08d}")
-    assert at_stop == {**corpus["counts"], "nonfinite_hidden": 1}  # the dataset's counts + one non-finite so far
+    assert at_stop == {
+        **corpus["counts"],
+        "nonfinite_hidden": 1,
+    }  # the dataset's counts + one non-finite so far
     second = launch(run_dir, corpus["overrides"], run_cache)
     assert second.returncode == 0, second.output[-4000:]
     assert f"at step {STOP}" in second.rank_log(2)
 
     last = read_history(run_dir)[-1]
-    logged = {k.removeprefix("data/skipped/"): int(v) for k, v in last.items() if k.startswith("data/skipped/")}
+    logged = {
+        k.removeprefix("data/skipped/"): int(v) for k, v in last.items() if k.startswith("data/skipped/")
+    }
     assert logged == corpus["counts"]
     final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     assert _skipped(final) == corpus["counts"]
@@ -114,25 +135,46 @@ def test_bad_samples_are_skipped_counted_and_never_trained(tmp_path, run_cache, 
     bad = {i for v in corpus["bad_ids"].values() for i in v} | set(corpus["nonfinite"])
     assert not bad & set(trained) and len(trained) == len(set(trained))
     assert len(trained) + len(bad) == corpus["num_records"]  # every sample trained once or skipped once
-    figure("R5 bad input", injected=corpus["counts"], logged_last_row=logged, checkpoint=_skipped(final),
-           at_stop_step_checkpoint=at_stop, crashes=0, bad_trained=0, trained_samples=len(trained),
-           records=corpus["num_records"])
+    figure(
+        "R5 bad input",
+        injected=corpus["counts"],
+        logged_last_row=logged,
+        checkpoint=_skipped(final),
+        at_stop_step_checkpoint=at_stop,
+        crashes=0,
+        bad_trained=0,
+        trained_samples=len(trained),
+        records=corpus["num_records"],
+    )
     assert no_leftover_processes(run_dir)
 
 
 def test_too_many_bad_samples_abort_on_every_rank(tmp_path, run_cache, corpus):
     overrides = [o for o in corpus["overrides"] if not o.startswith("data.max_skip_fraction")]
-    run = launch(tmp_path / "run", [*overrides, "logging.mode=disabled"], run_cache, record_exits=True,
-                 forward_signals=False, timeout=120)
+    run = launch(
+        tmp_path / "run",
+        [*overrides, "logging.mode=disabled"],
+        run_cache,
+        record_exits=True,
+        forward_signals=False,
+        timeout=120,
+    )
     assert run.returncode != 0
     exits = run.exits()
     n_bad = sum(len(v) for v in corpus["bad_ids"].values())
     for r in range(3):
         assert exits[(r, 0)]["returncode"] == 1
         log = run.rank_log(r)
-        assert f"data.max_skip_fraction=0.1: {n_bad} of {corpus['num_records']} conversations" in log, log[-2000:]
+        assert f"data.max_skip_fraction=0.1: {n_bad} of {corpus['num_records']} conversations" in log, log[
+            -2000:
+        ]
         assert "gloo on" not in log  # never got to the process group, let alone a model
     ended = max(e["end"] for e in exits.values()) - run.started_at
-    figure("R5 skip rate above data.max_skip_fraction", skipped=n_bad, records=corpus["num_records"],
-           exit_codes=[exits[(r, 0)]["returncode"] for r in range(3)], all_ranks_done_s=round(ended, 1))
+    figure(
+        "R5 skip rate above data.max_skip_fraction",
+        skipped=n_bad,
+        records=corpus["num_records"],
+        exit_codes=[exits[(r, 0)]["returncode"] for r in range(3)],
+        all_ranks_done_s=round(ended, 1),
+    )
     assert no_leftover_processes(run.run_dir)

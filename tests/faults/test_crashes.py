@@ -28,15 +28,28 @@ def test_killed_target_is_survived_with_one_restart(killed_target_run, reference
     trained = Counter(i for e in ledger for i in e["sample_ids"])
     assert trained == Counter(i for e in reference.ledger() for i in e["sample_ids"])
     restart_s = exits[(0, 1)]["start"] - exits[(1, 0)]["end"]
-    figure("R2 target SIGKILL, --max-restarts=1", exit_code=run.returncode, restarts=1, killed_at_step=10,
-           resumed_from_step=resumed, equal_loss_steps=f"{resumed + 1}-12", duplicates=0, lost=0,
-           restart_after_s=round(restart_s, 1), total_s=round(run.seconds, 1))
+    figure(
+        "R2 target SIGKILL, --max-restarts=1",
+        exit_code=run.returncode,
+        restarts=1,
+        killed_at_step=10,
+        resumed_from_step=resumed,
+        equal_loss_steps=f"{resumed + 1}-12",
+        duplicates=0,
+        lost=0,
+        restart_after_s=round(restart_s, 1),
+        total_s=round(run.seconds, 1),
+    )
     assert no_leftover_processes(run.run_dir)
 
 
 def test_killed_drafter_ends_every_target_naming_it(tmp_path, run_cache):
-    run = launch(tmp_path / "run", ["train.max_steps=12", "logging.mode=disabled", "fault.kill_rank=2",
-                                    "fault.kill_at_step=4"], run_cache, record_exits=True)
+    run = launch(
+        tmp_path / "run",
+        ["train.max_steps=12", "logging.mode=disabled", "fault.kill_rank=2", "fault.kill_at_step=4"],
+        run_cache,
+        record_exits=True,
+    )
     assert run.returncode != 0
     exits = run.exits()
     assert exits[(2, 0)]["returncode"] == -9
@@ -53,9 +66,14 @@ def test_killed_drafter_ends_every_target_naming_it(tmp_path, run_cache):
         detected[t] = round(failed_at - killed, 3)
         err = [ln for ln in log.splitlines() if ln.startswith("dflash.distributed.links.PeerError")]
         assert err and f"target {t} (rank {t})" in err[-1] and "drafter 0 (rank 2)" in err[-1], log[-2000:]
-    figure("R3 drafter SIGKILL, --max-restarts=0", target_exit_codes=[exits[(t, 0)]["returncode"] for t in (0, 1)],
-           target_error_after_drafter_kill_s=detected, target_exit_after_drafter_death_s=within,
-           torchrun_exit=run.returncode, error=err[-1])
+    figure(
+        "R3 drafter SIGKILL, --max-restarts=0",
+        target_exit_codes=[exits[(t, 0)]["returncode"] for t in (0, 1)],
+        target_error_after_drafter_kill_s=detected,
+        target_exit_after_drafter_death_s=within,
+        torchrun_exit=run.returncode,
+        error=err[-1],
+    )
     assert no_leftover_processes(run.run_dir)
 
 
@@ -80,6 +98,12 @@ def test_hung_target_is_reported_by_the_drafter(hung_target_run):
     assert detection_s <= timeout_s + 30
     # The hung rank ignores SIGTERM like a stuck one: torchrun SIGKILLs it after its 30 s grace.
     assert ended_s <= timeout_s + 30 + 30
-    figure("R4 hung target", step_timeout_s=timeout_s, detection_s=round(detection_s, 1),
-           job_end_after_hang_s=round(ended_s, 1), exit_code=run.returncode, error=err[-1])
+    figure(
+        "R4 hung target",
+        step_timeout_s=timeout_s,
+        detection_s=round(detection_s, 1),
+        job_end_after_hang_s=round(ended_s, 1),
+        exit_code=run.returncode,
+        error=err[-1],
+    )
     assert no_leftover_processes(run.run_dir)

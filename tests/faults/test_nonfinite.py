@@ -28,12 +28,15 @@ def _weights(ckpt) -> dict[str, torch.Tensor]:
 
 def test_nan_loss_error_then_contract_then_skip(tmp_path, run_cache):
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    failed = launch(run_dir, [*NAN, "train.max_steps=4", "logging.mode=disabled"], run_cache, nproc=2,
-                    record_exits=True)
+    failed = launch(
+        run_dir, [*NAN, "train.max_steps=4", "logging.mode=disabled"], run_cache, nproc=2, record_exits=True
+    )
     assert failed.returncode != 0
     log = failed.rank_log(1)
     err = [ln for ln in log.splitlines() if ln.startswith("RuntimeError: drafter rank 1:")]
-    assert err and "not finite at step 3" in err[-1] and "optimizer step was not applied" in err[-1], log[-2000:]
+    assert err and "not finite at step 3" in err[-1] and "optimizer step was not applied" in err[-1], log[
+        -2000:
+    ]
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000002"]
     intact = load_checkpoint(ckpts / "step_00000002")  # verifies every file against its COMPLETE marker
     assert intact.step == 2
@@ -41,12 +44,21 @@ def test_nan_loss_error_then_contract_then_skip(tmp_path, run_cache):
     raised = log_time(log, "rank 1 failed")
     all_exit_s = max(e["end"] for e in exits.values()) - raised
     assert all(e["returncode"] != 0 for e in exits.values()) and all_exit_s <= 30
-    figure("R6 NaN loss, train.on_nonfinite=error", error=err[-1], exit_codes={r: e["returncode"] for (r, _), e in exits.items()},
-           all_ranks_exit_after_error_s=round(all_exit_s, 1), previous_checkpoint="step 2 verified and loaded")
+    figure(
+        "R6 NaN loss, train.on_nonfinite=error",
+        error=err[-1],
+        exit_codes={r: e["returncode"] for (r, _), e in exits.items()},
+        all_ranks_exit_after_error_s=round(all_exit_s, 1),
+        previous_checkpoint="step 2 verified and loaded",
+    )
 
     # The resume contract, against the intact step-2 checkpoint.
-    refused = launch(run_dir, [*NAN, "train.max_steps=4", "logging.mode=disabled", "target.layer_ids=[1,3,4]"], run_cache,
-                     nproc=2)
+    refused = launch(
+        run_dir,
+        [*NAN, "train.max_steps=4", "logging.mode=disabled", "target.layer_ids=[1,3,4]"],
+        run_cache,
+        nproc=2,
+    )
     assert refused.returncode != 0
     log = refused.rank_log(1)
     assert "the checkpoint was written by a run with a different contract" in log
@@ -55,8 +67,12 @@ def test_nan_loss_error_then_contract_then_skip(tmp_path, run_cache):
     assert "train.allow_contract_change=true" in log
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000001", "step_00000002"]
 
-    skipped = launch(run_dir, [*NAN, "train.max_steps=5", "train.on_nonfinite=skip", "train.allow_contract_change=true"],
-                     run_cache, nproc=2)
+    skipped = launch(
+        run_dir,
+        [*NAN, "train.max_steps=5", "train.on_nonfinite=skip", "train.allow_contract_change=true"],
+        run_cache,
+        nproc=2,
+    )
     assert skipped.returncode == 0, skipped.output[-4000:]
     log = skipped.rank_log(1)
     allowed = "resuming with a changed contract (train.allow_contract_change=true): train.num_steps: saved=4 current=5"

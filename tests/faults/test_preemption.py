@@ -42,7 +42,11 @@ def test_sigterm_at_a_random_step_checkpoints_and_resumes_exactly(tmp_path, run_
     exit_s = max(e["end"] for e in exits.values()) - signalled
     assert exit_s <= 30
     # torchrun's own, documented exit code after a SIGTERM (see the module docstring)
-    assert first.returncode == 1 and "SignalException: Process" in first.stderr and "got signal: 15" in first.stderr
+    assert (
+        first.returncode == 1
+        and "SignalException: Process" in first.stderr
+        and "got signal: 15" in first.stderr
+    )
 
     second = launch(run_dir, STEPS, run_cache)
     assert second.returncode == 0, second.output[-4000:]
@@ -51,7 +55,14 @@ def test_sigterm_at_a_random_step_checkpoints_and_resumes_exactly(tmp_path, run_
     assert sorted(got) == list(range(1, 13))
     assert [got[s] for s in range(stopped + 1, 13)] == [ref[s] for s in range(stopped + 1, 13)]
     assert second.ledger() == reference.ledger()
-    figure("R9 SIGTERM (preemption)", seed=seed, signalled_after_step=at, checkpoint_step=stopped,
-           worker_exit_codes=[exits[(r, 0)]["returncode"] for r in range(3)], workers_exit_after_signal_s=round(exit_s, 1),
-           torchrun_exit=first.returncode, equal_loss_steps=f"{stopped + 1}-12")
+    figure(
+        "R9 SIGTERM (preemption)",
+        seed=seed,
+        signalled_after_step=at,
+        checkpoint_step=stopped,
+        worker_exit_codes=[exits[(r, 0)]["returncode"] for r in range(3)],
+        workers_exit_after_signal_s=round(exit_s, 1),
+        torchrun_exit=first.returncode,
+        equal_loss_steps=f"{stopped + 1}-12",
+    )
     assert no_leftover_processes(run_dir)

@@ -46,7 +46,9 @@ def test_crafted_pickle_checkpoint_is_refused_without_running_it(tmp_path, run_c
     run = launch(tmp_path / "run", [*STEPS, f"train.resume={evil}", "logging.mode=disabled"], run_cache)
     assert run.returncode != 0
     log = run.rank_log(2)
-    refused = f"{evil / 'optimizer.pt'}: cannot load optimizer state: refused by torch.load(weights_only=True)"
+    refused = (
+        f"{evil / 'optimizer.pt'}: cannot load optimizer state: refused by torch.load(weights_only=True)"
+    )
     assert refused in log, log[-3000:]
     assert not marker.exists()
     # A bare pickle given as the checkpoint is not even opened as one.
@@ -60,11 +62,17 @@ def test_crafted_pickle_checkpoint_is_refused_without_running_it(tmp_path, run_c
 
 
 def test_wandb_key_is_in_no_file_the_run_writes(reference):
-    assert env_for(reference.run_dir, {"WANDB_API_KEY": SENTINEL})["WANDB_API_KEY"] == SENTINEL  # it was passed
+    assert (
+        env_for(reference.run_dir, {"WANDB_API_KEY": SENTINEL})["WANDB_API_KEY"] == SENTINEL
+    )  # it was passed
     files = [p for p in reference.run_dir.rglob("*") if p.is_file() and not p.is_symlink()]
     assert any(p.suffix == ".wandb" for p in files) and any(p.name == "model.safetensors" for p in files)
     hits = [str(p) for p in files if SENTINEL.encode() in p.read_bytes()]
     assert hits == []
     assert SENTINEL not in reference.stdout and SENTINEL not in reference.stderr
-    figure("R10 W&B key", files_scanned=len(files), bytes_scanned=sum(p.stat().st_size for p in files),
-           sentinel_hits=len(hits))
+    figure(
+        "R10 W&B key",
+        files_scanned=len(files),
+        bytes_scanned=sum(p.stat().st_size for p in files),
+        sentinel_hits=len(hits),
+    )

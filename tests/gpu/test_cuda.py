@@ -40,8 +40,12 @@ def _run(h_d, h_v, w_head, labels, weights, device, dtype, **kw):
     mix = {k: v for k, v in kw.items() if k in ("ce", "kl", "verifier_ce", "temperature")}
     needs_verifier = mix.get("kl", 0) > 0 or mix.get("verifier_ce", 0) > 0
     out = verifier_loss(
-        hd, h_v.to(device, dtype) if needs_verifier else None, w_head.to(device, dtype), labels.to(device),
-        weights.to(device, torch.float32 if dtype != torch.float64 else dtype), **kw,
+        hd,
+        h_v.to(device, dtype) if needs_verifier else None,
+        w_head.to(device, dtype),
+        labels.to(device),
+        weights.to(device, torch.float32 if dtype != torch.float64 else dtype),
+        **kw,
     )
     out.loss.backward()
     return out.loss.detach().double().cpu(), hd.grad.double().cpu(), out.stats
@@ -68,14 +72,21 @@ def test_cuda_bf16_inputs_accumulate_in_fp32(mix):
     ref_loss, ref_grad, _ = _run(h_d, h_v, w_head, labels, weights, "cpu", torch.float64, **mix)
     hd = h_d.detach().to("cuda", torch.bfloat16, copy=True).requires_grad_()
     out = verifier_loss(
-        hd, h_v.to("cuda", torch.bfloat16), w_head.to("cuda", torch.bfloat16), labels.cuda(),
-        weights.float().cuda(), chunk_size=128, **mix,
+        hd,
+        h_v.to("cuda", torch.bfloat16),
+        w_head.to("cuda", torch.bfloat16),
+        labels.cuda(),
+        weights.float().cuda(),
+        chunk_size=128,
+        **mix,
     )
     out.loss.backward()
     assert out.loss.dtype == torch.float32 and hd.grad.dtype == torch.bfloat16
     torch.testing.assert_close(out.loss.double().cpu(), ref_loss, rtol=1e-4, atol=0)
     # bf16 gradient: G is rounded to bf16 for the G @ W GEMM and dh is stored in bf16
-    torch.testing.assert_close(hd.grad.double().cpu(), ref_grad, rtol=3e-2, atol=3e-2 * ref_grad.abs().max().item())
+    torch.testing.assert_close(
+        hd.grad.double().cpu(), ref_grad, rtol=3e-2, atol=3e-2 * ref_grad.abs().max().item()
+    )
 
 
 def test_cuda_compiled_block_math_equals_eager():

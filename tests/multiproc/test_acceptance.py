@@ -11,16 +11,27 @@ pytestmark = pytest.mark.multiproc
 
 
 def test_eval_tau_tracks_tau_hat_after_training(tmp_path, run_cache):
-    run = launch(tmp_path / "run", [
-        "data.num_epochs=8", "eval.every=1000", "eval.num_prompts=8", "data.num_eval_prompts=8",
-        "drafter.num_anchors=16", "drafter.max_anchors_per_packet=128",
-    ], run_cache, timeout=400)
+    run = launch(
+        tmp_path / "run",
+        [
+            "data.num_epochs=8",
+            "eval.every=1000",
+            "eval.num_prompts=8",
+            "data.num_eval_prompts=8",
+            "drafter.num_anchors=16",
+            "drafter.max_anchors_per_packet=128",
+        ],
+        run_cache,
+        timeout=400,
+    )
     assert run.returncode == 0, run.output[-4000:]
     evals = [row for row in read_history(run.run_dir) if "eval/tau" in row]
     first, last = evals[0], evals[-1]
     assert first["train/step"] == 0 and last["train/step"] > 50
-    print(f"FIGURE step 0: eval/tau={first['eval/tau']:.3f}; step {last['train/step']:.0f}: eval/tau={last['eval/tau']:.3f} "
-          f"tau_hat={last['eval/tau_hat']:.3f} (arithmetic mean {last['eval/tau_hat_arith']:.3f})")
+    print(
+        f"FIGURE step 0: eval/tau={first['eval/tau']:.3f}; step {last['train/step']:.0f}: eval/tau={last['eval/tau']:.3f} "
+        f"tau_hat={last['eval/tau_hat']:.3f} (arithmetic mean {last['eval/tau_hat_arith']:.3f})"
+    )
     assert first["eval/tau"] == pytest.approx(1.0, abs=0.05)  # an untrained drafter accepts (almost) nothing
     assert last["eval/tau"] > 1.5  # it learned
     assert abs(last["eval/tau"] - last["eval/tau_hat"]) <= 0.15 * last["eval/tau_hat"]

@@ -161,7 +161,13 @@ def _target_loop(
 
     topo = ctx.topology
     link = TargetLink(
-        topo, ctx.rank, 2, spec, timeout, max_in_flight, start_index=None if lazy else start,
+        topo,
+        ctx.rank,
+        2,
+        spec,
+        timeout,
+        max_in_flight,
+        start_index=None if lazy else start,
         control_group=ctx.control_group,
     )
     time.sleep(sleep_before)
@@ -178,7 +184,9 @@ def _drafter_link(ctx, spec, timeout=20.0, start=0):
     from dflash.distributed.links import DrafterLink
     from dflash.distributed.topology import Topology
 
-    return DrafterLink(Topology(2, 1, WORLD), 2, spec, timeout, start_index=start, control_group=ctx.control_group)
+    return DrafterLink(
+        Topology(2, 1, WORLD), 2, spec, timeout, start_index=start, control_group=ctx.control_group
+    )
 
 
 def _resume_world(ctx, next_packet, num_steps):
@@ -222,7 +230,9 @@ def sc_happy(ctx, tmp):
         link.ack(g)
     drained_a = link.stop_all()
     start_b, _ = _resume_world(ctx, n_a, n_b)
-    link = DrafterLink(ctx.topology, 2, _spec(torch.bfloat16), 20.0, control_group=ctx.control_group)  # start fixed by the first recv
+    link = DrafterLink(
+        ctx.topology, 2, _spec(torch.bfloat16), 20.0, control_group=ctx.control_group
+    )  # start fixed by the first recv
     consumed_b = 5
     for g in range(start_b, start_b + consumed_b):
         pkt = link.recv(g)
@@ -366,7 +376,8 @@ def sc_two_drafters(ctx, tmp):
     start, num_steps = _resume_world(ctx, 6, 5)
     if ctx.role == "target":
         links = {
-            d: TargetLink(topo, 0, d, spec, 20.0, 2, control_group=ctx.control_group) for d in linked_drafters(topo, 0)
+            d: TargetLink(topo, 0, d, spec, 20.0, 2, control_group=ctx.control_group)
+            for d in linked_drafters(topo, 0)
         }
         for g in topo.packets_of_target(0, start, start + num_steps * topo.packets_per_step):
             links[topo.consumer_of(g)].send(make_packet(g, spec.dtype))

@@ -88,10 +88,10 @@ def test_mask_context_strictly_before_anchor_and_own_block_only():
             assert ctx == list(range(a)), "context must be exactly [0, anchor)"
             blk = (m[q, S:].nonzero().squeeze(1) // BS).unique().tolist()
             assert blk == [n], "a block sees its own slots only"
-            assert m[q, S + n * BS: S + (n + 1) * BS].all(), "bidirectional within the block"
+            assert m[q, S + n * BS : S + (n + 1) * BS].all(), "bidirectional within the block"
     # Block 1 (anchor 4) must not see block 0's slots although they cover positions 3..6,
     # and block 0 must not see context position 4 (its own slot 1 predicts it).
-    assert not m[BS:2 * BS, S:S + BS].any()
+    assert not m[BS : 2 * BS, S : S + BS].any()
     assert not m[:BS, 4].any()
 
 
@@ -102,8 +102,8 @@ def test_mask_respects_documents_and_padding_blocks_see_only_themselves():
     m = dense_mask(anchors, doc, BS).dense[0, 0]
     S = 10
     assert m[BS, :S].nonzero().squeeze(1).tolist() == [5, 6]  # document 1 starts at 5
-    pad = m[2 * BS:, :]
-    assert not pad[:, :S].any() and pad[:, S + 2 * BS:].all()
+    pad = m[2 * BS :, :]
+    assert not pad[:, :S].any() and pad[:, S + 2 * BS :].all()
 
 
 def test_static_shape_padding_does_not_change_the_objective():
@@ -112,8 +112,18 @@ def test_static_shape_padding_does_not_change_the_objective():
     from dflash.drafter.objective import dflash_loss
 
     torch.manual_seed(0)
-    arch = DrafterArch(hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                       vocab_size=50, target_layer_ids=[0, 1], block_size=BS, mask_token_id=49)
+    arch = DrafterArch(
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        vocab_size=50,
+        target_layer_ids=[0, 1],
+        block_size=BS,
+        mask_token_id=49,
+    )
     model = DFlashDraftModel(arch).double()
     S = 14
     pos = _packed([8, 6])

@@ -56,7 +56,15 @@ def test_qwen3_6_27b_experiment_matches_the_published_drafter():
 
 
 def test_any_value_is_overridable():
-    cfg = _compose(["train.max_steps=100", "target=qwen3_8b", "topology.num_targets=7", "loss=ce_kl", "loss.temperature=2.0"])
+    cfg = _compose(
+        [
+            "train.max_steps=100",
+            "target=qwen3_8b",
+            "topology.num_targets=7",
+            "loss=ce_kl",
+            "loss.temperature=2.0",
+        ]
+    )
     assert cfg.train.max_steps == 100 and cfg.target.name == "qwen3_8b" and cfg.topology.num_targets == 7
     assert cfg.loss.kl == 1.0 and cfg.loss.temperature == 2.0
 
@@ -143,7 +151,14 @@ def test_contract_holds_the_tagged_values_and_follows_a_change():
 def test_dataset_settings_are_the_data_tagged_fields():
     cfg = _compose([])
     settings = dataset_settings(cfg.data)
-    assert {"max_length", "split", "overlong", "train_only_last_turn", "num_samples", "num_eval_prompts"} <= set(settings)
+    assert {
+        "max_length",
+        "split",
+        "overlong",
+        "train_only_last_turn",
+        "num_samples",
+        "num_eval_prompts",
+    } <= set(settings)
     assert "token_budget" not in settings and "cache_dir" not in settings
 
 

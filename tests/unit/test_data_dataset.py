@@ -302,7 +302,11 @@ def test_concurrent_build_from_two_processes(tok, tiny_target_dir, tmp_path):
 
 def test_pretokenized_records_are_kept_exactly_and_bad_ones_counted(tok, tmp_path):
     src = tmp_path / "ids.jsonl"
-    good = {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1], "messages": [{"role": "user", "content": "x"}]}
+    good = {
+        "input_ids": [5, 6, 7, 8, 9],
+        "loss_mask": [0, 0, 1, 1, 1],
+        "messages": [{"role": "user", "content": "x"}],
+    }
     bad = [
         {"input_ids": [5, 6, 7], "loss_mask": [0, 1]},  # lengths differ
         {"input_ids": [5, "6", 7], "loss_mask": [0, 1, 1]},  # not integers
@@ -312,5 +316,13 @@ def test_pretokenized_records_are_kept_exactly_and_bad_ones_counted(tok, tmp_pat
     unsupervised = {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 0]}
     src.write_text("\n".join(json.dumps(r) for r in [good, *bad, oov, unsupervised]) + "\n")
     ds = build_or_load_dataset(make_cfg(tmp_path, src, max_skip_fraction=1.0), tok, vocab(tok))
-    assert len(ds) == 1 and ds.sample(0)[0].tolist() == good["input_ids"] and ds.sample(0)[1].tolist() == good["loss_mask"]
-    assert ds.skipped["malformed"] == 3 and ds.skipped["token_out_of_vocab"] == 1 and ds.skipped["no_supervised_pair"] == 1
+    assert (
+        len(ds) == 1
+        and ds.sample(0)[0].tolist() == good["input_ids"]
+        and ds.sample(0)[1].tolist() == good["loss_mask"]
+    )
+    assert (
+        ds.skipped["malformed"] == 3
+        and ds.skipped["token_out_of_vocab"] == 1
+        and ds.skipped["no_supervised_pair"] == 1
+    )

@@ -77,13 +77,15 @@ def test_training_sample_is_exactly_what_the_target_generated(corpus, reference,
     stopped there) with the loss mask on the response, and under teacher forcing every supervised
     token is the target's greedy token at that position: no BPE re-tokenization drift."""
     tok, model = target
-    ds = build_or_load_dataset(DataConfig(path=str(corpus), cache_dir=str(tmp_path), max_length=512), tok, len(tok))
+    ds = build_or_load_dataset(
+        DataConfig(path=str(corpus), cache_dir=str(tmp_path), max_length=512), tok, len(tok)
+    )
     assert len(ds) == NUM_PROMPTS
     for k, (msgs, generated) in enumerate(reference):
         ids, mask = ds.sample(k)
         p = prompt_ids(tok, msgs)
-        response = ids[len(p):].tolist()
-        assert ids[: len(p)].tolist() == p and not mask[: len(p)].any() and mask[len(p):].all()
+        response = ids[len(p) :].tolist()
+        assert ids[: len(p)].tolist() == p and not mask[: len(p)].any() and mask[len(p) :].all()
         assert response in (generated, generated + [tok.eos_token_id])
         with torch.inference_mode():
             greedy = model(ids.unsqueeze(0)).logits[0].argmax(-1)

@@ -45,9 +45,13 @@ def test_training_forward_of_a_block_equals_cached_inference_forward():
         cache = KVCache(model.arch.num_layers)
         mid = (start + a) // 2
         with torch.no_grad():
-            model(noise[:, :0], aux[:, start:mid], pos[:, start:mid], blocks.block_positions[:, :0], None, cache)
+            model(
+                noise[:, :0], aux[:, start:mid], pos[:, start:mid], blocks.block_positions[:, :0], None, cache
+            )
             sl = slice(n * BS, (n + 1) * BS)
-            infer = model(noise[:, sl], aux[:, mid:a], pos[:, mid:a], blocks.block_positions[:, sl], None, cache)
+            infer = model(
+                noise[:, sl], aux[:, mid:a], pos[:, mid:a], blocks.block_positions[:, sl], None, cache
+            )
         assert cache.length == a - start
         for k in range(BS):
             torch.testing.assert_close(infer[0, k], train[0, n * BS + k].detach(), atol=1e-5, rtol=1e-5)
@@ -83,6 +87,8 @@ def test_export_layout_and_bit_exact_round_trip(tmp_path):
 
 def test_warm_start_refuses_a_different_contract():
     assert warm_start_problems(tiny_arch(), tiny_arch()) == []
-    problems = warm_start_problems(tiny_arch(), tiny_arch(hidden_size=32, target_layer_ids=[1, 2, 3], mask_token_id=5))
+    problems = warm_start_problems(
+        tiny_arch(), tiny_arch(hidden_size=32, target_layer_ids=[1, 2, 3], mask_token_id=5)
+    )
     text = "\n".join(problems)
     assert "hidden_size" in text and "target_layer_ids" in text and "mask_token_id" in text

@@ -33,9 +33,16 @@ def _arch(target_dir: Path, **kw) -> DrafterArch:
 
     c = AutoConfig.from_pretrained(target_dir)
     base = dict(
-        hidden_size=c.hidden_size, intermediate_size=256, num_layers=1, num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-        target_layer_ids=LAYER_IDS, block_size=4, mask_token_id=len(AutoTokenizer.from_pretrained(target_dir)),
+        hidden_size=c.hidden_size,
+        intermediate_size=256,
+        num_layers=1,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        vocab_size=c.vocab_size,
+        target_layer_ids=LAYER_IDS,
+        block_size=4,
+        mask_token_id=len(AutoTokenizer.from_pretrained(target_dir)),
         rope_parameters=dict(c.rope_parameters),
     )
     base.update(kw)
@@ -55,7 +62,12 @@ def files(tiny_target_dir, tmp_path_factory):
     prompts = root / "prompts.jsonl"
     with open(prompts, "w") as f:
         for q in QUESTIONS:
-            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]}
+                )
+                + "\n"
+            )
         f.write("not json\n")  # skipped with a warning
         f.write(json.dumps({"messages": [{"role": "user", "content": "no answer yet"}]}) + "\n")
     return root, drafter, prompts
@@ -72,8 +84,15 @@ def _compose(overrides: list[str]) -> EvalAppConfig:
 
 
 def _overrides(target_dir, drafter, prompts, *extra) -> list[str]:
-    return [f"target.path={target_dir}", "target.tiny=null", f"drafter_path={drafter}", f"prompts={prompts}",
-            "max_new_tokens=12", "warmup=false", *extra]
+    return [
+        f"target.path={target_dir}",
+        "target.tiny=null",
+        f"drafter_path={drafter}",
+        f"prompts={prompts}",
+        "max_new_tokens=12",
+        "warmup=false",
+        *extra,
+    ]
 
 
 # ------------------------------------------------------------------------------ report
@@ -113,9 +132,19 @@ def test_evaluate_on_the_tiny_target(files, tiny_target_dir):
 
     embed, head = load_embed_and_head(str(tiny_target_dir))  # what the drafter was trained with
     assert torch.equal(setup.embed, embed) and torch.equal(setup.head, head)
-    rep = evaluate(setup.target, setup.drafter, setup.embed, setup.head, setup.tokenizer, setup.prompts,
-                   max_new_tokens=12, layer_ids=setup.layer_ids, block_size=4, eos_ids=setup.eos_ids,
-                   warmup=True)
+    rep = evaluate(
+        setup.target,
+        setup.drafter,
+        setup.embed,
+        setup.head,
+        setup.tokenizer,
+        setup.prompts,
+        max_new_tokens=12,
+        layer_ids=setup.layer_ids,
+        block_size=4,
+        eos_ids=setup.eos_ids,
+        warmup=True,
+    )
     assert rep.lossless is True and rep.mismatches == []
     assert sum(rep.accept_len_hist.values()) == rep.num_steps > 0
     assert set(rep.accept_len_hist) == {1, 2, 3, 4}
@@ -123,12 +152,31 @@ def test_evaluate_on_the_tiny_target(files, tiny_target_dir):
     assert rep.tau == pytest.approx(sum(steps) / len(steps)) and rep.tau >= 1
     assert math.isfinite(rep.speedup) and rep.speedup > 0
     m = report_metrics(rep)
-    assert {"eval/tau", "eval/speedup", "eval/tpot_ms", "eval/tpot_ar_ms", "eval/lossless",
-            "eval/accept_len_hist/1", "eval/accept_len_hist/4"} <= set(m)
+    assert {
+        "eval/tau",
+        "eval/speedup",
+        "eval/tpot_ms",
+        "eval/tpot_ar_ms",
+        "eval/lossless",
+        "eval/accept_len_hist/1",
+        "eval/accept_len_hist/4",
+    } <= set(m)
     assert "lossless: yes" in report_table(rep)
     # without a drafter: plain decoding, tau exactly 1
-    ar = evaluate(setup.target, None, None, None, None, setup.prompts[:1], max_new_tokens=6, layer_ids=LAYER_IDS,
-                  block_size=4, eos_ids=setup.eos_ids, baseline=False, warmup=False)
+    ar = evaluate(
+        setup.target,
+        None,
+        None,
+        None,
+        None,
+        setup.prompts[:1],
+        max_new_tokens=6,
+        layer_ids=LAYER_IDS,
+        block_size=4,
+        eos_ids=setup.eos_ids,
+        baseline=False,
+        warmup=False,
+    )
     assert ar.tau == 1.0 and ar.block_size == 1 and ar.lossless is None
 
 
@@ -149,7 +197,10 @@ def test_prompts_from_a_datasets_directory(tmp_path, tiny_target_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]} for q in QUESTIONS]
+    rows = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]}
+        for q in QUESTIONS
+    ]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -174,7 +225,9 @@ def test_mismatched_drafter_is_refused(files, tiny_target_dir):
     with pytest.raises(ValueError, match="hidden_size=64 differs from target.*hidden_size=128"):
         load_for_eval(_compose(_overrides(tiny_target_dir, wide, prompts)))
     other_taps = _export(tiny_target_dir, root / "taps", target_layer_ids=[1, 3, 5])
-    with pytest.raises(ValueError, match=r"target.layer_ids=\[1, 2, 4\] but the drafter was trained on taps \[1, 3, 5\]"):
+    with pytest.raises(
+        ValueError, match=r"target.layer_ids=\[1, 2, 4\] but the drafter was trained on taps \[1, 3, 5\]"
+    ):
         load_for_eval(_compose(_overrides(tiny_target_dir, other_taps, prompts)))
     # with target.layer_ids=null the drafter's taps are used
     setup = load_for_eval(_compose(_overrides(tiny_target_dir, other_taps, prompts, "target.layer_ids=null")))
@@ -187,7 +240,9 @@ def test_mismatched_drafter_is_refused(files, tiny_target_dir):
 def test_bad_eval_settings_are_reported_together(files, tiny_target_dir):
     _, drafter, prompts = files
     with pytest.raises(ValueError, match="2 eval config problem") as e:
-        load_for_eval(_compose(_overrides(tiny_target_dir, drafter, prompts, "max_new_tokens=0", "block_size=0")))
+        load_for_eval(
+            _compose(_overrides(tiny_target_dir, drafter, prompts, "max_new_tokens=0", "block_size=0"))
+        )
     assert "max_new_tokens=0" in str(e.value) and "block_size=0" in str(e.value)
 
 
@@ -197,11 +252,25 @@ def test_bad_eval_settings_are_reported_together(files, tiny_target_dir):
 def test_app_subprocess_logs_tau_to_offline_wandb(files, tiny_target_dir, tmp_path):
     _, drafter, prompts = files
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "WANDB_MODE": "disabled",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "dflash.eval", *_overrides(tiny_target_dir, drafter, prompts),
-           "num_prompts=2", "logging.mode=offline", "logging.project=dflash-test", "step=7",
-           f"hydra.run.dir={run_dir}"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_SILENT": "true",
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash.eval",
+        *_overrides(tiny_target_dir, drafter, prompts),
+        "num_prompts=2",
+        "logging.mode=offline",
+        "logging.project=dflash-test",
+        "step=7",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DFlash eval: 2 prompts, block size 4" in proc.stdout and "lossless: yes" in proc.stdout

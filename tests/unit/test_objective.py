@@ -16,8 +16,18 @@ BS, V, H = 4, 60, 32
 
 def _setup():
     torch.manual_seed(0)
-    arch = DrafterArch(hidden_size=H, intermediate_size=48, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                       vocab_size=V, target_layer_ids=[0, 1], block_size=BS, mask_token_id=V - 1)
+    arch = DrafterArch(
+        hidden_size=H,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        vocab_size=V,
+        target_layer_ids=[0, 1],
+        block_size=BS,
+        mask_token_id=V - 1,
+    )
     model = DFlashDraftModel(arch).double()
     pos = torch.cat([torch.arange(11), torch.arange(9)]).unsqueeze(0)
     S = pos.shape[1]
@@ -39,7 +49,9 @@ def test_loss_terms_stats_and_tau_equal_a_naive_reference():
 
     doc = doc_ids_from_positions(pos)
     blocks = make_blocks(ids, pos, doc, anchors, BS, V - 1)
-    hidden = model(embed[blocks.block_ids], aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa"))
+    hidden = model(
+        embed[blocks.block_ids], aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa")
+    )
     num = den = 0.0
     taus, taus_v = [], []
     slot_hits = [0] * BS
@@ -56,7 +68,7 @@ def test_loss_terms_stats_and_tau_equal_a_naive_reference():
             ce = -logq[ids[0, p]]
             vce = -logq[zv.argmax()]
             pT, logqT = torch.softmax(zv / cfg.temperature, -1), torch.log_softmax(z / cfg.temperature, -1)
-            kl = cfg.temperature ** 2 * (pT * (pT.log() - logqT)).sum()
+            kl = cfg.temperature**2 * (pT * (pT.log() - logqT)).sum()
             num += w * (cfg.ce * ce + cfg.kl * kl + cfg.verifier_ce * vce)
             den += w
             hits[k] = bool(z.argmax() == ids[0, p])
@@ -69,7 +81,11 @@ def test_loss_terms_stats_and_tau_equal_a_naive_reference():
     torch.testing.assert_close(out.loss, ref, rtol=1e-10, atol=0)
     torch.testing.assert_close(out.weight_sum, torch.tensor(den, dtype=torch.float64), rtol=1e-12, atol=0)
     assert out.slot_hit.tolist() == [float(h) for h in slot_hits]
-    assert float(out.num_blocks) == 6 and float(out.tau_sum) == sum(taus) and float(out.tau_verifier_sum) == sum(taus_v)
+    assert (
+        float(out.num_blocks) == 6
+        and float(out.tau_sum) == sum(taus)
+        and float(out.tau_verifier_sum) == sum(taus_v)
+    )
     assert math.isclose(float(out.inv_tau_verifier_sum), sum(1 / t for t in taus_v), rel_tol=1e-12)
     g_out = torch.autograd.grad(out.loss, list(model.parameters()))
     g_ref = torch.autograd.grad(ref, list(model.parameters()))
@@ -78,5 +94,7 @@ def test_loss_terms_stats_and_tau_equal_a_naive_reference():
 
 
 def test_prefix_accept_counts_the_leading_run_of_hits():
-    hits = torch.tensor([[False, True, True, False, True], [True, False, True, True, True], [False, True, True, True, True]])
+    hits = torch.tensor(
+        [[False, True, True, False, True], [True, False, True, True, True], [False, True, True, True, True]]
+    )
     assert prefix_accept(hits).tolist() == [3, 1, 5]  # slot 0 is the given token and is ignored

@@ -27,18 +27,36 @@ def weightless_target(tiny_target_dir, tmp_path_factory) -> Path:
 def _cfg(target: Path, overrides: list[str]):
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=[
-            f"target.path={target}", "target.tiny=null", "data.path=/nonexistent.jsonl", *overrides]))
+        cfg = to_config(
+            compose(
+                config_name="config",
+                overrides=[
+                    f"target.path={target}",
+                    "target.tiny=null",
+                    "data.path=/nonexistent.jsonl",
+                    *overrides,
+                ],
+            )
+        )
     return cfg
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["target.layer_ids=[1,2,9]"], "target.layer_ids=[1, 2, 9]: layers [9] outside the target's 6 decoder layers"),
-    (["drafter.hidden_size=256"], "drafter.hidden_size=256 differs from the target's hidden_size=128"),
-    (["drafter.mask_token_id=5000"], "mask token id 5000 from drafter.mask_token_id is outside the target vocabulary [0, 2112)"),
-    (["drafter.mask_token_id=2"], "is the tokenizer's eos_token_id"),
-    (["drafter.num_heads=3"], "drafter.num_heads=3 is not a multiple of drafter.num_kv_heads=2"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            ["target.layer_ids=[1,2,9]"],
+            "target.layer_ids=[1, 2, 9]: layers [9] outside the target's 6 decoder layers",
+        ),
+        (["drafter.hidden_size=256"], "drafter.hidden_size=256 differs from the target's hidden_size=128"),
+        (
+            ["drafter.mask_token_id=5000"],
+            "mask token id 5000 from drafter.mask_token_id is outside the target vocabulary [0, 2112)",
+        ),
+        (["drafter.mask_token_id=2"], "is the tokenizer's eos_token_id"),
+        (["drafter.num_heads=3"], "drafter.num_heads=3 is not a multiple of drafter.num_kv_heads=2"),
+    ],
+)
 def test_target_dependent_errors_before_any_weight_loads(weightless_target, overrides, needle):
     with pytest.raises(ValueError) as err:
         prepare(_cfg(weightless_target, overrides), 3)

@@ -42,9 +42,16 @@ def env(tiny_target_dir):
 def make_drafter(target, tok, block_size: int, seed: int = 0, num_layers: int = 1) -> DFlashDraftModel:
     c = target.config
     arch = DrafterArch(
-        hidden_size=c.hidden_size, intermediate_size=256, num_layers=num_layers, num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-        target_layer_ids=LAYER_IDS, block_size=block_size, mask_token_id=len(tok),
+        hidden_size=c.hidden_size,
+        intermediate_size=256,
+        num_layers=num_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        vocab_size=c.vocab_size,
+        target_layer_ids=LAYER_IDS,
+        block_size=block_size,
+        mask_token_id=len(tok),
         rope_parameters=dict(c.rope_parameters),
     )
     model = DFlashDraftModel(arch)
@@ -54,20 +61,45 @@ def make_drafter(target, tok, block_size: int, seed: int = 0, num_layers: int = 
 
 def greedy(env, prompt, n=N, eos=frozenset()) -> GenerationResult:
     target = env[0]
-    return speculative_generate(target, None, None, None, prompt, max_new_tokens=n, eos_token_ids=set(eos),
-                                layer_ids=LAYER_IDS, block_size=1)
+    return speculative_generate(
+        target,
+        None,
+        None,
+        None,
+        prompt,
+        max_new_tokens=n,
+        eos_token_ids=set(eos),
+        layer_ids=LAYER_IDS,
+        block_size=1,
+    )
 
 
 def spec(env, drafter, prompt, block_size, n=N, eos=frozenset(), head=None, on_step=None) -> GenerationResult:
     target, _, embed, thead, _ = env
-    return speculative_generate(target, drafter, embed, thead if head is None else head, prompt, max_new_tokens=n,
-                                eos_token_ids=set(eos), layer_ids=LAYER_IDS, block_size=block_size, on_step=on_step)
+    return speculative_generate(
+        target,
+        drafter,
+        embed,
+        thead if head is None else head,
+        prompt,
+        max_new_tokens=n,
+        eos_token_ids=set(eos),
+        layer_ids=LAYER_IDS,
+        block_size=block_size,
+        on_step=on_step,
+    )
 
 
 def hf_generate(target, prompt, n, eos_id, pad_id) -> list[int]:
-    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=eos_id,
-                          pad_token_id=pad_id, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+    out = target.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def check_bookkeeping(res: GenerationResult, block_size: int, n: int) -> None:
@@ -250,7 +282,9 @@ def test_drafts_equal_an_uncached_reference(env):
             out = target(input_ids=torch.tensor([seq[:t]]), output_hidden_states=True)
             ctx = torch.cat([out.hidden_states[i + 1] for i in LAYER_IDS], dim=-1)
             noise = embed[torch.tensor([[seq[t]] + [drafter.arch.mask_token_id] * (B - 1)])]
-            hidden = drafter(noise, ctx, torch.arange(t).unsqueeze(0), torch.arange(t, t + B).unsqueeze(0), None)
+            hidden = drafter(
+                noise, ctx, torch.arange(t).unsqueeze(0), torch.arange(t, t + B).unsqueeze(0), None
+            )
             logits = hidden[0, 1:] @ head.T
             chosen = logits.gather(1, torch.tensor(tr.block[1:]).unsqueeze(1)).squeeze(1)
             torch.testing.assert_close(chosen, logits.max(-1).values, atol=1e-4, rtol=0)
@@ -265,5 +299,14 @@ def test_max_new_tokens_one_and_bad_arguments(env):
     with pytest.raises(ValueError, match="max_new_tokens"):
         spec(env, drafter, prompts[0], 4, n=0)
     with pytest.raises(ValueError, match="layer_ids"):
-        speculative_generate(target, drafter, env[2], env[3], prompts[0], max_new_tokens=4, eos_token_ids=set(),
-                             layer_ids=[1, 2, 3], block_size=4)
+        speculative_generate(
+            target,
+            drafter,
+            env[2],
+            env[3],
+            prompts[0],
+            max_new_tokens=4,
+            eos_token_ids=set(),
+            layer_ids=[1, 2, 3],
+            block_size=4,
+        )
