@@ -27,6 +27,8 @@ test-fast: $(BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check dflash tests scripts
+	$(BIN)/ruff format --check dflash tests scripts
+	$(BIN)/mypy
 
 bench-loss: $(BIN)/.installed
 	$(BIN)/python scripts/bench_loss.py

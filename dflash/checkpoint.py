@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash.files import atomic_directory, fsync_path
@@ -602,19 +603,14 @@ def capture_rng_state() -> dict:
         },
         "torch": torch.get_rng_state(),
     }
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        np = None
-    if np is not None:
-        s = np.random.get_state(legacy=False)
-        state["numpy"] = {
-            "bit_generator": s["bit_generator"],
-            "key": torch.from_numpy(s["state"]["key"].astype(np.int64)),
-            "pos": int(s["state"]["pos"]),
-            "has_gauss": int(s["has_gauss"]),
-            "gauss": float(s["gauss"]),
-        }
+    s = np.random.get_state(legacy=False)
+    state["numpy"] = {
+        "bit_generator": s["bit_generator"],
+        "key": torch.from_numpy(s["state"]["key"].astype(np.int64)),
+        "pos": int(s["state"]["pos"]),
+        "has_gauss": int(s["has_gauss"]),
+        "gauss": float(s["gauss"]),
+    }
     # Only when CUDA is already initialised: touching the generators would create a context on
     # every visible GPU.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -630,8 +626,6 @@ def restore_rng_state(state: dict) -> None:
     random.setstate((int(py["version"]), internal, py["gauss_next"]))
     torch.set_rng_state(state["torch"].cpu())
     if "numpy" in state:
-        import numpy as np
-
         s = state["numpy"]
         key = s["key"].numpy() if isinstance(s["key"], torch.Tensor) else np.asarray(s["key"])
         np.random.set_state(

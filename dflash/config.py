@@ -289,8 +289,12 @@ def schema_leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasse
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
-        inner = [t for t in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(t)]
-        sub = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else (inner[0] if inner else None)
+        inner = [
+            t for t in typing.get_args(hints[f.name]) if isinstance(t, type) and dataclasses.is_dataclass(t)
+        ]
+        hint = hints[f.name]
+        sub: type | None = hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+        sub = sub or (inner[0] if inner else None)
         if sub is None or "resume" in f.metadata:
             yield name, f
         if sub is not None:
@@ -499,6 +503,13 @@ def raise_problems(problems: list[str], what: str) -> None:
 def validate(cfg: Config, world_size: int) -> None:
     """Raise one ValueError listing every config problem (run on every rank before any model loads)."""
     raise_problems(config_problems(cfg, world_size), "config")
+
+
+def plain_dict(cfg: DictConfig) -> dict[str, Any]:
+    """A composed config as plain Python containers, interpolations resolved (for W&B and files)."""
+    out = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(out, dict)
+    return {str(k): v for k, v in out.items()}
 
 
 def to_config(dcfg: DictConfig) -> Config:

@@ -24,7 +24,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -53,6 +53,8 @@ REDACTED = "<redacted>"
 
 @runtime_checkable
 class MetricLogger(Protocol):
+    run_id: str | None
+
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def summary(self, values: dict[str, float]) -> None: ...
@@ -175,7 +177,7 @@ class WandbLogger:
                 atomic_write(id_file, self.run_id + "\n")
 
         self.run = wandb.init(
-            mode=cfg.mode,
+            mode=cast(Literal["online", "offline", "disabled"], cfg.mode),
             project=cfg.project,
             entity=cfg.entity,
             name=cfg.name or run_name,

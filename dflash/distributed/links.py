@@ -255,6 +255,7 @@ class TargetLink(Endpoint):
             )
 
     def _handle_control(self) -> None:
+        assert self._ctrl_buf is not None, "no control receive posted"
         msg = [int(x) for x in self._ctrl_buf.tolist()]
         self._ctrl_work, self._ctrl_buf = None, None
         kind, g = msg[0], msg[1]
@@ -528,17 +529,19 @@ class DrafterLink(Endpoint):
         self.stopped = True
         for t in self.targets:
             if t not in self._ended:
-                self._send_control(CTRL_STOP, -1 if self._next[t] is None else self._next[t], t)
+                nxt = self._next[t]
+                self._send_control(CTRL_STOP, -1 if nxt is None else nxt, t)
         discarded = 0
         for t in self.targets:
             sender = self.topology.describe(t)
             while t not in self._ended:
                 self._deferred[t] = []
-                if self._next[t] is None:  # nothing asked of this target yet: take its first header as is
+                nxt = self._next[t]
+                if nxt is None:  # nothing asked of this target yet: take its first header as is
                     h = self._first_header(t)
                     g = h.g
                 else:
-                    g = self._next[t]
+                    g = nxt
                     h, _ = self._take_header(t, g)
                 try:
                     validate_header(h, expect_g=g, spec=self.spec, sender=sender, allow_end=True)

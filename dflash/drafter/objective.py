@@ -172,7 +172,7 @@ def dflash_loss(
         hit[rows] = out.stats.data_hit
         hit = hit.view(B, N, bs)
         hit_v = torch.zeros_like(hit)
-        if need_verifier:
+        if out.stats.verifier_hit is not None:
             hit_v.view(-1)[rows] = out.stats.verifier_hit
         real = anchors >= 0
         tau_data, tau_ver = prefix_accept(hit)[real].double(), prefix_accept(hit_v)[real].double()

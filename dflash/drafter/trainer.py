@@ -31,7 +31,7 @@ from dflash.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from dflash.config import Config, drafter_attention
+from dflash.config import Config, drafter_attention, plain_dict
 from dflash.distributed.collectives import agree_on_start, all_reduce_sum
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
@@ -130,15 +130,17 @@ class DrafterTrainer:
             self.topology, ctx.rank, spec, cfg.topology.init_timeout_s, control_group=ctx.control_group
         )
         self.target_stats: dict[int, tuple[float, float]] = {}
-        self.static_shape = (
-            (cfg.data.token_budget, cfg.drafter.max_anchors_per_packet) if self.attention == "flex" else None
-        )
+        self.static_shape: tuple[int, int] | None = None
+        if self.attention == "flex":
+            cap = cfg.drafter.max_anchors_per_packet
+            assert cap is not None, "config validation requires drafter.max_anchors_per_packet with flex"
+            self.static_shape = (cfg.data.token_budget, cap)
         self.evaluator = (
             PeriodicEval(cfg, setup, self.device) if self.is_leader and cfg.eval.every > 0 else None
         )
         self.logger: MetricLogger = NullLogger()
         if self.is_leader:
-            config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+            config = plain_dict(OmegaConf.structured(cfg))
             self.logger = build_logger(
                 cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
             )
@@ -303,7 +305,7 @@ class DrafterTrainer:
         self.stop_requested = self.stop_requested or stop_all > 0
         self._grads_to_mean(float(agg["weight_sum"]))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         if nonfinite_all > 0 or not math.isfinite(grad_norm):
             self.state.nonfinite_steps += 1
             if cfg.train.on_nonfinite == "error":

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from dflash.config import LoggingConfig, PathsConfig, TargetConfig
+from dflash.config import LoggingConfig, PathsConfig, TargetConfig, plain_dict
 from dflash.eval.loading import load_for_eval
 from dflash.eval.report import EvalReport, evaluate, report_metrics, report_table
 from dflash.files import atomic_write
@@ -114,8 +114,7 @@ def run_app(dcfg: Any, run_dir: Path) -> EvalReport:
     atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(dcfg, resolve=True))
     atomic_write(run_dir / "report.json", json.dumps(report.to_dict(), indent=1, default=str))
     metrics = report_metrics(report)
-    config = OmegaConf.to_container(dcfg, resolve=True)
-    logger = build_logger(cfg.logging, True, run_dir, config, run_name=cfg.name)
+    logger = build_logger(cfg.logging, True, run_dir, plain_dict(dcfg), run_name=cfg.name)
     try:
         row: dict[str, Any] = dict(metrics)
         if isinstance(logger, WandbLogger):

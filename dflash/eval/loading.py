@@ -19,6 +19,8 @@ import torch
 from dflash.drafter.model import DFlashDraftModel, DrafterArch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from dflash.eval.app import EvalAppConfig
 
 log = logging.getLogger(__name__)
@@ -143,11 +145,11 @@ def prompt_from_record(record: Any, tokenizer: Any, template_kwargs: dict[str, A
     from dflash.data.tokenize import pretokenized
 
     if isinstance(record, dict) and "input_ids" in record and "messages" not in record:
-        ids, mask = pretokenized(record)
-        first = int(mask.argmax()) if mask.any() else len(ids)
+        token_ids, mask = pretokenized(record)
+        first = int(mask.argmax()) if mask.any() else len(token_ids)
         if first == 0:
             raise ValueError("pretokenized record supervises its first token: no prompt")
-        return [int(i) for i in ids[:first]]
+        return [int(i) for i in token_ids[:first]]
     ids = prompt_ids(tokenizer, parse_messages(record), **template_kwargs)
     if not ids:
         raise ValueError("empty prompt")
@@ -208,7 +210,7 @@ def eos_ids_of(tokenizer: Any, target: torch.nn.Module | None) -> set[int]:
     return ids
 
 
-def target_embed_and_head(target: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def target_embed_and_head(target: PreTrainedModel) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The loaded target's own embedding and lm_head weights [V, H] (shared, no copy): the same
     tensors ``load_embed_and_head`` reads from the checkpoint, without a second copy on the device."""
     try:

@@ -122,8 +122,8 @@ def build_report(
         hist[a] += 1
     has_baseline = bool(results) and all(r.baseline_ids is not None for r in results)
     tpot = _mean(r.tpot_s for r in results)
-    tpot_ar = _mean(r.tpot_ar_s for r in results) if has_baseline else None
-    speedup = tpot_ar / tpot if has_baseline and tpot > 0 else None
+    tpot_ar = _mean(r.tpot_ar_s for r in results if r.tpot_ar_s is not None) if has_baseline else None
+    speedup = tpot_ar / tpot if tpot_ar is not None and tpot > 0 else None
     mismatches = []
     for r in results:
         i = r.first_mismatch
@@ -276,7 +276,7 @@ def report_table(report: EvalReport) -> str:
     )
     lines.append("")
     lines.append(f"tau = {_fmt(report.tau, '.3f')} (mean accepted+1 over {report.num_steps} decode steps)")
-    if has_ar:
+    if report.tpot_ar_s is not None:
         lines.append(
             f"speedup = TPOT(AR) {_fmt(report.tpot_ar_s * 1e3, '.3f')} ms / TPOT(DFlash) "
             f"{_fmt(report.tpot_s * 1e3, '.3f')} ms = {_fmt(report.speedup, '.2f')}x"

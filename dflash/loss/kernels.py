@@ -105,6 +105,7 @@ def block_math(
     md, ad = max_argmax(zd)
     av = zav = kl_r = lse_dt = None
     if zv is not None:
+        assert sc is not None, "a verifier block needs the scratch buffer"
         mv, av = max_argmax(zv)
         zav = zd[rows, av]
         torch.sub(zv, zd, out=sc)  # d = z_v - z_d
@@ -115,6 +116,7 @@ def block_math(
         lse_vt = mv - torch.log(zv[rows, av])
         dot = _rowdot_(sc, zv)  # sum p_T (z_v - z_d); sc is scratch again afterwards
         if t != 1.0:
+            assert sc2 is not None, "T != 1 needs the second scratch buffer"
             torch.mul(zd, inv_t, out=sc2)
             _softmax_(sc2, sc2)  # q_T
             lse_dt = md * inv_t - torch.log(sc2[rows, ad])
@@ -125,20 +127,22 @@ def block_math(
         if t == 1.0:
             lse_dt = lse_d1
     if zv is not None:
+        assert lse_dt is not None
         kl_r = (dot * inv_t - lse_vt + lse_dt) * (t * t)
 
     s = 0.0
     if need_grad:
+        assert zv is not None or b_coef == 0, "a KL gradient needs the verifier logits"
         if t == 1.0:
             s = a_coef + b_coef
-            if b_coef > 0:
+            if zv is not None and b_coef > 0:
                 zd.sub_(zv, alpha=b_coef / s)  # q - (B/s) p
         elif a_coef > 0:
             s = a_coef
-            if b_coef > 0:
+            if zv is not None and sc2 is not None and b_coef > 0:
                 zd.add_(sc2, alpha=b_coef / s)
                 zd.sub_(zv, alpha=b_coef / s)
-        elif b_coef > 0:
+        elif zv is not None and sc2 is not None and b_coef > 0:
             s = b_coef
             torch.sub(sc2, zv, out=zd)
     return md, ad, lse_d1, av, zav, kl_r, s
@@ -185,8 +189,9 @@ def block_math_exp2(
     n = zd.shape[0]
     rows = torch.arange(n, device=zd.device)
     md, ad = max_argmax(zd)
-    av = zav = kl_r = None
+    av = zav = kl_r = sv = None
     if zv is not None:
+        assert sc is not None, "a verifier block needs the scratch buffer"
         mv, av = max_argmax(zv)
         zav = zd[rows, av] * LN2
         torch.sub(zv, zd, out=sc)  # d2 = z2_v - z2_d
@@ -202,7 +207,7 @@ def block_math_exp2(
     s = 0.0
     if need_grad:
         s = ce + vce + kl
-        if kl > 0:
+        if zv is not None and sv is not None and kl > 0:
             zd.addcmul_(zv, ((kl / s) * sd / sv).unsqueeze(1), value=-1.0)  # s_d (q - (kl/s) p)
     return ad, lse_d2 * LN2, av, zav, kl_r, s, sd
 

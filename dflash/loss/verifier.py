@@ -206,7 +206,7 @@ def _forward_impl_body(
     # per-row outputs (compacted order)
     ad_k = torch.empty(n_keep, dtype=torch.int64, device=device)
     av_k = torch.empty(n_keep, dtype=torch.int64, device=device) if h_v is not None else None
-    ce_k = torch.empty(n_keep, dtype=cdt, device=device)
+    ce_k: Tensor | None = torch.empty(n_keep, dtype=cdt, device=device)
     kl_k = torch.empty(n_keep, dtype=cdt, device=device) if h_v is not None else None
     vce_k = torch.empty(n_keep, dtype=cdt, device=device) if h_v is not None else None
     have_ce = True
@@ -263,6 +263,7 @@ def _forward_impl_body(
             project(h_d[c0:c1], zd)
             zv = None
             if h_v is not None:
+                assert zv_buf is not None
                 zv = zv_buf[:n]
                 project(h_v[c0:c1], zv)
             rows_c = arange_c[:n]
@@ -270,7 +271,7 @@ def _forward_impl_body(
             zlab = zd[rows_c, lab_c]
             if z_scale != 1.0:
                 zlab = zlab * z_scale
-            av_c = av_k[c0:c1] if zv is not None else None
+            av_c = av_k[c0:c1] if av_k is not None else None
             fac = fac_c[:n]
             for b0 in range(0, n, rb):
                 b1 = min(b0 + rb, n)
@@ -299,8 +300,10 @@ def _forward_impl_body(
                 if lse_d1 is None:
                     have_ce = False
                 else:
+                    assert ce_k is not None
                     ce_k[g0:g1] = lse_d1 - zlab[b0:b1]
                 if zv is not None:
+                    assert av_k is not None and kl_k is not None and vce_k is not None
                     av_k[g0:g1] = av
                     kl_k[g0:g1] = kl_r
                     if lse_d1 is not None:
@@ -312,6 +315,7 @@ def _forward_impl_body(
                     zd.index_put_((rows_c, lab_c), fac * (-cfg.ce / s_used), accumulate=True)
                 if cfg.vce > 0:
                     zd.index_put_((rows_c, av_c), fac * (-cfg.vce / s_used), accumulate=True)
+                assert dh_buf is not None and dh is not None
                 dh_c = dh_buf[:n]
                 if on_cuda and w.dtype != cdt:
                     _device_mm(zd.to(w.dtype), w, dh_c)
@@ -345,12 +349,10 @@ def _forward_impl_body(
     loss = zero.clone()
     if n_keep:
         per_row = torch.zeros(n_keep, dtype=cdt, device=device)
-        if cfg.ce > 0:
-            per_row.add_(ce_k, alpha=cfg.ce)
-        if cfg.kl > 0:
-            per_row.add_(kl_k, alpha=cfg.kl)
-        if cfg.vce > 0:
-            per_row.add_(vce_k, alpha=cfg.vce)
+        for coef, term in ((cfg.ce, ce_k), (cfg.kl, kl_k), (cfg.vce, vce_k)):
+            if coef > 0:
+                assert term is not None, "a weighted term was not computed"
+                per_row.add_(term, alpha=coef)
         loss = wmean(per_row)
 
     # stats back in the original row order
@@ -364,6 +366,7 @@ def _forward_impl_body(
 
     ad_full = expand(ad_k, -1)
     lab_ok = labels if not compact else expand(labels_k, -1)
+    assert ad_full is not None and lab_ok is not None
     stats = VerifierLossStats(
         drafter_argmax=ad_full,
         data_hit=(ad_full == lab_ok) & (ad_full >= 0),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,11 +24,14 @@ __all__ = ["acquire_workspace", "release_workspace", "return_workspace"]
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
-_libc_madvise = None
+_libc_madvise: Any = None
+"""libc's madvise once looked up; False where there is none (then huge pages are never asked for)."""
 
 
 def _madvise_huge(ptr: int, nbytes: int) -> bool:
     global _libc_madvise
+    if _libc_madvise is False:
+        return False
     try:
         if _libc_madvise is None:
             import ctypes

@@ -19,11 +19,15 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from dflash.config import DEFAULT_NUM_TAPS, TargetConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +125,11 @@ def resolve_layer_ids(cfg: TargetConfig, meta: TargetMeta) -> list[int]:
     """``cfg.layer_ids`` or the default formula, checked against the target's layer count."""
     explicit = cfg.layer_ids is not None
     num_taps = DEFAULT_NUM_TAPS if cfg.num_taps is None else cfg.num_taps
-    ids = [int(x) for x in cfg.layer_ids] if explicit else default_layer_ids(meta.num_layers, num_taps)
+    ids = (
+        [int(x) for x in cfg.layer_ids]
+        if cfg.layer_ids is not None
+        else default_layer_ids(meta.num_layers, num_taps)
+    )
     where = f"target.layer_ids={ids}" if explicit else f"target.num_taps={num_taps} (default layer ids {ids})"
     fix = (
         f"set target.layer_ids to distinct decoder layers in [0, {meta.num_layers - 1}]"
@@ -160,8 +168,9 @@ def base_model(model: nn.Module) -> nn.Module:
     if not isinstance(base, nn.Module) or base is model:
         raise TypeError(f"{type(model).__name__} has no headless base model (.model)")
     # A VLM wrapper (e.g. Qwen3_5ForConditionalGeneration) keeps the text model one level down.
-    if not hasattr(base, "layers") and isinstance(getattr(base, "language_model", None), nn.Module):
-        base = base.language_model
+    inner = getattr(base, "language_model", None)
+    if not hasattr(base, "layers") and isinstance(inner, nn.Module):
+        return inner
     return base
 
 
@@ -172,7 +181,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     """The frozen target ``*ForCausalLM``: eval, requires_grad off, on ``device``."""
     from transformers import AutoModelForCausalLM
 
@@ -187,7 +196,7 @@ def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> 
     )
     model.eval()
     model.requires_grad_(False)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers types .to's argument as a dtype or device str
     on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     on_meta += [n for n, b in model.named_buffers() if b.device.type == "meta"]
     if on_meta:
@@ -253,8 +262,8 @@ def _read_tensor(path: str, revision: str | None, location: str, name: str) -> t
 
     if "\0" in location:  # sharded: "<dir of index>\0<shard file name>"
         folder, shard = location.split("\0", 1)
-        file = os.path.join(folder, shard)
-        if not os.path.isfile(file):  # hub: shards are fetched on demand
+        file: str | None = os.path.join(folder, shard)
+        if not os.path.isfile(str(file)):  # hub: shards are fetched on demand
             file = _resolve_file(path, shard, revision)
             if file is None:
                 raise FileNotFoundError(
