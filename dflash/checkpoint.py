@@ -32,9 +32,11 @@ sha256 of every file against COMPLETE before deserialising anything. The only de
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
+import os
 import pickle  # only for pickle.UnpicklingError; nothing is unpickled outside weights_only
 import random
 import re
@@ -317,27 +319,44 @@ def save_checkpoint(
     except (TypeError, ValueError):
         raise
     except Exception as e:
-        raise CheckpointError(f"writing checkpoint step {step} under {root} failed: {e!r}") from e
+        raise CheckpointError(f"writing checkpoint step {step} under {root} failed: {_why(e, root)}") from e
 
     _apply_retention(root, step, keep)
     logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - t0)
     return final
 
 
+def _why(err: BaseException, root: Path) -> str:
+    """The cause of a failed write in words: a full disk is named as such (torch's own message for
+    it is ``[enforce fail at inline_container.cc] unexpected pos``)."""
+    free = shutil.disk_usage(root).free if root.exists() else None
+    full = getattr(err, "errno", None) == errno.ENOSPC or (free is not None and free < 64 << 20)
+    if full:
+        return (
+            f"no space left on the device of {root} ({(free or 0) / 2**20:.0f} MiB free): free space there, "
+            f"or put the run on a larger disk (hydra.run.dir=...) and resume ({type(err).__name__}: {err})"
+        )
+    return repr(err)
+
+
 def _apply_retention(root: Path, new_step: int, keep: int) -> None:
-    """Delete stray tmp/old dirs, unmarked step dirs, complete checkpoints beyond the newest
-    ``keep`` and checkpoints newer than the one just saved (an abandoned timeline, after a resume
-    from an older checkpoint; left in place they would be picked by the next auto-resume)."""
+    """Delete stray tmp/old dirs, unmarked step dirs and complete checkpoints beyond the newest
+    ``keep``. Complete checkpoints newer than the one just saved (an abandoned timeline, after a
+    resume from an older checkpoint) would be picked by the next auto-resume: they are moved to
+    ``root/abandoned-<time>/``, never deleted."""
     marked: list[tuple[int, Path]] = []
     for step, path in _list_step_dirs(root):
-        if step > new_step:
+        if step > new_step and _is_marked(path):
+            dest = root / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}" / path.name
+            dest.parent.mkdir(exist_ok=True)
+            os.rename(path, dest)
             logger.warning(
-                "removing checkpoint %s: it is newer than the step %d just saved "
-                "(left from a run that was resumed from an older checkpoint)",
+                "moved checkpoint %s to %s: it is newer than the step %d just saved (a timeline "
+                "abandoned by a resume from an older checkpoint)",
                 path,
+                dest,
                 new_step,
             )
-            _rmtree(path)
         elif not _is_marked(path):
             logger.info("removing incomplete checkpoint dir %s (no %s marker)", path, MARKER)
             _rmtree(path)

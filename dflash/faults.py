@@ -16,6 +16,9 @@ def _armed(cfg: FaultConfig) -> bool:
     return not cfg.only_first_attempt or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
 
+_sent: list[int] = []
+
+
 def at_step(cfg: FaultConfig, rank: int, step: int) -> None:
     """Kill or hang this rank if the config says so for 1-based optimizer step ``step``.
 
@@ -24,9 +27,10 @@ def at_step(cfg: FaultConfig, rank: int, step: int) -> None:
     """
     if not _armed(cfg):
         return
-    if cfg.kill_rank == rank and cfg.kill_at_step is not None and step >= cfg.kill_at_step:
-        log.warning("fault injection: SIGKILL rank %d at step %d", rank, step)
-        os.kill(os.getpid(), signal.SIGKILL)
+    if cfg.kill_rank == rank and cfg.kill_at_step is not None and step >= cfg.kill_at_step and not _sent:
+        log.warning("fault injection: %s to rank %d at step %d", cfg.kill_signal, rank, step)
+        _sent.append(step)  # a signal the rank survives (SIGTERM) is sent once
+        os.kill(os.getpid(), signal.Signals[cfg.kill_signal])
     if cfg.hang_rank == rank and cfg.hang_at_step is not None and step >= cfg.hang_at_step:
         log.warning("fault injection: rank %d stops responding at step %d", rank, step)
         while True:

@@ -19,10 +19,10 @@ Only the drafter leader logs. Every other rank, and ``logging.mode=disabled``, g
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
@@ -30,6 +30,7 @@ import torch
 
 from dflash.config import LoggingConfig
 from dflash.files import atomic_write
+from dflash.secrets import redact_config
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -45,10 +46,7 @@ SUMMARY_METRICS: dict[str, str] = {
 }
 """Keys whose W&B summary keeps the best value as well as the last one."""
 
-_SECRET_ENV_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HUGGINGFACE_TOKEN")
-_SECRET_KEY_NAMES = {"api_key", "apikey", "password", "passwd", "secret", "token", "hf_token", "auth_token"}
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-REDACTED = "<redacted>"
 
 
 @runtime_checkable
@@ -100,27 +98,8 @@ def _wandb_settings(wandb: Any) -> Any:
         x_save_requirements=False,
         console="off",
         disable_job_creation=True,
+        silent=True,  # no banner and no end-of-run block: the run prints its own summary
     )
-
-
-def _redact(value: Any, secrets: list[str], key: str | None = None) -> Any:
-    """Copy of ``value`` with secret-looking keys and secret env values replaced by REDACTED."""
-    if key is not None and key.lower() in _SECRET_KEY_NAMES and value not in (None, ""):
-        return REDACTED
-    if isinstance(value, Mapping):
-        return {k: _redact(v, secrets, str(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_redact(v, secrets) for v in value]
-    if isinstance(value, str) and any(s in value for s in secrets):
-        return REDACTED
-    return value
-
-
-def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config with secrets removed: values of keys named like api_key/token/password, and
-    any string containing the value of a secret environment variable (WANDB_API_KEY, HF_TOKEN)."""
-    secrets = [v for name in _SECRET_ENV_VARS if len(v := os.environ.get(name, "")) >= 8]
-    return _redact(dict(config), secrets)
 
 
 def _read_run_id(path: Path) -> str | None:
@@ -310,18 +289,37 @@ def reset_peak_memory(device: torch.device | str) -> None:
         pass
 
 
-def make_progress_bar(total: int | None, initial: int, enabled: bool) -> tqdm | None:
-    """A tqdm bar on stderr counting optimizer steps (drafter leader only), or None."""
+@contextmanager
+def progress_bar(
+    total: int | None, initial: int, enabled: bool, desc: str = "train"
+) -> Iterator[tqdm | None]:
+    """A tqdm bar on stdout, where the console log goes (None when not ``enabled``); while it is
+    open, console log records are written above it (``logging_redirect_tqdm``), not glued onto it."""
     if not enabled:
-        return None
+        yield None
+        return
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
-    return tqdm(
+    bar = tqdm(
         total=total,
         initial=initial,
         unit="step",
         file=sys.stderr,
         dynamic_ncols=True,
         smoothing=0.1,
-        desc="train",
+        desc=desc,
     )
+    try:
+        with logging_redirect_tqdm(loggers=[logging.getLogger()]):
+            yield bar
+    finally:
+        bar.close()
+
+
+def human_count(n: float) -> str:
+    """``1.05B``, ``12.3M``, ``45.6K`` or ``789``: parameter and token counts for logs."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"

@@ -1,7 +1,10 @@
-"""Entry point: compose -> validate -> prepare -> init dist -> build this rank's role -> run -> close.
+"""Entry point: compose -> validate -> claim the run dir -> prepare -> init dist -> build role -> run.
 
-torchrun --standalone --nproc_per_node 3 -m dflash.train                       # embedded CPU default
-torchrun --nproc_per_node 8 -m dflash.train experiment=qwen3_8b_7x1 data.path=/data/chat.jsonl
+    torchrun --standalone --nproc_per_node 3 -m dflash.train                       # embedded CPU default
+    torchrun --nproc_per_node 8 -m dflash.train experiment=qwen3_8b_7x1 data.path=/data/chat.jsonl
+
+Everything that can be wrong with the config, the data, the run directory or the checkpoint to
+resume is found before the process group starts, and reported once (``dflash.cli``).
 """
 
 from __future__ import annotations
@@ -10,20 +13,27 @@ import logging
 import os
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from dflash.config import Config, register_configs, to_config, validate
+from dflash.checkpoint import LoadedCheckpoint
+from dflash.cli import global_rank, quiet_console, run_app
+from dflash.config import Config, UserError, register_configs, to_config, validate
+from dflash.distributed.topology import Topology
 from dflash.files import atomic_write
 
 log = logging.getLogger("dflash")
 register_configs()
 
 
-def build_role(cfg: Config, setup, ctx, run_dir: Path):
+class Role(Protocol):
+    def run(self) -> int: ...
+
+    def close(self, exit_code: int = 0) -> None: ...
+
+
+def build_role(cfg: Config, setup, ctx, run_dir: Path, resume: LoadedCheckpoint | None) -> Role:
     """The only place that branches on the rank: a TargetWorker or a DrafterTrainer."""
     if setup.topology.role_of(ctx.rank) == "target":
         from dflash.targets.worker import TargetWorker
@@ -31,52 +41,91 @@ def build_role(cfg: Config, setup, ctx, run_dir: Path):
         return TargetWorker(cfg, setup, ctx)
     from dflash.drafter.trainer import DrafterTrainer
 
-    return DrafterTrainer(cfg, setup, ctx, run_dir)
+    return DrafterTrainer(cfg, setup, ctx, run_dir, resume)
 
 
-@record
-def run(dcfg: DictConfig, run_dir: Path) -> None:
-    """One rank's whole life; the error that ends it is also written to its own log (rank{RANK}.log).
+def train(dcfg: DictConfig, run_dir: Path) -> int:
+    """One rank's whole life; returns its exit code (0, or ``EXIT_STOPPED`` for an early stop).
 
-    The error is logged before the cleanup (W&B finish, process-group teardown) runs: when a peer
-    dies, torchrun SIGTERMs the surviving ranks within tens of milliseconds, and a rank must have
-    named the failure in its log by then.
+    A failure is written to this rank's log before the cleanup (W&B finish, process-group
+    teardown) runs: when a peer dies, torchrun SIGTERMs the surviving ranks within tens of
+    milliseconds, and a rank must have named the failure by then.
     """
-    rank = int(os.environ.get("RANK", "0"))
+    rank = global_rank()
     with ExitStack() as cleanup:
         try:
-            _run(dcfg, run_dir, rank, cleanup)
-        except Exception:
+            return _train(dcfg, run_dir, rank, cleanup)
+        except UserError:
+            raise
+        except Exception as e:
             log.exception("rank %d failed", rank)
+            e.dflash_logged = True  # type: ignore[attr-defined]
             raise
 
 
-def _run(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> None:
+def _quiet_transformers() -> None:
+    """No per-rank 'Loading weights' bars: the ranks load their models at the same time."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _setup_phase(cfg: Config, world_size: int, topology: Topology, rank: int, run_dir: Path):
+    """Everything before the process group; a ``ValueError`` here is a user's mistake."""
+    from dflash.run_dir import resume_checkpoint
+    from dflash.setup import prepare, resolve_path
+
+    try:
+        setup = prepare(cfg, world_size)
+        resume = None
+        if topology.role_of(rank) == "drafter":
+            is_leader = rank == topology.leader_rank
+            resume = resume_checkpoint(run_dir, cfg.train, setup.contract, resolve_path, is_leader=is_leader)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return setup, resume
+
+
+def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> int:
     cfg = to_config(dcfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    # Config-only problems first, before the imports below (transformers, the drafter model) take seconds.
-    validate(cfg, world_size)
+    validate(cfg, world_size)  # config alone: before the imports below, which take seconds
+    topology = Topology(cfg.topology.num_targets, cfg.topology.num_drafters, world_size)
+    is_leader = rank == topology.leader_rank
+    # Console: rank 0 says what every rank does (setup, data), the leader what the drafter does.
+    if rank == 0:
+        quiet_console(logging.INFO)
+    else:
+        quiet_console(
+            logging.INFO if is_leader else logging.WARNING, drop_info_from=("dflash.setup", "dflash.data")
+        )
+    _quiet_transformers()
+    if is_leader:
+        from dflash.run_dir import RunDirLock
+
+        cleanup.enter_context(RunDirLock(run_dir))
+    setup, resume = _setup_phase(cfg, world_size, topology, rank, run_dir)
+    if is_leader:
+        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(dcfg, resolve=True))
+
     from dflash.distributed.collectives import warm_up_links
     from dflash.distributed.process_group import destroy, init_distributed
-    from dflash.setup import prepare
 
-    setup = prepare(cfg, world_size)
-    if rank == setup.topology.leader_rank:
-        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(dcfg, resolve=True))
     ctx = init_distributed(cfg.topology)
     cleanup.callback(destroy, ctx)
     warm_up_links(
         setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, control_group=ctx.control_group
     )
     log.info("%s in %s", setup.topology.describe(ctx.rank), run_dir)
-    role = build_role(cfg, setup, ctx, run_dir)
+    role = build_role(cfg, setup, ctx, run_dir, resume)
     cleanup.push(lambda exc_type, exc, tb: role.close(0 if exc_type is None else 1))
-    role.run()
+    return role.run()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(dcfg: DictConfig) -> None:
-    run(dcfg, Path(HydraConfig.get().runtime.output_dir))
+def main() -> None:
+    run_app("config", Config, train)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ every rank and attempt, ``$DFLASH_RANK_EXIT_DIR/rank{RANK}.attempt{TORCHELASTIC_
 signal; times are ``time.time()``; ``signals``: what the wrapper received, with times), then ends
 the way the child did (same code, or the same signal), so torchrun sees what it would have seen.
 
-SIGTERM/SIGINT are forwarded to the child, unless ``DFLASH_RANK_EXIT_FORWARD=0``: then the child is
+SIGTERM/SIGINT/SIGHUP are forwarded to the child, unless ``DFLASH_RANK_EXIT_FORWARD=0``: then the child is
 left to end on its own (to check that every rank rejects a bad config by itself, without torchrun
 cutting the slower ranks short). The child gets SIGKILL when this process dies (PR_SET_PDEATHSIG),
 so torchrun's SIGKILL leaves no process behind.
@@ -49,7 +49,7 @@ def main() -> None:
         if forward:
             child.send_signal(signum)
 
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_signal)
     rc = child.wait()
     out_dir.mkdir(parents=True, exist_ok=True)

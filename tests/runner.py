@@ -39,7 +39,7 @@ class Launch:
     stdout: str
     stderr: str
     seconds: float
-    run_dir: Path
+    run_dir: Path | None
     signalled_after: float | None = None
     """Seconds from the start of torchrun to the signal of ``signal_after``/``signal_at_step``."""
     started_at: float = 0.0
@@ -80,6 +80,7 @@ def ledger_steps(run_dir: Path) -> int:
 
 def env_for(cache_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -96,29 +97,38 @@ def env_for(cache_dir: Path, extra: dict[str, str] | None = None) -> dict[str, s
 
 
 def torchrun_cmd(
-    run_dir: Path, overrides: list[str], nproc: int = 3, max_restarts: int = 0, record_exits: bool = False
+    run_dir: Path | None,
+    overrides: list[str],
+    nproc: int = 3,
+    max_restarts: int = 0,
+    record_exits: bool = False,
+    rdzv: list[str] | None = None,
 ) -> list[str]:
+    """``torchrun ... -m dflash.train`` (``rdzv``: the rendezvous arguments, default ``--standalone``;
+    ``run_dir`` None: no ``hydra.run.dir``, the run picks its own under ``outputs/``)."""
     entry = [str(REPO / "tests" / "rank_exit.py")] if record_exits else ["-m", "dflash.train"]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *(rdzv if rdzv is not None else ["--standalone"]),
         f"--nproc_per_node={nproc}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
         *entry,
-        f"hydra.run.dir={run_dir}",
+        *([f"hydra.run.dir={run_dir}"] if run_dir is not None else []),
         *FAST,
         *overrides,
     ]
 
 
 def launch(
-    run_dir: Path,
+    run_dir: Path | None,
     overrides: list[str],
     cache_dir: Path,
     *,
+    rdzv: list[str] | None = None,
+    cwd: Path = REPO,
     nproc: int = 3,
     max_restarts: int = 0,
     timeout: float = 240,
@@ -134,7 +144,8 @@ def launch(
     every worker in a session of its own and forwards SIGTERM/SIGINT to them) after a delay;
     ``signal_at_step=(step, signum)`` does so once the run's ledger reaches ``step``.
     ``record_exits`` starts the ranks through tests/rank_exit.py (see ``Launch.exits``), which forwards
-    signals to them unless ``forward_signals`` is False.
+    signals to them unless ``forward_signals`` is False. ``rdzv`` replaces ``--standalone``; with
+    ``run_dir`` None the run picks its own directory under ``cwd/outputs/``.
     """
     extra_env = dict(env or {})
     if record_exits:
@@ -148,8 +159,8 @@ def launch(
     # Files, not pipes: nothing reads the output until the job ends, and a full pipe would block it.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            torchrun_cmd(run_dir, overrides, nproc, max_restarts, record_exits),
-            cwd=REPO,
+            torchrun_cmd(run_dir, overrides, nproc, max_restarts, record_exits, rdzv),
+            cwd=cwd,
             env=env_for(cache_dir, extra_env),
             stdout=out,
             stderr=err,

@@ -10,7 +10,6 @@ exactly what the uninterrupted run sampled.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -25,13 +24,12 @@ from dflash.checkpoint import (
     LoadedCheckpoint,
     TrainState,
     capture_rng_state,
-    check_contract,
-    find_resume_checkpoint,
-    load_checkpoint,
+    latest_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
-from dflash.config import Config, drafter_attention, plain_dict
+from dflash.cli import log_to_files
+from dflash.config import EXIT_STOPPED, Config, drafter_attention, plain_dict
 from dflash.distributed.collectives import agree_on_start, all_reduce_sum
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
@@ -41,21 +39,33 @@ from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
 from dflash.drafter.optim import build_optimizer, build_scheduler
-from dflash.eval.periodic import PeriodicEval
+from dflash.eval.periodic import EvalAborted, PeriodicEval
 from dflash.metrics import (
     MetricLogger,
     NullLogger,
     build_logger,
-    make_progress_bar,
+    human_count,
     peak_memory_gib,
+    progress_bar,
     reset_peak_memory,
 )
 from dflash.setup import RunSetup, resolve_path, torch_dtype
+from dflash.steplog import StepLog
+from dflash.summary import (
+    METRICS_FILE,
+    RunSummary,
+    eval_line,
+    jsonable,
+    status_line,
+    step_line,
+    summary_table,
+)
 from dflash.targets.loader import load_embed_and_head
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Preemption (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) all stop with a checkpoint."""
 # Per-step sums reduced over micro-batches and drafters: name -> length (block-size-long ones use 0).
 _SUMS = {
     "weight_sum": 1,
@@ -87,12 +97,19 @@ def anchor_generator(seed: int, packet: int) -> torch.Generator:
 class DrafterTrainer:
     """The drafter role (rank >= num_targets). ``run()`` trains, ``close()`` releases everything."""
 
-    def __init__(self, cfg: Config, setup: RunSetup, ctx: DistContext, run_dir: Path) -> None:
+    def __init__(
+        self, cfg: Config, setup: RunSetup, ctx: DistContext, run_dir: Path, resume: LoadedCheckpoint | None
+    ) -> None:
         self.cfg, self.setup, self.ctx, self.run_dir = cfg, setup, ctx, run_dir
         self.topology = setup.topology
         self.device = ctx.device
         self.is_leader = ctx.rank == self.topology.leader_rank
         self.stop_requested = False
+        """This rank got a stop signal (it joins the next step's agreement)."""
+        self.stop_agreed = False
+        """Some rank (a drafter, or a target through its packets) asked to stop: every drafter stops
+        after the same step."""
+        self.stop_signal: str | None = None
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
         self.autocast_dtype = torch_dtype(cfg.drafter.dtype, self.device)
@@ -111,14 +128,8 @@ class DrafterTrainer:
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
         self.state = TrainState(skipped=dict(setup.dataset.skipped))
-        if cfg.train.resume != "never":
-            loaded = (
-                find_resume_checkpoint(self.run_dir / "checkpoints")
-                if cfg.train.resume == "auto"
-                else load_checkpoint(Path(resolve_path(cfg.train.resume)))
-            )
-            if loaded is not None:
-                self._restore(loaded)
+        if resume is not None:
+            self._restore(resume)
         spec = PacketSpec(
             num_taps=len(setup.layer_ids),
             hidden_size=setup.meta.hidden_size,
@@ -145,10 +156,16 @@ class DrafterTrainer:
                 cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
             )
             self.state.wandb_run_id = self.logger.run_id
-            self._truncate_ledger()
+        self.ledger = StepLog(run_dir / "ledger.jsonl")
+        self.metrics_log = StepLog(run_dir / METRICS_FILE, step_key="train/step")
+        if self.is_leader:  # what was written after the resumed checkpoint is trained again
+            if cfg.train.ledger:
+                self.ledger.truncate(self.state.step)
+            self.metrics_log.truncate(self.state.step)
+        self.summary = RunSummary(setup.num_steps)
         log.info(
-            "drafter: %.2fM trainable parameters, attention=%s, %d steps from step %d",
-            num_parameters(self.model) / 1e6,
+            "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
+            human_count(num_parameters(self.model)),
             self.attention,
             setup.num_steps,
             self.state.step,
@@ -156,17 +173,15 @@ class DrafterTrainer:
 
     # ---------------------------------------------------------------- lifecycle
     def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop_signal = signal.Signals(signum).name
         log.warning(
-            "drafter rank %d: got signal %d; stopping at the next step boundary", self.ctx.rank, signum
+            "drafter rank %d: got %s; stopping with a checkpoint at the next step boundary",
+            self.ctx.rank,
+            self.stop_signal,
         )
         self.stop_requested = True
 
     def _restore(self, loaded: LoadedCheckpoint) -> None:
-        changes = check_contract(
-            loaded.contract, self.setup.contract, allow_change=self.cfg.train.allow_contract_change
-        )
-        for c in changes:
-            log.warning("resuming with a changed contract (train.allow_contract_change=true): %s", c)
         self.model.load_state_dict(loaded.model_state)
         self.optimizer.load_state_dict(loaded.optimizer_state)
         self.scheduler.load_state_dict(loaded.scheduler_state)
@@ -180,26 +195,6 @@ class DrafterTrainer:
         self.logger.close(exit_code)
         for s, h in self._previous_handlers.items():
             signal.signal(s, h)
-
-    # ---------------------------------------------------------------- ledger
-    @property
-    def _ledger_path(self) -> Path:
-        return self.run_dir / "ledger.jsonl"
-
-    def _truncate_ledger(self) -> None:
-        """Keep only the steps the resumed state includes: the ledger is exactly what was trained."""
-        path = self._ledger_path
-        if not self.cfg.train.ledger or not path.exists():
-            return
-        keep = [
-            ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.state.step
-        ]
-        path.write_text("".join(ln + "\n" for ln in keep))
-
-    def _write_ledger(self, step: int, packets: list[int], sample_ids: list[int]) -> None:
-        if self.is_leader and self.cfg.train.ledger:
-            with open(self._ledger_path, "a") as fh:
-                fh.write(json.dumps({"step": step, "packets": packets, "sample_ids": sample_ids}) + "\n")
 
     # ---------------------------------------------------------------- one step
     def _forward_packet(self, packet: Packet) -> ObjectiveOutput:
@@ -302,7 +297,9 @@ class DrafterTrainer:
         agg, (tokens_all, stop_all, wait_all, nonfinite_all) = self._reduce(
             sums, [float(tokens), flagged + float(self.stop_requested), wait, nonfinite]
         )
-        self.stop_requested = self.stop_requested or stop_all > 0
+        self.stop_agreed = self.stop_agreed or stop_all > 0
+        if flagged and self.stop_signal is None:
+            self.stop_signal = "a target's stop signal"
         self._grads_to_mean(float(agg["weight_sum"]))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
         lr = float(self.scheduler.get_last_lr()[0])
@@ -325,7 +322,8 @@ class DrafterTrainer:
         self.state.step = step + 1
         self.state.next_packet = (step + 1) * self.topology.packets_per_step
         self.state.tokens_seen += int(tokens_all)
-        self._write_ledger(step + 1, packets, sample_ids)
+        if self.is_leader and cfg.train.ledger:
+            self.ledger.append({"step": step + 1, "packets": packets, "sample_ids": sample_ids})
         return self._metrics(agg, grad_norm, lr, time.perf_counter() - t0, tokens_all, wait_all)
 
     def _metrics(
@@ -392,47 +390,78 @@ class DrafterTrainer:
         )
 
     # ---------------------------------------------------------------- main loop
-    def run(self) -> None:
+    def _stopping(self) -> bool:
+        """Stop after this step: agreed by every drafter (one drafter: its own signal counts at once)."""
+        return self.stop_agreed or (self.topology.num_drafters == 1 and self.stop_requested)
+
+    def _eval(self, step: int) -> dict[str, float]:
+        """The periodic eval, aborted (no metrics) as soon as this rank is asked to stop."""
+        assert self.evaluator is not None
+        try:
+            metrics = self.evaluator.run(
+                self.model, self.embed, self.head, should_stop=lambda: self.stop_requested
+            )
+        except EvalAborted as e:
+            log.warning("eval at step %d aborted: %s", step, e)
+            return {}
+        log.info(eval_line({"train/step": float(step), **metrics}))
+        return metrics
+
+    def _record(self, metrics: dict[str, float]) -> None:
+        """Leader: W&B, metrics.jsonl, the summary figures and (for train rows) the rank-log line."""
+        self.logger.log(metrics, int(metrics["train/step"]))
+        self.metrics_log.append(jsonable(metrics))
+        self.summary.add(metrics)
+        if "train/loss" in metrics:
+            log_to_files(logging.INFO, step_line(metrics, self.setup.num_steps))
+
+    def run(self) -> int:
+        """Train to the last step or to a stop; returns 0, or ``EXIT_STOPPED`` when a signal stopped
+        the run early (``train.stop_after_steps`` is a requested stop: 0)."""
         cfg = self.cfg
         start = self.state.step
         agree_on_start(self.ctx, self.topology, self.state.next_packet, self.setup.num_steps)
-        bar = make_progress_bar(self.setup.num_steps, start, self.is_leader and cfg.logging.progress_bar)
         reset_peak_memory(self.device)
         if start < self.setup.num_steps:
             self.link.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
-        if self.evaluator is not None and start == 0:
-            self.logger.log({"train/step": 0.0, **self.evaluator.run(self.model, self.embed, self.head)}, 0)
-        try:
+        show_bar = self.is_leader and cfg.logging.progress_bar
+        with progress_bar(self.setup.num_steps, start, show_bar) as bar:
+            if self.evaluator is not None and start == 0:
+                metrics = self._eval(0)
+                if metrics:
+                    self._record({"train/step": 0.0, **metrics})
             for step in range(start, self.setup.num_steps):
                 metrics = self.train_step(step)
                 if step == start:  # loading and compiling are over: from now on a slow peer is a dead peer
                     self.link.set_timeout(cfg.topology.step_timeout_s)
                     set_timeout(self.ctx, cfg.topology.step_timeout_s)
                 done = self.state.step == self.setup.num_steps
-                if self.evaluator is not None and (self.state.step % cfg.eval.every == 0 or done):
-                    metrics.update(self.evaluator.run(self.model, self.embed, self.head))
-                if self.state.step % cfg.train.log_every == 0 or done:
-                    self.logger.log(metrics, self.state.step)
+                eval_due = self.state.step % cfg.eval.every == 0 or done if cfg.eval.every else False
+                if self.evaluator is not None and eval_due and not self._stopping():
+                    metrics.update(self._eval(self.state.step))
+                if self.is_leader and (self.state.step % cfg.train.log_every == 0 or done):
+                    self._record(metrics)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(
                         loss=f"{metrics['train/loss']:.3f}", tau_hat=f"{metrics['train/tau_hat']:.2f}"
                     )
-                preempted = self.stop_requested or (
+                stop = self._stopping()
+                asked = (
                     cfg.train.stop_after_steps is not None and self.state.step >= cfg.train.stop_after_steps
                 )
-                if done or preempted or self.state.step % cfg.train.save_every == 0:
+                if done or stop or asked or self.state.step % cfg.train.save_every == 0:
                     self.save()
-                if preempted and not done:
+                if (stop or asked) and not done:
                     log.warning(
-                        "stopping at step %d with a checkpoint (signal or train.stop_after_steps)",
+                        "stopping at step %d of %d with a checkpoint (%s)",
                         self.state.step,
+                        self.setup.num_steps,
+                        self.stop_signal or "train.stop_after_steps",
                     )
                     break
-        finally:
-            if bar is not None:
-                bar.close()
-        if self.is_leader and self.state.step == self.setup.num_steps:
+        finished = self.state.step == self.setup.num_steps
+        if self.is_leader and finished:
             out = export_drafter(
                 self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
             )
@@ -444,3 +473,20 @@ class DrafterTrainer:
             self.state.step,
             discarded,
         )
+        stopped_early = not finished and self.stop_signal is not None
+        if self.is_leader:
+            self._print_summary(finished, stopped_early)
+        return EXIT_STOPPED if stopped_early else 0
+
+    def _print_summary(self, finished: bool, stopped_early: bool) -> None:
+        by = self.stop_signal if stopped_early else ("train.stop_after_steps" if not finished else None)
+        table = summary_table(
+            self.summary,
+            run_dir=self.run_dir,
+            status=status_line(self.state.step, self.setup.num_steps, by),
+            drafter_dir=self.run_dir / "drafter" if finished else None,
+            checkpoint=latest_checkpoint(self.run_dir / "checkpoints"),
+            wandb_mode=self.cfg.logging.mode,
+        )
+        log_to_files(logging.INFO, "\n" + table)
+        print(table, flush=True)

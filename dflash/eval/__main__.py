@@ -11,20 +11,14 @@ Prints the table (tau, acceptance histogram, TPOT, speedup, lossless), writes ``
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
-from dflash.eval.app import register_eval_schema, run_app
+from dflash.cli import run_app
+from dflash.eval.app import EvalAppConfig, eval_task, register_eval_schema
 
 register_eval_schema()
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="eval_app")
-def main(dcfg: DictConfig) -> None:
-    run_app(dcfg, Path(HydraConfig.get().runtime.output_dir))
+def main() -> None:
+    run_app("eval_app", EvalAppConfig, eval_task)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``python -m dflash.eval``: the config schema and the app.
 
 :class:`EvalAppConfig` is the schema of ``conf/eval_app.yaml`` (registered with Hydra as
-:data:`SCHEMA_NAME` by :func:`register_eval_schema`). :func:`run_app` loads everything with
+:data:`SCHEMA_NAME` by :func:`register_eval_schema`). :func:`eval_task` loads everything with
 :func:`~dflash.eval.loading.load_for_eval`, runs :func:`~dflash.eval.report.evaluate`, prints the
 table, writes ``report.json`` and ``config.yaml`` to the run dir and logs ``eval/*`` to W&B.
 """
@@ -75,11 +75,11 @@ def _histogram_object(report: EvalReport):
     return wandb.Histogram(np_histogram=(counts, edges))
 
 
-def run_app(dcfg: Any, run_dir: Path) -> EvalReport:
+def eval_task(dcfg: Any, run_dir: Path) -> int:
     """What ``python -m dflash.eval`` does: load, evaluate, print the table, write report.json, log W&B."""
     from omegaconf import OmegaConf
 
-    from dflash.metrics import WandbLogger, build_logger
+    from dflash.metrics import WandbLogger, build_logger, progress_bar
 
     obj = OmegaConf.to_object(dcfg)
     assert isinstance(obj, EvalAppConfig), type(obj)
@@ -94,20 +94,23 @@ def run_app(dcfg: Any, run_dir: Path) -> EvalReport:
         setup.layer_ids,
         setup.device,
     )
-    report = evaluate(
-        setup.target,
-        setup.drafter,
-        setup.embed,
-        setup.head,
-        setup.tokenizer,
-        setup.prompts,
-        max_new_tokens=cfg.max_new_tokens,
-        layer_ids=setup.layer_ids,
-        block_size=setup.block_size,
-        eos_ids=setup.eos_ids,
-        baseline=cfg.baseline,
-        warmup=cfg.warmup,
-    )
+    with progress_bar(len(setup.prompts), 0, True, desc="eval") as bar:
+        report = evaluate(
+            setup.target,
+            setup.drafter,
+            setup.embed,
+            setup.head,
+            setup.tokenizer,
+            setup.prompts,
+            max_new_tokens=cfg.max_new_tokens,
+            layer_ids=setup.layer_ids,
+            block_size=setup.block_size,
+            eos_ids=setup.eos_ids,
+            baseline=cfg.baseline,
+            warmup=cfg.warmup,
+            progress=lambda i, r: bar.update(1) if bar is not None else None,
+            verbose=False,
+        )
     print(report_table(report), flush=True)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -125,4 +128,5 @@ def run_app(dcfg: Any, run_dir: Path) -> EvalReport:
         logger.close(exit_code=1)
         raise
     logger.close()
-    return report
+    print(f"report: {run_dir / 'report.json'}  config: {run_dir / 'config.yaml'}", flush=True)
+    return 0

@@ -11,6 +11,7 @@ full copy of the target on the drafter's device (its lm_head verifies), so it is
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -27,6 +28,10 @@ from dflash.targets.forward import target_forward
 from dflash.targets.loader import load_target
 
 log = logging.getLogger(__name__)
+
+
+class EvalAborted(RuntimeError):
+    """The periodic eval stopped early because a stop was requested (it never delays a checkpoint)."""
 
 
 class PeriodicEval:
@@ -52,12 +57,13 @@ class PeriodicEval:
 
     @torch.no_grad()
     def tau_hat(
-        self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor
+        self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor, check: Callable[[], None]
     ) -> tuple[float, float]:
         """The objective's tau_hat (harmonic, as train/tau_hat) and its arithmetic mean, against the
         verifier argmax, over every eligible anchor of the held-out samples."""
         tau = inv = blocks = 0.0
         for ids, mask in self.samples:
+            check()
             ids, mask = ids.to(self.device).unsqueeze(0), mask.to(self.device).unsqueeze(0)
             aux, final = target_forward(self.target, ids, None, self.setup.layer_ids)
             pos = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
@@ -81,7 +87,20 @@ class PeriodicEval:
             blocks += float(out.num_blocks)
         return blocks / max(inv, 1e-12), tau / max(blocks, 1.0)
 
-    def run(self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor) -> dict[str, float]:
+    def run(
+        self,
+        drafter: DFlashDraftModel,
+        embed: torch.Tensor,
+        head: torch.Tensor,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> dict[str, float]:
+        """``eval/*`` metrics of the drafter now; raises ``EvalAborted`` within one decode step (or
+        one tau_hat sample) of ``should_stop()`` turning true."""
+
+        def check(_trace: object = None) -> None:
+            if should_stop():
+                raise EvalAborted("a stop was requested: checkpoint first")
+
         was_training = drafter.training
         drafter.eval()
         try:
@@ -99,9 +118,13 @@ class PeriodicEval:
                     eos_ids=self.eos_ids,
                     baseline=False,
                     warmup=False,
+                    on_step=check,
+                    verbose=False,
                 )
                 metrics = report_metrics(report)
-                metrics["eval/tau_hat"], metrics["eval/tau_hat_arith"] = self.tau_hat(drafter, embed, head)
+                metrics["eval/tau_hat"], metrics["eval/tau_hat_arith"] = self.tau_hat(
+                    drafter, embed, head, check
+                )
         finally:
             drafter.train(was_training)
         return metrics

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dflash.drafter.model import DFlashDraftModel
-from dflash.eval.spec_decode import GenerationResult, speculative_generate
+from dflash.eval.spec_decode import GenerationResult, StepTrace, speculative_generate
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +162,15 @@ def evaluate(
     baseline: bool = True,
     warmup: bool = True,
     progress: Callable[[int, PromptResult], None] | None = None,
+    on_step: Callable[[StepTrace], None] | None = None,
+    verbose: bool = True,
 ) -> EvalReport:
     """Speculative (and, with ``baseline``, block-size-1) greedy generation of every prompt.
 
     prompts: token ids (e.g. from :func:`~dflash.eval.loading.load_prompts`). tokenizer: only for readable mismatch
-    reports (may be None). ``progress(i, result)`` is called after each prompt.
+    reports (may be None). ``progress(i, result)`` is called after each prompt, ``on_step(trace)``
+    after every decode step (an exception it raises ends the eval). ``verbose``: a log line per
+    prompt at INFO (else DEBUG).
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
@@ -184,6 +188,7 @@ def evaluate(
             eos_token_ids=eos_ids,
             layer_ids=layer_ids,
             block_size=bs,
+            on_step=on_step,
         )
 
     if warmup:
@@ -205,7 +210,8 @@ def evaluate(
             baseline_ids=ar.output_ids if ar is not None else None,
             tpot_ar_s=ar.tpot_s if ar is not None else None,
         )
-        log.info(
+        log.log(
+            logging.INFO if verbose else logging.DEBUG,
             "prompt %d/%d: %d tokens in, %d out, tau %.2f, tpot %.2f ms%s",
             i + 1,
             len(prompts),

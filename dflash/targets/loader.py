@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dflash.config import DEFAULT_NUM_TAPS, TargetConfig
+from dflash.metrics import human_count
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,9 +76,35 @@ class TargetMeta:
 
 
 def _load_config(path: str, revision: str | None, trust_remote_code: bool):
+    """The target's config; a path that is neither a checkpoint directory nor a reachable hub id is a
+    ``ValueError`` saying which, and what to give instead."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    local = path.startswith(("/", "./", "../", "~")) or os.path.isabs(path) or os.path.exists(path)
+    if local and not os.path.isdir(os.path.expanduser(path)):
+        raise ValueError(
+            f"target.path={path}: no such directory; give a local directory with config.json and *.safetensors, "
+            f"or a hub id with network access"
+        )
+    if local and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
+        raise ValueError(
+            f"target.path={path}: the directory has no config.json; give the target's checkpoint directory"
+        )
+    try:
+        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except (
+        OSError,
+        ValueError,
+    ) as e:  # HFValidationError is a ValueError; offline or missing repos are OSErrors
+        if local:
+            raise ValueError(f"target.path={path}: config.json cannot be read ({e})") from None
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        raise ValueError(
+            f"target.path={path} is not a local directory and the hub "
+            f"{'is off (HF_HUB_OFFLINE=1)' if offline else 'has no such model or cannot be reached'}: give a local "
+            f"directory with config.json and *.safetensors, or a hub id with network access "
+            f"(e.g. download it first: huggingface-cli download {path} --local-dir <dir>)"
+        ) from None
 
 
 def read_target_meta(
@@ -206,11 +233,11 @@ def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> 
     num_params = sum(p.numel() for p in model.parameters())
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     log.info(
-        "loaded target %s (%s) on %s: %.2fB params, %.2f GiB %s, %.1fs",
+        "loaded target %s (%s) on %s: %s params, %.2f GiB %s, %.1fs",
         cfg.path,
         type(model).__name__,
         device,
-        num_params / 1e9,
+        human_count(num_params),
         num_bytes / 2**30,
         dtype,
         time.perf_counter() - t0,

@@ -28,6 +28,9 @@ from dflash.targets.loader import load_target
 
 log = logging.getLogger(__name__)
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""As the drafter's: ask the drafters to stop with a checkpoint."""
+
 
 class TargetWorker:
     """The target role (ranks 0..N-1): frozen model, forward passes, packets."""
@@ -38,9 +41,7 @@ class TargetWorker:
         self.device = ctx.device
         self.dtype = torch_dtype(cfg.target.dtype, self.device)
         self.stop_requested = False
-        self._previous_handlers = {
-            s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)
-        }
+        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.model = load_target(cfg.target, self.device, self.dtype)
         self.pad_id = setup.tokenizer.pad_token_id if setup.tokenizer.pad_token_id is not None else 0
         spec = PacketSpec(
@@ -146,7 +147,8 @@ class TargetWorker:
         )
         return (bad == 0).cpu()
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Produce this target's packets until the last one or the drafters' STOP; returns 0."""
         start, num_steps = agree_on_start(self.ctx, self.topology, 0, self.setup.num_steps)
         end = num_steps * self.topology.packets_per_step
         sent = 0
@@ -168,3 +170,4 @@ class TargetWorker:
             link.wait_for_stop()
             link.send_end()
         log.info("target rank %d done: %d packets sent", self.ctx.rank, sent)
+        return 0

@@ -226,13 +226,16 @@ def test_enospc_during_payload_leaves_previous_intact(tmp_path, monkeypatch):
     assert find_resume_checkpoint(tmp_path).step == 5
 
 
-def test_abandoned_newer_checkpoints_removed_on_save(tmp_path, caplog):
+def test_abandoned_newer_checkpoints_are_moved_aside_on_save(tmp_path, caplog):
     for s in (5, 10, 15):
         _save(tmp_path, s, keep=3)
     with caplog.at_level(logging.WARNING, logger="dflash.checkpoint"):
         _save(tmp_path, 10, keep=3)  # resumed from 10 and saved again
-    assert _steps(tmp_path) == ["step_00000005", "step_00000010"]
+    assert [n for n in _steps(tmp_path) if n.startswith("step_")] == ["step_00000005", "step_00000010"]
     assert "step_00000015" in caplog.text
+    (aside,) = tmp_path.glob("abandoned-*/step_00000015")  # moved, not deleted, and still loadable
+    assert load_checkpoint(aside).step == 15
+    assert find_resume_checkpoint(tmp_path).step == 10  # never picked by auto-resume
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from dflash.config import (
     RESUME_KINDS,
     Config,
     DataConfig,
+    UserError,
+    check_known_keys,
     contract_values,
     dataset_settings,
     register_configs,
@@ -92,6 +94,17 @@ BAD = [
     (["target.trust_remote_code=true"], 3, "target.revision", "40-hex"),
     (["train.keep_checkpoints=1"], 3, "train.keep_checkpoints", "at least 2"),
     (["optim.lr=0"], 3, "optim.lr", "> 0"),
+    (["eval.every=5", "eval.num_prompts=0"], 3, "eval.num_prompts=0", "or set eval.every=0"),
+    (["eval.every=5", "eval.max_new_tokens=0"], 3, "eval.max_new_tokens=0", "or set eval.every=0"),
+    (
+        ["eval.every=5", "data.num_eval_prompts=0"],
+        3,
+        "data.num_eval_prompts=0 holds out no",
+        "data.num_eval_prompts=8",
+    ),
+    (["drafter.block_size=100000"], 3, "drafter.block_size=100000 is not below data.max_length", "public 16"),
+    (["train.stop_after_steps=-1"], 3, "train.stop_after_steps=-1", ">= 1"),
+    (["topology.num_drafters=1"], 1, "WORLD_SIZE=1", "torchrun --nproc_per_node 3"),
 ]
 
 
@@ -179,3 +192,30 @@ def test_num_taps_must_match_explicit_layer_ids():
     cfg = _compose(["target.layer_ids=[1,2]", "target.num_taps=5"])
     with pytest.raises(ValueError, match=r"target\.num_taps=5 but target\.layer_ids lists 2 layers"):
         validate(cfg, 3)
+
+
+def test_world_size_fix_is_one_validation_accepts():
+    """Plain ``python -m dflash.train`` (WORLD_SIZE=1) must not be told to set num_targets=0."""
+    with pytest.raises(ValueError) as err:
+        validate(_compose([]), 1)
+    assert "num_targets=0" not in str(err.value)
+
+
+def test_unknown_keys_are_refused_with_the_closest_known_key():
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        dcfg = compose(config_name="config", overrides=["+train.max_step=5", "+logging.api_key=abc"])
+    with pytest.raises(UserError) as err:
+        check_known_keys(dcfg, Config)
+    assert "train.max_step (did you mean train.max_steps?)" in str(err.value) and "logging.api_key" in str(
+        err.value
+    )
+
+
+def test_user_data_with_eval_holds_out_conversations_by_default():
+    cfg = _compose(
+        ["data=chat_jsonl", "data.path=/d.jsonl"]
+    )  # the default experiment evaluates every 50 steps
+    assert cfg.eval.every > 0 and cfg.data.num_eval_prompts == cfg.eval.num_prompts
+    validate(cfg, 3)
+    assert _compose(["data=chat_jsonl", "data.path=/d.jsonl", "eval.every=0"]).data.num_eval_prompts == 0

@@ -18,9 +18,10 @@ from dflash.metrics import (
     NullLogger,
     WandbLogger,
     build_logger,
-    make_progress_bar,
-    redact_config,
+    human_count,
+    progress_bar,
 )
+from dflash.secrets import redact_config
 
 OFFLINE = LoggingConfig(mode="offline", project="dflash-test", progress_bar=False)
 CONFIG = {"name": "unit", "optim": {"lr": 0.0006}, "target": {"layer_ids": [1, 3]}}
@@ -159,10 +160,19 @@ def test_cpu_peak_memory_counts_a_new_buffer():
 
 
 def test_progress_bar(capsys):
-    assert make_progress_bar(10, 0, enabled=False) is None
-    bar = make_progress_bar(10, 4, enabled=True)
-    assert bar is not None and bar.n == 4 and bar.total == 10
-    bar.update(2)
-    bar.close()
+    with progress_bar(10, 0, enabled=False) as bar:
+        assert bar is None
+    with progress_bar(10, 4, enabled=True) as bar:
+        assert bar is not None and bar.n == 4 and bar.total == 10
+        bar.update(2)
     err = capsys.readouterr().err
     assert "6/10" in err
+
+
+def test_human_count():
+    assert [human_count(n) for n in (789, 45_600, 12_300_000, 1_050_000_000)] == [
+        "789",
+        "45.6K",
+        "12.3M",
+        "1.05B",
+    ]

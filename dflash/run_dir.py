@@ -1,0 +1,156 @@
+"""One owner per run directory, and what a launch does with the run that is already there.
+
+- ``RunDirLock``: the drafter leader holds an exclusive ``flock`` on ``<run dir>/.dflash.lock``
+  for its whole life (the kernel releases it when the process dies, so a crashed run never leaves
+  a stale lock). A second launch into the same directory is refused at once, naming the holder.
+- ``resume_checkpoint``: what ``train.resume`` asks for, checked before any process group exists:
+  ``auto`` takes the newest complete checkpoint that verifies (a damaged one is named and skipped),
+  a path takes that checkpoint, ``never`` starts from scratch but refuses a directory that holds
+  another run's results unless ``train.overwrite=true``, which moves them aside to
+  ``replaced/<time>/`` (nothing is deleted). The checkpoint's run contract is compared with this
+  run's: a different contract is refused unless ``train.allow_contract_change=true``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from dflash.checkpoint import (
+    CheckpointError,
+    LoadedCheckpoint,
+    check_contract,
+    find_resume_checkpoint,
+    load_checkpoint,
+)
+from dflash.config import TrainConfig, UserError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".dflash.lock"
+RUN_OUTPUTS = ("checkpoints", "drafter", "ledger.jsonl", "metrics.jsonl", "wandb_run_id")
+"""What a run leaves in its directory besides logs and config.yaml (moved aside by train.overwrite)."""
+
+
+class RunDirLock:
+    """Exclusive, non-blocking lock on a run directory, with who holds it written inside."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._fh: IO[str] | None = None
+
+    def acquire(self) -> RunDirLock:
+        """Take the lock or raise ``UserError`` naming the directory and the holder."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fh = open(self.path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            fh.close()
+            raise UserError(
+                f"hydra.run.dir={self.run_dir} is in use by another launch ({holder}); wait for it to end, "
+                f"or give this launch its own directory (hydra.run.dir=...)",
+                scope="here",
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            )
+        )
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def release(self) -> None:
+        if self._fh is not None:
+            fcntl.flock(self._fh, fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def previous_outputs(run_dir: Path) -> list[str]:
+    """The run outputs present in ``run_dir`` (names from ``RUN_OUTPUTS``)."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Move every run output of ``run_dir`` into ``run_dir/replaced/<time>/`` and return that dir."""
+    dest = run_dir / "replaced" / time.strftime("%Y%m%d-%H%M%S")
+    while dest.exists():
+        dest = dest.with_name(dest.name + "+")
+    dest.mkdir(parents=True)
+    for name in previous_outputs(run_dir):
+        os.rename(run_dir / name, dest / name)
+    log.warning("train.overwrite=true: moved the previous run's outputs of %s to %s", run_dir, dest)
+    return dest
+
+
+def resume_checkpoint(
+    run_dir: Path, train: TrainConfig, contract: dict[str, Any], resolve: Any, *, is_leader: bool
+) -> LoadedCheckpoint | None:
+    """The checkpoint this launch continues from (None: from scratch), per ``train.resume``.
+
+    ``resolve`` turns a user path into an absolute one. Only the leader moves files (``overwrite``).
+    Raises ``UserError`` (printed by the leader) for a refused directory, a missing or damaged
+    checkpoint path and a contract change.
+    """
+    scope = "here" if is_leader else "quiet"
+    loaded: LoadedCheckpoint | None = None
+    if train.resume == "never":
+        found = previous_outputs(run_dir)
+        if found and not train.overwrite:
+            raise UserError(
+                f"train.resume=never but hydra.run.dir={run_dir} holds another run's outputs ({', '.join(found)}); "
+                f"resume it (train.resume=auto), start in a new directory (hydra.run.dir=...), or set "
+                f"train.overwrite=true to move them aside to {run_dir}/replaced/",
+                scope=scope,
+            )
+        if found and is_leader:
+            move_aside(run_dir)
+        return None
+    if train.resume == "auto":
+        try:
+            loaded = find_resume_checkpoint(run_dir / "checkpoints")
+        except CheckpointError as e:
+            raise UserError(f"train.resume=auto: {e}", scope=scope) from None
+    else:
+        path = Path(resolve(train.resume))
+        if not path.is_dir():
+            raise UserError(
+                f"train.resume={train.resume}: no such checkpoint directory ({path}); give a step_XXXXXXXX "
+                f"directory of a run, or train.resume=auto (the newest of this run dir) or never",
+                scope=scope,
+            )
+        try:
+            loaded = load_checkpoint(path)
+        except CheckpointError as e:
+            raise UserError(f"train.resume={train.resume}: {e}", scope=scope) from None
+    if loaded is not None:
+        try:
+            changes = check_contract(loaded.contract, contract, allow_change=train.allow_contract_change)
+        except ValueError as e:
+            raise UserError(f"resuming from {loaded.path}: {e}", scope=scope) from None
+        for c in changes:
+            log.warning("resuming with a changed contract (train.allow_contract_change=true): %s", c)
+    return loaded

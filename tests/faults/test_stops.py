@@ -1,0 +1,80 @@
+"""Stops that always save first, and say what they are.
+
+- SIGTERM while the drafter leader runs a long periodic eval: the eval is aborted, the checkpoint is
+  written within seconds (not after the eval, which here takes minutes), every rank exits.
+- SIGHUP (a closed terminal) is handled like SIGTERM: a checkpoint, then exit.
+- A run stopped before its last step by a signal to one worker says so in its summary and exits
+  with ``EXIT_STOPPED`` (75), never 0; a stop asked for with ``train.stop_after_steps`` exits 0
+  (tests/faults/test_resume.py).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+from faultkit import figure
+from runner import launch, ledger_steps, no_leftover_processes
+
+from dflash.checkpoint import load_checkpoint
+from dflash.config import EXIT_STOPPED
+
+pytestmark = pytest.mark.faults
+
+TWO = ["topology.num_targets=1", "train.max_steps=12", "train.save_every=100", "logging.mode=disabled"]
+
+
+def test_sigterm_during_a_long_eval_checkpoints_within_seconds(tmp_path, run_cache):
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, [*TWO, "train.stop_after_steps=1"], run_cache, nproc=2)
+    assert first.returncode == 0, first.output[-3000:]
+    # Resumed at step 1 (no step-0 eval); the eval after step 2 decodes 4 x 1500 tokens: minutes.
+    long_eval = ["eval.every=2", "eval.num_prompts=4", "eval.max_new_tokens=1500", "data.num_eval_prompts=4"]
+    run = launch(
+        run_dir, [*TWO, *long_eval], run_cache, nproc=2, record_exits=True, signal_at_step=(2, signal.SIGTERM)
+    )
+    exits = run.exits()
+    signalled = run.started_at + run.signalled_after
+    ckpt = run_dir / "checkpoints" / "step_00000002"
+    assert load_checkpoint(ckpt).step == 2, run.output[-3000:]
+    saved_s = (ckpt / "COMPLETE").stat().st_mtime - signalled
+    log = run.rank_log(1)
+    assert "eval at step 2 aborted: a stop was requested" in log and "eval at step 2:" not in log, log[-3000:]
+    assert exits[(1, 0)]["returncode"] == EXIT_STOPPED and exits[(0, 0)]["returncode"] == 0, exits
+    assert saved_s < 15 and max(e["end"] for e in exits.values()) - signalled < 20
+    assert ledger_steps(run_dir) == 2
+    figure("stop during a long eval", signal_to_checkpoint_s=round(saved_s, 2), drafter_exit=EXIT_STOPPED)
+    assert no_leftover_processes(run_dir)
+
+
+def test_sighup_stops_with_a_checkpoint(tmp_path, run_cache):
+    run_dir = tmp_path / "run"
+    run = launch(run_dir, TWO, run_cache, nproc=2, record_exits=True, signal_at_step=(3, signal.SIGHUP))
+    stopped = ledger_steps(run_dir)
+    assert 3 <= stopped < 12, run.output[-3000:]
+    assert load_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}").step == stopped
+    exits = run.exits()
+    assert exits[(1, 0)]["returncode"] == EXIT_STOPPED, exits
+    assert "got SIGHUP; stopping with a checkpoint" in run.rank_log(1)
+    figure("SIGHUP", stopped_at_step=stopped, drafter_exit=exits[(1, 0)]["returncode"])
+
+
+def test_sigterm_to_one_worker_is_an_unfinished_run(tmp_path, run_cache):
+    run_dir = tmp_path / "run"
+    run = launch(
+        run_dir,
+        [*TWO, "fault.kill_rank=1", "fault.kill_at_step=3", "fault.kill_signal=SIGTERM"],
+        run_cache,
+        nproc=2,
+        record_exits=True,
+    )
+    exits = run.exits()
+    assert run.returncode != 0 and exits[(1, 0)]["returncode"] == EXIT_STOPPED, (exits, run.output[-3000:])
+    assert re.search(
+        r"status +stopped at step 3 of 12 \(SIGTERM\); relaunch the same command to resume", run.output
+    )
+    assert "not exported (the run did not finish)" in run.output and not (run_dir / "drafter").exists()
+    resumed = launch(run_dir, TWO, run_cache, nproc=2)
+    assert resumed.returncode == 0 and re.search(r"status +finished: 12 of 12 steps", resumed.output)
+    figure("SIGTERM to the drafter alone", drafter_exit=EXIT_STOPPED, torchrun_exit=run.returncode)
