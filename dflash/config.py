@@ -52,16 +52,23 @@ RESOLVED_CONTRACT_KEYS = (
     "data.fingerprint",
     "data.plan",
     "train.num_steps",
+    "topology.packets_per_step",
 )
 """Contract entries that ``dflash.setup.prepare`` resolves (beside the CONTRACT-tagged raw values)."""
 
 
 @dataclass
 class TopologyConfig:
-    num_targets: int = field(default=2, metadata=CONTRACT)
-    """Target ranks 0..N-1 (frozen target copies)."""
-    num_drafters: int = field(default=1, metadata=CONTRACT)
-    """Drafter ranks N..N+M-1; rank N is the leader (checkpoints, W&B)."""
+    # Which rank makes a packet does not change what is trained: only how many packets an optimizer
+    # step takes (num_drafters x optim.grad_accum_steps) is part of the resume contract.
+    num_targets: int = field(default=2, metadata=FREE)
+    """Target ranks 0..N-1 (frozen target copies); 0 with colocated."""
+    num_drafters: int | None = field(default=1, metadata=derived("topology.packets_per_step"))
+    """Drafter ranks N..N+M-1, training data-parallel; rank N is the leader (checkpoints, W&B).
+    None = every rank the targets leave (WORLD_SIZE - num_targets)."""
+    colocated: bool = field(default=False, metadata=FREE)
+    """Every rank holds the target and a drafter replica and makes its own packets (no send/recv):
+    one GPU, small hosts. Needs num_targets=0; num_drafters=null (the world) or WORLD_SIZE."""
     backend: str = field(default="auto", metadata=FREE)
     """auto (nccl when CUDA is available, else gloo), nccl or gloo."""
     device: str = field(default="auto", metadata=FREE)
@@ -199,7 +206,7 @@ class OptimConfig:
     beta2: float = field(default=0.999, metadata=CONTRACT)
     eps: float = field(default=1e-8, metadata=CONTRACT)
     max_grad_norm: float = field(default=1.0, metadata=CONTRACT)
-    grad_accum_steps: int = field(default=1, metadata=CONTRACT)
+    grad_accum_steps: int = field(default=1, metadata=derived("topology.packets_per_step"))
     """Packets per drafter per optimizer step."""
 
 
@@ -222,6 +229,8 @@ class TrainConfig:
     overwrite: bool = field(default=False, metadata=FREE)
     """With train.resume=never in a run dir that holds another run's outputs: move them aside to
     ``replaced/<time>/`` and start over (without it the launch is refused)."""
+    check_replicas_every: int = field(default=100, metadata=FREE)
+    """With several drafters: every N steps compare a checksum of every replica's weights (0 = never)."""
     ledger: bool = field(default=True, metadata=FREE)
     """Write ledger.jsonl in the run dir: per step, the packets and source sample ids trained on."""
 
@@ -261,6 +270,9 @@ class FaultConfig:
     hang_rank: int | None = field(default=None, metadata=FREE)
     """This rank stops responding (sleeps forever, alive) at the first step >= ``hang_at_step``."""
     hang_at_step: int | None = field(default=None, metadata=FREE)
+    perturb_rank: int | None = field(default=None, metadata=FREE)
+    """This drafter's weights drift from the other replicas at ``perturb_at_step`` (replica check)."""
+    perturb_at_step: int | None = field(default=None, metadata=FREE)
     nan_at_step: int | None = field(default=None, metadata=FREE)
     """The drafter's loss becomes NaN at this step."""
     nonfinite_sample_ids: list[int] = field(default_factory=list, metadata=FREE)
@@ -381,23 +393,34 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         val = _get(cfg, key)
         need(val in allowed, f"{key}={val!r} is not one of {list(allowed)}; set {key}=<one of them>")
     t = cfg.topology
-    need(
-        t.num_targets >= 1,
-        f"topology.num_targets={t.num_targets}: need at least 1 target; set topology.num_targets=1 or more",
-    )
-    need(
-        t.num_drafters >= 1,
-        f"topology.num_drafters={t.num_drafters}: need at least 1 drafter; set topology.num_drafters=1",
-    )
-    ranks = t.num_targets + t.num_drafters
-    if world_size != ranks:
-        fix = f"launch with torchrun --nproc_per_node {ranks}"
-        if world_size > t.num_drafters:
-            fix += f", or set topology.num_targets={world_size - t.num_drafters} for this launch"
-        p.append(
-            f"topology.num_targets={t.num_targets} + topology.num_drafters={t.num_drafters} = {ranks} ranks but "
-            f"the launch has WORLD_SIZE={world_size}; {fix}"
+    if t.colocated:
+        need(
+            t.num_targets == 0,
+            f"topology.colocated=true runs the target on every rank: set topology.num_targets=0 (got {t.num_targets})",
         )
+        need(
+            t.num_drafters is None or t.num_drafters == world_size,
+            f"topology.colocated=true makes every rank a drafter: set topology.num_drafters=null "
+            f"(got {t.num_drafters}, WORLD_SIZE={world_size})",
+        )
+    else:
+        need(
+            t.num_targets >= 1,
+            f"topology.num_targets={t.num_targets}: need at least 1 target; set topology.num_targets=1 or more, "
+            f"or topology=colocated (target and drafter on every rank)",
+        )
+        drafters = t.num_drafters if t.num_drafters is not None else world_size - t.num_targets
+        if t.num_drafters is not None:
+            need(drafters >= 1, f"topology.num_drafters={t.num_drafters}: need at least 1 drafter")
+        ranks = t.num_targets + drafters
+        if world_size != ranks or drafters < 1:
+            fix = f"launch with torchrun --nproc_per_node {max(ranks, t.num_targets + 1)}"
+            if world_size > 1 and world_size > (t.num_drafters or 1):
+                fix += f", or set topology.num_targets={world_size - (t.num_drafters or 1)} for this launch"
+            p.append(
+                f"topology.num_targets={t.num_targets} + topology.num_drafters={t.num_drafters} = {ranks} ranks but "
+                f"the launch has WORLD_SIZE={world_size}; {fix}, or topology=colocated (any world size)"
+            )
     need(t.max_in_flight >= 1, f"topology.max_in_flight={t.max_in_flight}: must be >= 1")
     need(
         t.init_timeout_s > 0 and t.step_timeout_s > 0,

@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import torch
+
 from dflash.config import FaultConfig
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,14 @@ def at_step(cfg: FaultConfig, rank: int, step: int) -> None:
         log.warning("fault injection: rank %d stops responding at step %d", rank, step)
         while True:
             time.sleep(3600)
+
+
+def perturb(cfg: FaultConfig, rank: int, step: int, model: torch.nn.Module) -> None:
+    """Add 1e-3 to one weight of this drafter replica at ``perturb_at_step`` (replicas diverge)."""
+    if cfg.perturb_rank == rank and cfg.perturb_at_step == step and _armed(cfg):
+        log.warning("fault injection: perturbing the drafter weights of rank %d at step %d", rank, step)
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] += 1e-3
 
 
 def nan_loss(cfg: FaultConfig, step: int) -> bool:

@@ -151,6 +151,7 @@ def run_contract(
     dataset_fingerprint: str,
     plan_fingerprint: str,
     num_steps: int,
+    packets_per_step: int,
 ) -> dict[str, Any]:
     """What must not change across a resume: the CONTRACT-tagged config values (``raw``, from
     ``contract_values``) and the entries of ``RESOLVED_CONTRACT_KEYS`` that cover the derived fields."""
@@ -162,6 +163,7 @@ def run_contract(
         "data.fingerprint": dataset_fingerprint,
         "data.plan": plan_fingerprint,
         "train.num_steps": num_steps,
+        "topology.packets_per_step": packets_per_step,
     }
     assert tuple(resolved) == RESOLVED_CONTRACT_KEYS and not set(resolved) & set(raw)
     return {**raw, **resolved}
@@ -171,9 +173,7 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
     """Everything a rank needs before the process group; raises ValueError on any config problem."""
     validate(cfg, world_size)
     raw_contract = contract_values(cfg)  # as the user gave it (paths below get resolved)
-    topology = Topology(
-        cfg.topology.num_targets, cfg.topology.num_drafters, world_size, cfg.optim.grad_accum_steps
-    )
+    topology = Topology.from_config(cfg.topology, world_size, cfg.optim.grad_accum_steps)
     target_path = resolve_path(cfg.target.path)
     if cfg.target.tiny is not None:
         from dflash.targets.tiny import ensure_tiny_target
@@ -238,7 +238,14 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
             num_steps,
         )
     contract = run_contract(
-        raw_contract, layer_ids, meta, arch, dataset.fingerprint, plan.fingerprint(), num_steps
+        raw_contract,
+        layer_ids,
+        meta,
+        arch,
+        dataset.fingerprint,
+        plan.fingerprint(),
+        num_steps,
+        topology.packets_per_step,
     )
     log.info(
         "setup: target %s (%d layers, H=%d, V=%d), taps %s, mask %d, %d samples, %d packets, %d steps",

@@ -51,12 +51,15 @@ class RunSummary:
     last: dict[str, float] = field(default_factory=dict)
     last_eval: dict[str, float] = field(default_factory=dict)
     tokens_per_s: list[float] = field(default_factory=list)
+    rows: list[dict[str, float]] = field(default_factory=list)
+    """The ``perf/`` and ``comm/`` values of every logged step (for the balance line)."""
 
     def add(self, m: dict[str, float]) -> None:
         if "train/loss" in m:
             self.first = self.first or dict(m)
             self.last = dict(m)
             self.tokens_per_s.append(m.get("perf/tokens_per_s", 0.0))
+            self.rows.append({k: v for k, v in m.items() if k.startswith(("perf/", "comm/"))})
         if "eval/tau" in m:
             self.last_eval = dict(m)
 
@@ -113,6 +116,53 @@ def summary_table(
     width = max(len(k) for k, _ in rows)
     bar = "-" * 78
     return "\n".join(["dflash run summary", bar, *(f"{k:<{width}}  {v}" for k, v in rows), bar])
+
+
+def best_split(world: int, t_target: float, t_drafter: float) -> tuple[int, float]:
+    """The number of targets N (1..world-1) that maximises ``min(N / t_target, (world - N) / t_drafter)``
+    packets/s, and that rate (one packet costs ``t_target`` s on a target, ``t_drafter`` s on a drafter)."""
+    rates = {n: min(n / t_target, (world - n) / t_drafter) for n in range(1, world)}
+    n = max(rates, key=lambda k: rates[k])
+    return n, rates[n]
+
+
+def balance_line(rows: list[dict[str, float]], num_targets: int, num_drafters: int, colocated: bool) -> str | None:
+    """Where the time went, from the measured per-packet times of the last half of the logged steps,
+    and what the best split of the same number of GPUs would give (``best_split``)."""
+    tail = rows[len(rows) // 2 :]
+    if not tail:
+        return None
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in tail if key in r]
+        return sum(values) / len(values) if values else math.nan
+
+    t_t, t_d = mean("perf/target_s_per_packet"), mean("perf/drafter_s_per_packet")
+    if not (t_t > 0 and t_d > 0):
+        return None
+    if colocated:
+        world = num_drafters
+        share = 100 * t_t / (t_t + t_d)
+        line = (
+            f"per packet: target forward {t_t:.3g}s + drafter {t_d:.3g}s on each rank "
+            f"({share:.0f}% / {100 - share:.0f}% of the step)"
+        )
+        if world > 1:
+            n, rate = best_split(world, t_t, t_d)
+            line += f"; disaggregated {n} targets + {world - n} drafters would be ~{rate * (t_t + t_d) / world:.2f}x this"
+        return line
+    world = num_targets + num_drafters
+    busy = mean("perf/target_busy_frac")
+    waited = mean("comm/recv_wait_frac")
+    now = min(num_targets / t_t, num_drafters / t_d)
+    n, rate = best_split(world, t_t, t_d)
+    line = f"targets busy {100 * busy:.0f}% (idle {100 * (1 - busy):.0f}%), drafters waited {100 * waited:.0f}%"
+    if n == num_targets:
+        return line + f": {num_targets} targets + {num_drafters} drafters is the best split of {world} ranks"
+    return line + (
+        f": {n} targets + {world - n} drafters would be ~{rate / now:.1f}x faster "
+        f"(measured {t_t:.3g}s per target forward, {t_d:.3g}s per drafter packet)"
+    )
 
 
 def status_line(step: int, num_steps: int, stopped_by: str | None) -> str:

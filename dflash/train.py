@@ -92,7 +92,7 @@ def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> in
     cfg = to_config(dcfg)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size)  # config alone: before the imports below, which take seconds
-    topology = Topology(cfg.topology.num_targets, cfg.topology.num_drafters, world_size)
+    topology = Topology.from_config(cfg.topology, world_size)
     is_leader = rank == topology.leader_rank
     # Console: rank 0 says what every rank does (setup, data), the leader what the drafter does.
     if rank == 0:

@@ -1,4 +1,5 @@
-"""The run's collectives: ``warm_up_links`` and ``agree_on_start`` (every rank), ``all_reduce_sum`` (drafters).
+"""The run's collectives: ``warm_up_links`` and ``agree_on_start`` (every rank); among the drafters
+``all_reduce_sum`` / ``all_reduce_max`` (step statistics) and ``gather_lists`` (the ledger).
 
 ``warm_up_links`` runs right after the process group starts (``dflash.train``), before any model
 loads: it exchanges one message on every (target, drafter) link in both directions, so a peer
@@ -68,13 +69,67 @@ def agree_on_start(
 
 def all_reduce_sum(ctx: DistContext, tensor: Tensor, timeout_s: float | None = None) -> Tensor:
     """In-place SUM all-reduce over the drafter-only group (a no-op with one drafter); returns ``tensor``."""
+    return _drafter_all_reduce(ctx, tensor, dist.ReduceOp.SUM, "all_reduce", timeout_s)
+
+
+def all_reduce_max(ctx: DistContext, tensor: Tensor, timeout_s: float | None = None) -> Tensor:
+    """In-place MAX all-reduce over the drafter-only group (a no-op with one drafter); returns ``tensor``."""
+    return _drafter_all_reduce(ctx, tensor, dist.ReduceOp.MAX, "all_reduce (max)", timeout_s)
+
+
+def _drafter_all_reduce(
+    ctx: DistContext, tensor: Tensor, op: dist.ReduceOp.RedOpType, what: str, timeout_s: float | None
+) -> Tensor:
+    ranks = ctx.topology.drafter_ranks if ctx.topology else []
+    if len(ranks) <= 1:
+        return tensor
+    work = dist.all_reduce(tensor, op=op, group=ctx.drafter_group, async_op=True)
+    _collective_wait(ctx, work, what, ranks, timeout_s)
+    return tensor
+
+
+def gather_lists(ctx: DistContext, values: list[int], timeout_s: float | None = None) -> list[list[int]]:
+    """Every drafter's list of ints, in drafter order, on every drafter (lists may differ in length).
+
+    Two all-gathers over the drafter group (lengths, then the padded lists); one drafter: ``[values]``.
+    """
+    ranks = ctx.topology.drafter_ranks if ctx.topology else []
+    if len(ranks) <= 1:
+        return [list(values)]
+    device = ctx.device
+    n = torch.tensor([len(values)], dtype=torch.int64, device=device)
+    lens = [torch.zeros_like(n) for _ in ranks]
+    _collective_wait(ctx, dist.all_gather(lens, n, group=ctx.drafter_group, async_op=True), "all_gather", ranks, timeout_s)
+    width = max(int(x.item()) for x in lens)
+    mine = torch.zeros(width, dtype=torch.int64, device=device)
+    mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    rows = [torch.zeros_like(mine) for _ in ranks]
+    _collective_wait(ctx, dist.all_gather(rows, mine, group=ctx.drafter_group, async_op=True), "all_gather", ranks, timeout_s)
+    return [row[: int(k.item())].tolist() for row, k in zip(rows, lens, strict=True)]
+
+
+def check_replicas(ctx: DistContext, model: torch.nn.Module, step: int, timeout_s: float | None = None) -> None:
+    """Every drafter holds the same weights: compares a per-tensor float64 checksum of every
+    parameter over the drafters (one all-gather of a few hundred numbers) and raises
+    ``RuntimeError`` naming the step, the two drafters and the first tensor that differs."""
     topo = ctx.topology
     ranks = topo.drafter_ranks if topo else []
     if len(ranks) <= 1:
-        return tensor
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ctx.drafter_group, async_op=True)
-    _collective_wait(ctx, work, "all_reduce", ranks, timeout_s)
-    return tensor
+        return
+    names = [n for n, _ in model.named_parameters()]
+    with torch.no_grad():
+        mine = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(ctx.device)
+    rows = [torch.zeros_like(mine) for _ in ranks]
+    _collective_wait(ctx, dist.all_gather(rows, mine, group=ctx.drafter_group, async_op=True), "all_gather", ranks, timeout_s)
+    for r, row in zip(ranks[1:], rows[1:], strict=True):
+        differ = (row != rows[0]).nonzero()
+        if differ.numel():
+            assert topo is not None
+            raise RuntimeError(
+                f"drafter replicas diverged at step {step}: {topo.describe(r)} differs from "
+                f"{topo.describe(ranks[0])} in {names[int(differ[0])]} (and {differ.numel() - 1} more tensors); "
+                f"data-parallel drafters must apply the same update: a hardware fault or a bug, not a setting"
+            )
 
 
 def warm_up_links(

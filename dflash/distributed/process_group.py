@@ -141,7 +141,7 @@ def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = 
     """Initialise the default process group from the torchrun environment, plus the drafter and control groups."""
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    topology = Topology(topology_cfg.num_targets, topology_cfg.num_drafters, world_size)
+    topology = Topology.from_config(topology_cfg, world_size)
     device = resolve_device(topology_cfg, local_rank)
     backend = resolve_backend(topology_cfg, device)
     timeout_s = float(topology_cfg.init_timeout_s)

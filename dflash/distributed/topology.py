@@ -1,7 +1,8 @@
 """Which rank does what, and the packet schedule. Pure Python: no torch.distributed, no GPU.
 
 World = N targets + M drafters. Targets are ranks 0..N-1, drafters N..N+M-1, the drafter leader
-is rank N. Packets are numbered globally g = 0, 1, 2, ...: packet g is produced by target g mod N
+is rank N. Co-located (``colocated=True``): N = 0 and every rank is a drafter that also holds the
+target and produces its own packets (producer of g = consumer of g); the leader is rank 0. Packets are numbered globally g = 0, 1, 2, ...: packet g is produced by target g mod N
 and consumed by drafter g mod M. Optimizer step s of every drafter consumes ``accum`` packets, so
 step s covers packets [s*M*accum, (s+1)*M*accum). Every rank computes the same schedule, so no
 receive ever needs an any-source match and a run resumes from a single number.
@@ -16,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dflash.config import TopologyConfig
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -23,10 +26,25 @@ class Topology:
     num_drafters: int
     world_size: int
     grad_accum_steps: int = 1
+    colocated: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: TopologyConfig, world_size: int, grad_accum_steps: int = 1) -> Topology:
+        """The topology of a launch of ``world_size`` ranks (``num_drafters`` None: the rest of the world)."""
+        drafters = cfg.num_drafters if cfg.num_drafters is not None else world_size - cfg.num_targets
+        return cls(cfg.num_targets, drafters, world_size, grad_accum_steps, cfg.colocated)
 
     def __post_init__(self) -> None:
-        if self.num_targets < 1:
-            raise ValueError(f"topology.num_targets={self.num_targets}: need at least 1 target rank")
+        if self.colocated and self.num_targets != 0:
+            raise ValueError(
+                f"topology.colocated=true runs the target on every rank, so topology.num_targets must be 0 "
+                f"(got {self.num_targets}); set topology.num_targets=0"
+            )
+        if not self.colocated and self.num_targets < 1:
+            raise ValueError(
+                f"topology.num_targets={self.num_targets}: need at least 1 target rank "
+                f"(or topology=colocated: target and drafter on every rank)"
+            )
         if self.num_drafters < 1:
             raise ValueError(f"topology.num_drafters={self.num_drafters}: need at least 1 drafter rank")
         if self.grad_accum_steps < 1:
@@ -53,6 +71,7 @@ class Topology:
         return self.num_targets
 
     def role_of(self, rank: int) -> str:
+        """``target`` or ``drafter`` (a co-located rank is a drafter that makes its own packets)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
         return "target" if rank < self.num_targets else "drafter"
@@ -64,7 +83,9 @@ class Topology:
         return f"{role} {index} (rank {rank})"
 
     def producer_of(self, g: int) -> int:
-        """Rank of the target that produces packet g."""
+        """Rank that produces packet g: a target, or the consuming rank itself when co-located."""
+        if self.colocated:
+            return self.consumer_of(g)
         return g % self.num_targets
 
     def consumer_of(self, g: int) -> int:

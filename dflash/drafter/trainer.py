@@ -30,7 +30,14 @@ from dflash.checkpoint import (
 )
 from dflash.cli import log_to_files
 from dflash.config import EXIT_STOPPED, Config, drafter_attention, plain_dict
-from dflash.distributed.collectives import agree_on_start, all_reduce_sum
+from dflash.distributed.collectives import (
+    agree_on_start,
+    all_reduce_max,
+    all_reduce_sum,
+    check_replicas,
+    gather_lists,
+)
+from dflash.distributed.grad_reducer import GradReducer
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import Packet, PacketSpec
@@ -39,7 +46,9 @@ from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
 from dflash.drafter.optim import build_optimizer, build_scheduler
-from dflash.eval.periodic import EvalAborted, PeriodicEval
+from dflash.drafter.step_stats import StepSums, step_metrics
+from dflash.eval.loading import target_embed_and_head
+from dflash.eval.periodic import PeriodicEval, eval_metrics
 from dflash.metrics import (
     MetricLogger,
     NullLogger,
@@ -54,32 +63,20 @@ from dflash.steplog import StepLog
 from dflash.summary import (
     METRICS_FILE,
     RunSummary,
+    balance_line,
     eval_line,
     jsonable,
     status_line,
     step_line,
     summary_table,
 )
-from dflash.targets.loader import load_embed_and_head
+from dflash.targets.loader import load_embed_and_head, load_target
+from dflash.targets.packets import LocalPackets, PacketMaker, PacketSource
 
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Preemption (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) all stop with a checkpoint."""
-# Per-step sums reduced over micro-batches and drafters: name -> length (block-size-long ones use 0).
-_SUMS = {
-    "weight_sum": 1,
-    "loss_sum": 1,
-    "slot_count": 0,
-    "slot_hit": 0,
-    "slot_hit_verifier": 0,
-    "tau_sum": 1,
-    "tau_verifier_sum": 1,
-    "inv_tau_sum": 1,
-    "inv_tau_verifier_sum": 1,
-    "num_blocks": 1,
-    "term_sums": len(TERMS),
-}
 
 
 def packet_positions(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -95,7 +92,12 @@ def anchor_generator(seed: int, packet: int) -> torch.Generator:
 
 
 class DrafterTrainer:
-    """The drafter role (rank >= num_targets). ``run()`` trains, ``close()`` releases everything."""
+    """The drafter role (rank >= num_targets; every rank when co-located). ``run()`` trains,
+    ``close()`` releases everything.
+
+    Packets come from a ``DrafterLink`` (the targets send them) or, co-located, from a
+    ``LocalPackets`` that runs this rank's own target: the step is the same either way.
+    """
 
     def __init__(
         self, cfg: Config, setup: RunSetup, ctx: DistContext, run_dir: Path, resume: LoadedCheckpoint | None
@@ -104,6 +106,7 @@ class DrafterTrainer:
         self.topology = setup.topology
         self.device = ctx.device
         self.is_leader = ctx.rank == self.topology.leader_rank
+        self.drafter_index = ctx.rank - self.topology.num_targets
         self.stop_requested = False
         """This rank got a stop signal (it joins the next step's agreement)."""
         self.stop_agreed = False
@@ -115,7 +118,25 @@ class DrafterTrainer:
         self.autocast_dtype = torch_dtype(cfg.drafter.dtype, self.device)
         self.attention = drafter_attention(cfg.drafter.attention, self.device.type)
 
-        embed, head = load_embed_and_head(setup.target_path, revision=cfg.target.revision)
+        target = None
+        if self.topology.colocated:
+            target = load_target(cfg.target, self.device, self.target_dtype)
+            self.source: PacketSource = LocalPackets(PacketMaker(cfg, setup, target, self.device, own_peak=False))
+            embed, head = target_embed_and_head(target)  # the target's own tensors: no second copy
+        else:
+            spec = PacketSpec(
+                num_taps=len(setup.layer_ids),
+                hidden_size=setup.meta.hidden_size,
+                dtype=self.target_dtype,
+                max_tokens=cfg.data.token_budget,
+                device=self.device,
+            )
+            self.source = DrafterLink(
+                self.topology, ctx.rank, spec, cfg.topology.init_timeout_s, control_group=ctx.control_group
+            )
+            embed, head = None, None
+        if embed is None or head is None:
+            embed, head = load_embed_and_head(setup.target_path, revision=cfg.target.revision)
         self.embed = embed.to(self.device, self.target_dtype)
         self.head = head.to(self.device, self.target_dtype)
         self.model = DFlashDraftModel(setup.arch)
@@ -127,34 +148,25 @@ class DrafterTrainer:
         self.model.to(self.device)
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
+        self.grads = GradReducer(list(self.model.parameters()), ctx) if self.topology.num_drafters > 1 else None
         self.state = TrainState(skipped=dict(setup.dataset.skipped))
         if resume is not None:
             self._restore(resume)
-        spec = PacketSpec(
-            num_taps=len(setup.layer_ids),
-            hidden_size=setup.meta.hidden_size,
-            dtype=self.target_dtype,
-            max_tokens=cfg.data.token_budget,
-            device=self.device,
-        )
-        self.link = DrafterLink(
-            self.topology, ctx.rank, spec, cfg.topology.init_timeout_s, control_group=ctx.control_group
-        )
-        self.target_stats: dict[int, tuple[float, float]] = {}
         self.static_shape: tuple[int, int] | None = None
         if self.attention == "flex":
             cap = cfg.drafter.max_anchors_per_packet
             assert cap is not None, "config validation requires drafter.max_anchors_per_packet with flex"
             self.static_shape = (cfg.data.token_budget, cap)
-        self.evaluator = (
-            PeriodicEval(cfg, setup, self.device) if self.is_leader and cfg.eval.every > 0 else None
-        )
+        self.evaluator = None
+        if cfg.eval.every > 0:
+            self.evaluator = PeriodicEval(
+                cfg, setup, self.device, drafter_index=self.drafter_index,
+                num_drafters=self.topology.num_drafters, target=target,
+            )
         self.logger: MetricLogger = NullLogger()
         if self.is_leader:
             config = plain_dict(OmegaConf.structured(cfg))
-            self.logger = build_logger(
-                cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
-            )
+            self.logger = build_logger(cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id)
             self.state.wandb_run_id = self.logger.run_id
         self.ledger = StepLog(run_dir / "ledger.jsonl")
         self.metrics_log = StepLog(run_dir / METRICS_FILE, step_key="train/step")
@@ -187,9 +199,7 @@ class DrafterTrainer:
         self.scheduler.load_state_dict(loaded.scheduler_state)
         restore_rng_state(loaded.rng_state)
         self.state = loaded.train_state
-        log.info(
-            "resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet
-        )
+        log.info("resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet)
 
     def close(self, exit_code: int = 0) -> None:
         self.logger.close(exit_code)
@@ -208,9 +218,7 @@ class DrafterTrainer:
             anchor_generator(self.cfg.train.seed, packet.index),
             self.cfg.drafter.max_anchors_per_packet,
         )
-        with torch.autocast(
-            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32
-        ):
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32):
             return dflash_loss(
                 self.model,
                 packet.aux_hidden.unsqueeze(0),
@@ -226,32 +234,12 @@ class DrafterTrainer:
                 static_shape=self.static_shape,
             )
 
-    def _grads_to_mean(self, weight_sum: float) -> None:
-        """All-reduce gradients over drafters (sum), then divide by the global weight sum."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.topology.num_drafters > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            all_reduce_sum(self.ctx, flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
-        for g in grads:
-            g.mul_(scale)
-
-    def _reduce(
-        self, sums: dict[str, torch.Tensor], extra: list[float]
-    ) -> tuple[dict[str, torch.Tensor], list[float]]:
-        """Sum the per-step statistics (and ``extra`` scalars) over the drafters."""
-        flat = torch.cat([sums[k] for k in _SUMS] + [torch.tensor(extra, dtype=torch.float64)])
-        if self.topology.num_drafters > 1:
-            flat = all_reduce_sum(self.ctx, flat.to(self.device)).cpu()
-        out, offset = {}, 0
-        for k in _SUMS:
-            out[k] = flat[offset : offset + sums[k].numel()]
-            offset += sums[k].numel()
-        return out, flat[offset:].tolist()
+    def _next_packet(self, step: int, i: int, packets: list[int]) -> None:
+        """Post the receive of the packet after ``packets[i]`` (double buffering)."""
+        if i + 1 < len(packets):
+            self.source.prefetch(packets[i + 1])
+        elif step + 1 < self.setup.num_steps:
+            self.source.prefetch(self.topology.packets_of_step(step + 1, self.ctx.rank)[0])
 
     def train_step(self, step: int) -> dict[str, float]:
         """Optimizer step ``step`` (0-based) over this drafter's packets; returns global metrics."""
@@ -260,50 +248,58 @@ class DrafterTrainer:
         faults.at_step(cfg.fault, self.ctx.rank, step + 1)
         self.optimizer.zero_grad(set_to_none=False)
         packets = self.topology.packets_of_step(step, self.ctx.rank)
-        bs = self.setup.arch.block_size
-        sums = {k: torch.zeros(n or bs, dtype=torch.float64) for k, n in _SUMS.items()}
-        wait, tokens, flagged, nonfinite = 0.0, 0, 0.0, 0.0
-        sample_ids: list[int] = []
+        sums = StepSums(self.setup.arch.block_size)
+        c = sums.counters
+        n_targets = max(self.topology.num_targets, 1)
+        target_fwd = torch.zeros(n_targets, dtype=torch.float64)
+        target_mem = torch.zeros(n_targets, dtype=torch.float64)
+        trained: list[int] = []  # per packet: g, number of samples, their source ids
         for i, g in enumerate(packets):
-            packet = self.link.recv(g)
-            self.link.ack(g)
-            if i + 1 < len(packets):
-                self.link.prefetch(packets[i + 1])
-            elif step + 1 < self.setup.num_steps:
-                self.link.prefetch(self.topology.packets_of_step(step + 1, self.ctx.rank)[0])
-            wait += self.link.last_wait_s
-            self.target_stats[self.topology.producer_of(g)] = (
-                packet.forward_s,
-                packet.peak_mem_bytes / 2**30,
-            )
-            flagged = max(flagged, float(packet.flags & 1))
-            if packet.num_skipped_nonfinite:
-                self.state.skipped["nonfinite_hidden"] = (
-                    self.state.skipped.get("nonfinite_hidden", 0) + packet.num_skipped_nonfinite
-                )
-            sample_ids += packet.sample_ids.tolist()
-            tokens += int(packet.input_ids.numel())
-            if packet.input_ids.numel() == 0:
+            packet = self.source.recv(g)
+            self.source.ack(g)
+            self._next_packet(step, i, packets)
+            c["wait_s"] += self.source.last_wait_s
+            c["target_s"] += packet.forward_s
+            slot = 0 if self.topology.colocated else self.topology.producer_of(g)
+            target_fwd[slot] += packet.forward_s
+            target_mem[slot] = max(float(target_mem[slot]), packet.peak_mem_bytes / 2**30)
+            c["stop"] += float(packet.flags & 1)
+            c["nonfinite_samples"] += packet.num_skipped_nonfinite
+            ids = packet.sample_ids.tolist()
+            trained += [g, len(ids), *ids]
+            c["tokens"] += packet.num_tokens
+            c["seqs"] += packet.num_seqs
+            if self.grads is not None and i == len(packets) - 1:
+                self.grads.arm()  # the last backward of the step overlaps the gradient all-reduce
+            if packet.num_tokens == 0:
                 continue
             out = self._forward_packet(packet)
             numerator = out.loss * out.weight_sum.to(out.loss.dtype)
             if faults.nan_loss(cfg.fault, step + 1):
                 numerator = numerator * float("nan")
             if not torch.isfinite(numerator):
-                nonfinite = 1.0
+                c["nonfinite_loss"] += 1.0
             numerator.backward()
-            for k in _SUMS:
-                sums[k] += getattr(out, k).detach().double().cpu().reshape(-1)
-        agg, (tokens_all, stop_all, wait_all, nonfinite_all) = self._reduce(
-            sums, [float(tokens), flagged + float(self.stop_requested), wait, nonfinite]
-        )
-        self.stop_agreed = self.stop_agreed or stop_all > 0
-        if flagged and self.stop_signal is None:
-            self.stop_signal = "a target's stop signal"
-        self._grads_to_mean(float(agg["weight_sum"]))
+            sums.add(out)
+        if self.grads is not None:
+            self.grads.finish(self.source_timeout)
+        c["stop"] += float(self.stop_requested)
+        c["busy_s"] = time.perf_counter() - t0 - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
+        flat = all_reduce_sum(self.ctx, sums.flat().to(self.device)).cpu()
+        sums.load(flat)
+        target_fwd = all_reduce_sum(self.ctx, target_fwd.to(self.device)).cpu()
+        target_mem = all_reduce_max(self.ctx, target_mem.to(self.device)).cpu()
+        self.stop_agreed = self.stop_agreed or sums.counters["stop"] > 0
+        if sums.counters["stop"] > 0 and self.stop_signal is None:
+            self.stop_signal = "a stop signal of another rank"
+        weight_sum = float(sums.objective["weight_sum"])
+        scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
         lr = float(self.scheduler.get_last_lr()[0])
-        if nonfinite_all > 0 or not math.isfinite(grad_norm):
+        if sums.counters["nonfinite_loss"] > 0 or not math.isfinite(grad_norm):
             self.state.nonfinite_steps += 1
             if cfg.train.on_nonfinite == "error":
                 raise RuntimeError(
@@ -311,66 +307,66 @@ class DrafterTrainer:
                     f"(grad_norm={grad_norm}); the optimizer step was not applied. "
                     f"Set train.on_nonfinite=skip to skip such steps instead"
                 )
-            log.warning(
-                "step %d: loss or gradient not finite on drafter rank %d; step skipped",
-                step + 1,
-                self.ctx.rank,
-            )
+            log.warning("step %d: loss or gradient not finite on drafter rank %d; step skipped", step + 1, self.ctx.rank)
         else:
             self.optimizer.step()
         self.scheduler.step()
+        faults.perturb(cfg.fault, self.ctx.rank, step + 1, self.model)
         self.state.step = step + 1
         self.state.next_packet = (step + 1) * self.topology.packets_per_step
-        self.state.tokens_seen += int(tokens_all)
-        if self.is_leader and cfg.train.ledger:
-            self.ledger.append({"step": step + 1, "packets": packets, "sample_ids": sample_ids})
-        return self._metrics(agg, grad_norm, lr, time.perf_counter() - t0, tokens_all, wait_all)
-
-    def _metrics(
-        self,
-        agg: dict[str, torch.Tensor],
-        grad_norm: float,
-        lr: float,
-        step_s: float,
-        tokens: float,
-        wait: float,
-    ) -> dict[str, float]:
-        w = max(float(agg["weight_sum"]), 1e-12)
-        count = agg["slot_count"].clamp(min=1)
-        supervised = float(agg["slot_count"].sum().clamp(min=1))
-        blocks = max(float(agg["num_blocks"]), 1.0)
-        m: dict[str, float] = {
-            "train/step": float(self.state.step),
-            "train/loss": float(agg["loss_sum"]) / w,
-            "train/acc": float(agg["slot_hit"].sum()) / supervised,
-            "train/acc_verifier": float(agg["slot_hit_verifier"].sum()) / supervised,
-            "train/tau_hat": blocks / max(float(agg["inv_tau_verifier_sum"]), 1e-12),
-            "train/tau_hat_arith": float(agg["tau_verifier_sum"]) / blocks,
-            "train/tau_hat_data": blocks / max(float(agg["inv_tau_sum"]), 1e-12),
-            "train/lr": lr,
-            "train/grad_norm": grad_norm,
-            "train/num_blocks": float(agg["num_blocks"]),
-            "train/supervised_slots": float(agg["slot_count"].sum()),
-            "train/tokens_seen": float(self.state.tokens_seen),
-            "train/nonfinite_steps": float(self.state.nonfinite_steps),
-            "perf/step_s": step_s,
-            "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            "comm/recv_wait_s": wait,
-            "comm/recv_wait_frac": wait / step_s if step_s > 0 else 0.0,
-        }
-        for i, name in enumerate(TERMS):
-            if getattr(self.cfg.loss, name) > 0 or float(agg["term_sums"][i]) != 0.0:
-                m[f"train/loss_{name}"] = float(agg["term_sums"][i]) / w
-        for k in range(1, self.setup.arch.block_size):
-            m[f"train/acc_slot_{k}"] = float(agg["slot_hit"][k] / count[k])
-            m[f"train/acc_verifier_slot_{k}"] = float(agg["slot_hit_verifier"][k] / count[k])
-        for rank, (fwd, mem) in sorted(self.target_stats.items()):
-            m[f"perf/target_{rank}/forward_s"] = fwd
-            m[f"mem/peak_gib/rank_{rank}"] = mem
-        m[f"mem/peak_gib/rank_{self.ctx.rank}"] = peak_memory_gib(self.device)
+        self.state.tokens_seen += int(sums.counters["tokens"])
+        if sums.counters["nonfinite_samples"]:
+            skipped = self.state.skipped
+            skipped["nonfinite_hidden"] = skipped.get("nonfinite_hidden", 0) + int(sums.counters["nonfinite_samples"])
+        if cfg.train.ledger:
+            self._write_ledger(step + 1, trained)
+        if cfg.train.check_replicas_every and self.state.step % cfg.train.check_replicas_every == 0:
+            check_replicas(self.ctx, self.model, self.state.step)
+        m = step_metrics(
+            sums,
+            step=self.state.step,
+            step_s=time.perf_counter() - t0,
+            lr=lr,
+            grad_norm=grad_norm,
+            loss_weights={t: getattr(cfg.loss, t) for t in TERMS},
+            num_targets=self.topology.num_targets,
+            num_drafters=self.topology.num_drafters,
+            colocated=self.topology.colocated,
+        )
+        m["train/tokens_seen"] = float(self.state.tokens_seen)
+        m["train/nonfinite_steps"] = float(self.state.nonfinite_steps)
+        packets_in_step = max(self.topology.packets_per_step, 1)
+        m["perf/target_s_per_packet"] = sums.counters["target_s"] / packets_in_step
+        m["perf/drafter_s_per_packet"] = sums.counters["busy_s"] / packets_in_step
+        if self.topology.colocated:
+            m[f"mem/peak_gib/rank_{self.ctx.rank}"] = peak_memory_gib(self.device)
+        else:
+            for t in range(self.topology.num_targets):
+                m[f"perf/target_{t}/forward_s"] = float(target_fwd[t])
+                m[f"mem/peak_gib/rank_{t}"] = float(target_mem[t])
+            m[f"mem/peak_gib/rank_{self.ctx.rank}"] = peak_memory_gib(self.device)
         for reason, n in sorted(self.state.skipped.items()):
             m[f"data/skipped/{reason}"] = float(n)
         return m
+
+    @property
+    def source_timeout(self) -> float:
+        return self.cfg.topology.step_timeout_s if self.state.step > 0 else self.cfg.topology.init_timeout_s
+
+    def _write_ledger(self, step: int, trained: list[int]) -> None:
+        """Leader: one ledger line with every packet of the step (all drafters) and its samples."""
+        per_drafter = gather_lists(self.ctx, trained)
+        if not self.is_leader:
+            return
+        by_packet: dict[int, list[int]] = {}
+        for flat in per_drafter:
+            i = 0
+            while i < len(flat):
+                g, n = flat[i], flat[i + 1]
+                by_packet[g] = flat[i + 2 : i + 2 + n]
+                i += 2 + n
+        order = sorted(by_packet)
+        self.ledger.append({"step": step, "packets": order, "sample_ids": [x for g in order for x in by_packet[g]]})
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> None:
@@ -389,20 +385,25 @@ class DrafterTrainer:
             keep=self.cfg.train.keep_checkpoints,
         )
 
+    def balance(self) -> str | None:
+        """The leader's end-of-run line on where the time went (``summary.balance_line``)."""
+        t = self.topology
+        return balance_line(self.summary.rows, t.num_targets, t.num_drafters, t.colocated)
+
     # ---------------------------------------------------------------- main loop
     def _stopping(self) -> bool:
         """Stop after this step: agreed by every drafter (one drafter: its own signal counts at once)."""
         return self.stop_agreed or (self.topology.num_drafters == 1 and self.stop_requested)
 
     def _eval(self, step: int) -> dict[str, float]:
-        """The periodic eval, aborted (no metrics) as soon as this rank is asked to stop."""
+        """The periodic eval, every drafter on its share of the prompts; no metrics when a stop
+        request aborted any share (a checkpoint never waits for an eval)."""
         assert self.evaluator is not None
-        try:
-            metrics = self.evaluator.run(
-                self.model, self.embed, self.head, should_stop=lambda: self.stop_requested
-            )
-        except EvalAborted as e:
-            log.warning("eval at step %d aborted: %s", step, e)
+        sums = self.evaluator.run(self.model, self.embed, self.head, should_stop=lambda: self.stop_requested)
+        sums = all_reduce_sum(self.ctx, sums.to(self.device)).cpu()
+        metrics = eval_metrics(sums, self.setup.arch.block_size)
+        if not metrics:
+            log.warning("eval at step %d aborted: a stop was requested: checkpoint first", step)
             return {}
         log.info(eval_line({"train/step": float(step), **metrics}))
         return metrics
@@ -423,7 +424,7 @@ class DrafterTrainer:
         agree_on_start(self.ctx, self.topology, self.state.next_packet, self.setup.num_steps)
         reset_peak_memory(self.device)
         if start < self.setup.num_steps:
-            self.link.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
+            self.source.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
         show_bar = self.is_leader and cfg.logging.progress_bar
         with progress_bar(self.setup.num_steps, start, show_bar) as bar:
             if self.evaluator is not None and start == 0:
@@ -433,7 +434,7 @@ class DrafterTrainer:
             for step in range(start, self.setup.num_steps):
                 metrics = self.train_step(step)
                 if step == start:  # loading and compiling are over: from now on a slow peer is a dead peer
-                    self.link.set_timeout(cfg.topology.step_timeout_s)
+                    self.source.set_timeout(cfg.topology.step_timeout_s)
                     set_timeout(self.ctx, cfg.topology.step_timeout_s)
                 done = self.state.step == self.setup.num_steps
                 eval_due = self.state.step % cfg.eval.every == 0 or done if cfg.eval.every else False
@@ -466,7 +467,7 @@ class DrafterTrainer:
                 self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
             )
             log.info("exported the drafter to %s", out)
-        discarded = self.link.stop_all()
+        discarded = self.source.stop_all()
         log.info(
             "drafter rank %d done at step %d (%d in-flight packets discarded)",
             self.ctx.rank,
@@ -487,6 +488,7 @@ class DrafterTrainer:
             drafter_dir=self.run_dir / "drafter" if finished else None,
             checkpoint=latest_checkpoint(self.run_dir / "checkpoints"),
             wandb_mode=self.cfg.logging.mode,
+            extra={"balance": b} if (b := self.balance()) else None,
         )
         log_to_files(logging.INFO, "\n" + table)
         print(table, flush=True)

@@ -1,11 +1,16 @@
-"""Eval during training, on the drafter leader: the real tau beside the cheap estimate.
+"""Eval during training, shared by every drafter: the real tau beside the cheap estimate.
 
-Every ``eval.every`` steps the leader decodes the first ``eval.num_prompts`` held-out conversations
+Every ``eval.every`` steps the drafters decode the first ``eval.num_prompts`` held-out conversations
 (``data.num_eval_prompts``, never trained on) from their prompts with speculative decoding
-(``eval/tau``), and computes the training objective's block-prefix estimate on the same
+(``eval/tau``), and compute the training objective's block-prefix estimate on the same
 conversations (``eval/tau_hat``: every eligible anchor, against the target's greedy tokens). With
-target-regenerated data the two should agree; a gap means train/serve misalignment. It needs a
-full copy of the target on the drafter's device (its lm_head verifies), so it is off by default.
+target-regenerated data the two should agree; a gap means train/serve misalignment.
+
+Prompt i is evaluated by drafter ``i mod M``: all drafters work at the same time and nobody waits
+for the leader. Each returns its partial sums (``EVAL_SUMS``), the trainer sums them over the
+drafters and turns them into metrics (``eval_metrics``). It needs the target on each drafter's
+device (its lm_head verifies): a co-located rank uses its own target, a disaggregated drafter loads
+a copy, so it is off by default (``eval.every=0``).
 """
 
 from __future__ import annotations
@@ -22,12 +27,25 @@ from dflash.drafter.blocks import doc_ids_from_positions, eligible_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.eval.loading import eos_ids_of
-from dflash.eval.report import evaluate, report_metrics
+from dflash.eval.report import evaluate
 from dflash.setup import RunSetup, torch_dtype
 from dflash.targets.forward import target_forward
 from dflash.targets.loader import load_target
 
 log = logging.getLogger(__name__)
+
+EVAL_SUMS = (
+    "accept_sum",  # sum over decode steps of accepted + 1
+    "steps",
+    "output_tokens",
+    "prompts",
+    "tpot_sum",  # sum over prompts of the speculative TPOT (s)
+    "tau_sum",  # tau_hat: sum over blocks of tau_b, of 1 / tau_b, and the number of blocks
+    "inv_tau_sum",
+    "blocks",
+    "aborted",  # drafters whose share was aborted by a stop request
+)
+"""Partial sums of one drafter's share, in this order, then the acceptance histogram (1..B)."""
 
 
 class EvalAborted(RuntimeError):
@@ -35,9 +53,18 @@ class EvalAborted(RuntimeError):
 
 
 class PeriodicEval:
-    """Held-out prompts, a target copy, and ``run(drafter, embed, head) -> eval/* metrics``."""
+    """This drafter's share of the held-out prompts and a target to verify with."""
 
-    def __init__(self, cfg: Config, setup: RunSetup, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        setup: RunSetup,
+        device: torch.device,
+        *,
+        drafter_index: int = 0,
+        num_drafters: int = 1,
+        target: torch.nn.Module | None = None,
+    ) -> None:
         self.cfg, self.setup, self.device = cfg, setup, device
         samples = load_eval_samples(cfg.data, setup.tokenizer, setup.meta.vocab_size)
         n = min(cfg.eval.num_prompts, len(samples))
@@ -45,22 +72,20 @@ class PeriodicEval:
             raise ValueError(
                 "eval.every > 0 but there are no held-out conversations; set data.num_eval_prompts to a few"
             )
-        self.samples = [samples.sample(i) for i in range(n)]
+        self.samples = [samples.sample(i) for i in range(drafter_index, n, num_drafters)]
         self.prompts = [ids[: int(mask.argmax())].tolist() for ids, mask in self.samples]
-        self.target = load_target(cfg.target, device, torch_dtype(cfg.target.dtype, device))
+        self.target = target if target is not None else load_target(cfg.target, device, torch_dtype(cfg.target.dtype, device))
         self.eos_ids = eos_ids_of(setup.tokenizer, self.target)
         autocast = torch_dtype(cfg.drafter.dtype, device)
-        self.autocast = (
-            torch.autocast(device.type, dtype=autocast) if autocast != torch.float32 else nullcontext()
-        )
-        log.info("periodic eval: %d held-out prompts every %d steps", n, cfg.eval.every)
+        self.autocast = torch.autocast(device.type, dtype=autocast) if autocast != torch.float32 else nullcontext()
+        log.info("periodic eval: %d of %d held-out prompts on this drafter, every %d steps", len(self.samples), n, cfg.eval.every)
 
     @torch.no_grad()
-    def tau_hat(
+    def _tau_hat_sums(
         self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor, check: Callable[[], None]
-    ) -> tuple[float, float]:
-        """The objective's tau_hat (harmonic, as train/tau_hat) and its arithmetic mean, against the
-        verifier argmax, over every eligible anchor of the held-out samples."""
+    ) -> tuple[float, float, float]:
+        """The objective's block-prefix sums (tau_b, 1 / tau_b, blocks) against the verifier argmax,
+        over every eligible anchor of this share's samples."""
         tau = inv = blocks = 0.0
         for ids, mask in self.samples:
             check()
@@ -71,21 +96,12 @@ class PeriodicEval:
             if anchors.numel() == 0:
                 continue
             out = dflash_loss(
-                drafter,
-                aux.clone(),
-                final.clone(),
-                ids,
-                mask,
-                anchors,
-                embed,
-                head,
-                self.cfg.loss,
-                attention="sdpa",
+                drafter, aux.clone(), final.clone(), ids, mask, anchors, embed, head, self.cfg.loss, attention="sdpa"
             )
             tau += float(out.tau_verifier_sum)
             inv += float(out.inv_tau_verifier_sum)
             blocks += float(out.num_blocks)
-        return blocks / max(inv, 1e-12), tau / max(blocks, 1.0)
+        return tau, inv, blocks
 
     def run(
         self,
@@ -93,9 +109,14 @@ class PeriodicEval:
         embed: torch.Tensor,
         head: torch.Tensor,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> dict[str, float]:
-        """``eval/*`` metrics of the drafter now; raises ``EvalAborted`` within one decode step (or
-        one tau_hat sample) of ``should_stop()`` turning true."""
+    ) -> torch.Tensor:
+        """This share's partial sums (float64 ``[len(EVAL_SUMS) + B]``, see ``EVAL_SUMS``); stops
+        within one decode step (or one tau_hat sample) of ``should_stop()`` turning true, and then
+        returns sums with ``aborted = 1``."""
+        bs = self.setup.arch.block_size
+        sums = torch.zeros(len(EVAL_SUMS) + bs, dtype=torch.float64)
+        if not self.prompts:
+            return sums
 
         def check(_trace: object = None) -> None:
             if should_stop():
@@ -114,17 +135,51 @@ class PeriodicEval:
                     self.prompts,
                     max_new_tokens=self.cfg.eval.max_new_tokens,
                     layer_ids=self.setup.layer_ids,
-                    block_size=self.setup.arch.block_size,
+                    block_size=bs,
                     eos_ids=self.eos_ids,
                     baseline=False,
                     warmup=False,
                     on_step=check,
                     verbose=False,
                 )
-                metrics = report_metrics(report)
-                metrics["eval/tau_hat"], metrics["eval/tau_hat_arith"] = self.tau_hat(
-                    drafter, embed, head, check
-                )
+                tau, inv, blocks = self._tau_hat_sums(drafter, embed, head, check)
+        except EvalAborted as e:
+            log.warning("eval share aborted: %s", e)
+            sums[EVAL_SUMS.index("aborted")] = 1.0
+            return sums
         finally:
             drafter.train(was_training)
-        return metrics
+        values = {
+            "accept_sum": float(sum(a for r in report.results for a in r.accept_lengths)),
+            "steps": float(report.num_steps),
+            "output_tokens": float(report.num_output_tokens),
+            "prompts": float(len(report.results)),
+            "tpot_sum": float(sum(r.tpot_s for r in report.results)),
+            "tau_sum": tau,
+            "inv_tau_sum": inv,
+            "blocks": blocks,
+            "aborted": 0.0,
+        }
+        sums[: len(EVAL_SUMS)] = torch.tensor([values[k] for k in EVAL_SUMS], dtype=torch.float64)
+        sums[len(EVAL_SUMS) :] = torch.tensor([report.accept_len_hist[k] for k in range(1, bs + 1)], dtype=torch.float64)
+        return sums
+
+
+def eval_metrics(sums: torch.Tensor, block_size: int) -> dict[str, float]:
+    """``eval/*`` metrics from the drafters' summed ``EVAL_SUMS`` (empty when any share was aborted)."""
+    v = dict(zip(EVAL_SUMS, sums[: len(EVAL_SUMS)].tolist(), strict=True))
+    if v["aborted"] > 0 or v["steps"] == 0:
+        return {}
+    m = {
+        "eval/tau": v["accept_sum"] / v["steps"],
+        "eval/tau_hat": v["blocks"] / max(v["inv_tau_sum"], 1e-12),
+        "eval/tau_hat_arith": v["tau_sum"] / max(v["blocks"], 1.0),
+        "eval/tpot_ms": 1e3 * v["tpot_sum"] / max(v["prompts"], 1.0),
+        "eval/block_size": float(block_size),
+        "eval/num_prompts": v["prompts"],
+        "eval/num_steps": v["steps"],
+        "eval/num_output_tokens": v["output_tokens"],
+    }
+    for k, c in enumerate(sums[len(EVAL_SUMS) :].tolist(), start=1):
+        m[f"eval/accept_len_hist/{k}"] = c
+    return m
