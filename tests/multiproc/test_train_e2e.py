@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
+import subprocess
+import sys
 
 import pytest
 from runner import launch
@@ -54,3 +59,29 @@ def test_two_targets_one_drafter_end_to_end(tmp_path, run_cache):
     assert [e["step"] for e in ledger] == [1, 2, 3, 4, 5, 6] and [e["packets"] for e in ledger] == [
         [g] for g in range(6)
     ]
+
+
+def test_numbers_without_wandb(tmp_path, run_cache):
+    """logging=disabled: no W&B at all, yet the bar, a line per step in the leader's log, the end
+    summary, metrics.jsonl and the curves of python -m dflash.report; files world-readable."""
+    run = launch(
+        tmp_path / "run", ["train.max_steps=3", "logging=disabled", "logging.progress_bar=true"], run_cache
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    assert "train: 100%" in run.output and "3/3" in run.output  # the progress bar
+    log = run.rank_log(2)
+    assert all(re.search(rf"step {s}/3  loss [0-9.]+  tau_hat [0-9.]+", log) for s in (1, 2, 3)), log[-2000:]
+    assert re.search(r"status +finished: 3 of 3 steps", run.stdout) and "dflash run summary" in log
+    assert not (run.run_dir / "wandb").exists()
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in rows] == [1, 2, 3] and all("train/loss" in r for r in rows)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash.report", str(run.run_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    page = (run.run_dir / "report.html").read_text()
+    assert page.count("<svg") >= 3 and "train/tau_hat" in page and "train/loss" in out.stdout
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in ("drafter/model.safetensors", "checkpoints/step_00000003/model.safetensors", "metrics.jsonl"):
+        assert stat.S_IMODE((run.run_dir / f).stat().st_mode) == 0o666 & ~mask, f

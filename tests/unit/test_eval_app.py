@@ -274,6 +274,8 @@ def test_app_subprocess_logs_tau_to_offline_wandb(files, tiny_target_dir, tmp_pa
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DFlash eval: 2 prompts, block size 4" in proc.stdout and "lossless: yes" in proc.stdout
+    assert f"report: {run_dir / 'report.json'}" in proc.stdout  # says where the report went
+    assert (run_dir / "eval.log").is_file() and not (run_dir / "__main__.log").exists()
     report = json.loads((run_dir / "report.json").read_text())
     run = read_wandb_run(run_dir)
     (row,) = run.history
