@@ -305,7 +305,7 @@ def progress_bar(
         total=total,
         initial=initial,
         unit="step",
-        file=sys.stderr,
+        file=sys.stdout,
         dynamic_ncols=True,
         smoothing=0.1,
         desc=desc,

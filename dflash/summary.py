@@ -105,12 +105,8 @@ def summary_table(
         rows.append(("checkpoint", str(checkpoint)))
     rows.append(("metrics", f"{run_dir / METRICS_FILE}; curves: python -m dflash.report {run_dir}"))
     if wandb_mode == "offline":
-        rows.append(
-            (
-                "W&B",
-                f"offline run in {run_dir / 'wandb'}: wandb leet {run_dir / 'wandb'} (terminal), or wandb sync --sync-all there to upload",
-            )
-        )
+        runs = run_dir / "wandb"
+        rows.append(("W&B", f"offline: wandb leet {runs} (terminal UI); upload: wandb sync {runs}/offline-run-*"))
     elif wandb_mode == "online":
         rows.append(("W&B", "online run (see the W&B page of the project)"))
     width = max(len(k) for k, _ in rows)

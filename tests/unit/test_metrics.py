@@ -165,8 +165,8 @@ def test_progress_bar(capsys):
     with progress_bar(10, 4, enabled=True) as bar:
         assert bar is not None and bar.n == 4 and bar.total == 10
         bar.update(2)
-    err = capsys.readouterr().err
-    assert "6/10" in err
+    out = capsys.readouterr().out  # on stdout, where the console log goes
+    assert "6/10" in out
 
 
 def test_human_count():
