@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash.drafter.model import DFlashDraftModel, KVCache
+from dflash.drafter.model import DFlashDraftModel
 from dflash.targets.hooks import capture_hidden_states
 
 
@@ -204,7 +204,7 @@ def speculative_generate(
             raise ValueError(
                 f"drafter mask_token_id={mask_id} is outside the embedding's {embed.shape[0]} rows"
             )
-        d_cache = KVCache(drafter.arch.num_layers)
+        d_cache = drafter.new_cache()
     else:
         block_size = 1
     cache_kw = _cache_kwarg(target)

@@ -7,42 +7,48 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_drafter import BS, MASK_ID, tiny_arch, tiny_batch
+from tiny_drafter import BS, MASK_ID, SLIDING, masks_for, tiny_arch, tiny_batch
 
-from dflash.drafter.blocks import build_mask, make_blocks
+from dflash.drafter.blocks import make_blocks
 from dflash.drafter.export import export_drafter, load_exported, load_into, warm_start_problems
-from dflash.drafter.model import DFlashDraftModel, KVCache
+from dflash.drafter.model import DFlashDraftModel
+
+LAYOUTS = [({}, 1.0), ({}, 0.5), (SLIDING, 1.0), (dict(SLIDING, layer_types=["sliding_attention"] * 2), 0.5)]
+LAYOUT_IDS = ["full", "full-partial", "mixed", "sliding-partial"]
 
 
-@pytest.mark.parametrize("partial", [1.0, 0.5])
-def test_flex_block_mask_equals_dense_sdpa(partial):
+@pytest.mark.parametrize("layout,partial", LAYOUTS, ids=LAYOUT_IDS)
+def test_flex_block_mask_equals_dense_sdpa(layout, partial):
     torch.manual_seed(0)
-    model = DFlashDraftModel(tiny_arch(partial_rotary_factor=partial)).double()
+    model = DFlashDraftModel(tiny_arch(partial_rotary_factor=partial, **layout)).double()
     pos, doc, anchors, ids, aux, emb = tiny_batch()
     blocks = make_blocks(ids, pos, doc, anchors, BS, MASK_ID)
     noise = emb[blocks.block_ids]
     with torch.no_grad():  # flex_attention has no CPU backward in torch 2.13
-        dense = model(noise, aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa"))
-        flex = model(noise, aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "flex"))
+        dense = model(noise, aux, pos, blocks.block_positions, masks_for(model, anchors, doc, "sdpa"))
+        flex = model(noise, aux, pos, blocks.block_positions, masks_for(model, anchors, doc, "flex"))
     assert torch.allclose(dense, flex, atol=1e-10, rtol=0)
 
 
-def test_training_forward_of_a_block_equals_cached_inference_forward():
+@pytest.mark.parametrize("layout", [{}, SLIDING], ids=["full", "mixed"])
+def test_training_forward_of_a_block_equals_cached_inference_forward(layout):
     """Train/serve parity: one block in the masked training pass == the decoding pass with a KV cache
-    holding exactly the context before the anchor (fed in two chunks, as accepted tokens arrive)."""
+    holding exactly the context before the anchor (fed in two chunks, as accepted tokens arrive). With
+    a sliding layer whose window is shorter than the context, the decoding mask and the trimmed cache
+    (last W-1 rows) must cut the same keys as the training mask."""
     torch.manual_seed(1)
-    model = DFlashDraftModel(tiny_arch()).float()
+    model = DFlashDraftModel(tiny_arch(**layout)).float()
     pos, doc, anchors, ids, aux, emb = tiny_batch(1)
     aux, emb = aux.float(), emb.float()
     blocks = make_blocks(ids, pos, doc, anchors, BS, MASK_ID)
     noise = emb[blocks.block_ids]
-    train = model(noise, aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa"))
-    checked = 0
+    train = model(noise, aux, pos, blocks.block_positions, masks_for(model, anchors, doc))
+    checked = windowed = 0
     for n, a in enumerate(anchors[0].tolist()):
         if a < 0:
             continue
         start = int((doc[0] == doc[0, a]).nonzero()[0])
-        cache = KVCache(model.arch.num_layers)
+        cache = model.new_cache()
         mid = (start + a) // 2
         with torch.no_grad():
             model(
@@ -53,10 +59,16 @@ def test_training_forward_of_a_block_equals_cached_inference_forward():
                 noise[:, sl], aux[:, mid:a], pos[:, mid:a], blocks.block_positions[:, sl], None, cache
             )
         assert cache.length == a - start
+        for i, w in enumerate(model.arch.layer_types):
+            kept = cache.keys[i].shape[2]
+            assert kept == (
+                a - start if w == "full_attention" else min(a - start, SLIDING["sliding_window"] - 1)
+            )
+        windowed += a - start >= SLIDING["sliding_window"]
         for k in range(BS):
             torch.testing.assert_close(infer[0, k], train[0, n * BS + k].detach(), atol=1e-5, rtol=1e-5)
         checked += 1
-    assert checked >= 4
+    assert checked >= 4 and windowed >= 2  # the window cut the context of some blocks
 
 
 def test_export_layout_and_bit_exact_round_trip(tmp_path):

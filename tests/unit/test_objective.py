@@ -7,7 +7,7 @@ import math
 import torch
 
 from dflash.config import LossConfig
-from dflash.drafter.blocks import build_mask, doc_ids_from_positions, make_blocks
+from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks
 from dflash.drafter.model import DFlashDraftModel, DrafterArch
 from dflash.drafter.objective import dflash_loss, prefix_accept
 
@@ -50,7 +50,11 @@ def test_loss_terms_stats_and_tau_equal_a_naive_reference():
     doc = doc_ids_from_positions(pos)
     blocks = make_blocks(ids, pos, doc, anchors, BS, V - 1)
     hidden = model(
-        embed[blocks.block_ids], aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa")
+        embed[blocks.block_ids],
+        aux,
+        pos,
+        blocks.block_positions,
+        build_masks(anchors, doc, BS, "sdpa", model.arch.layer_types, None),
     )
     num = den = 0.0
     taus, taus_v = [], []
