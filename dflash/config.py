@@ -512,6 +512,8 @@ def layout_problems(d: DrafterConfig) -> list[str]:
     """Problems of ``drafter.layer_types`` / ``sliding_window`` / ``partial_rotary_factor`` alone."""
     p: list[str] = []
     types = list(d.layer_types) if d.layer_types is not None else None
+    if types is None and d.init_from is None:
+        types = [FULL_ATTENTION] * d.num_layers
     if types is not None:
         bad = sorted({t for t in types if t not in DRAFTER_LAYER_TYPES})
         if bad:
@@ -530,7 +532,8 @@ def layout_problems(d: DrafterConfig) -> list[str]:
         if types is not None and SLIDING_ATTENTION not in types:
             p.append(
                 f"drafter.sliding_window={d.sliding_window} but no drafter.layer_types entry is "
-                f"{SLIDING_ATTENTION!r}; set drafter.sliding_window=null or make a layer sliding"
+                f"{SLIDING_ATTENTION!r} (null = all {FULL_ATTENTION}); set drafter.sliding_window=null or "
+                "make a layer sliding"
             )
     elif types is not None and SLIDING_ATTENTION in types:
         p.append(

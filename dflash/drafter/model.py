@@ -73,6 +73,12 @@ class DrafterArch:
             )
         if self.sliding_window is not None and self.sliding_window < max(self.block_size, 2):
             raise ValueError(f"sliding_window={self.sliding_window} must be >= block_size={self.block_size}")
+        rotary = int(self.head_dim * self.partial_rotary_factor)
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} rotates {rotary} of head_dim={self.head_dim} "
+                "dims; RoPE needs an even number >= 2"
+            )
 
     @property
     def num_taps(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -78,7 +79,14 @@ def test_export_layout_and_bit_exact_round_trip(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["block_size"] == BS and cfg["num_target_layers"] == 8
-    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3, 5], "mask_token_id": 119, "block_size": BS}
+    assert cfg["dflash_config"] == {
+        "target_layer_ids": [1, 3, 5],
+        "mask_token_id": 119,
+        "block_size": BS,
+        "causal": False,
+    }
+    assert cfg["is_causal"] is False and cfg["layer_types"] == ["full_attention"] * 2
+    assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
     assert cfg["model_type"] == "qwen3" and cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 2
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -97,6 +105,68 @@ def test_export_layout_and_bit_exact_round_trip(tmp_path):
         assert k == k2 and torch.equal(a, b)
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize(
+    "layout,causal",
+    [(SLIDING, None), (dict(SLIDING, layer_types=["sliding_attention"] * 2), True)],
+    ids=["mixed", "all-sliding"],
+)
+def test_sliding_export_states_layout_causality_and_rope_and_round_trips(tmp_path, layout, causal):
+    from transformers import Qwen3Config
+
+    model = DFlashDraftModel(tiny_arch(partial_rotary_factor=0.5, rope_parameters=YARN, **layout))
+    out = export_drafter(model, tmp_path / "drafter", target_num_layers=8)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer_types"] == layout["layer_types"]
+    assert cfg["sliding_window"] == 5 and cfg["use_sliding_window"] is True
+    # one causality for every layer: stated for vLLM; a mixed layout would be mis-read by any single value
+    assert cfg.get("is_causal") is causal and cfg["dflash_config"].get("causal") is causal
+    assert cfg["partial_rotary_factor"] == 0.5 and cfg["rope_parameters"] == {
+        **YARN,
+        "partial_rotary_factor": 0.5,
+    }
+    assert cfg["rope_theta"] == 1e6 and cfg["rope_scaling"]["rope_type"] == "yarn"
+    hf = Qwen3Config.from_dict(cfg)  # what transformers (and the z-lab reference) read from it
+    assert hf.layer_types == layout["layer_types"] and hf.sliding_window == 5
+    assert hf.rope_parameters["factor"] == 4.0 and hf.rope_parameters["partial_rotary_factor"] == 0.5
+    arch, state = load_exported(out)
+    assert arch == model.arch
+    load_into(DFlashDraftModel(arch), state)
+
+
+def _exported_config(**changes) -> dict:
+    from dflash.drafter.export import export_config
+
+    cfg = export_config(tiny_arch(**SLIDING), 8, torch.float32)
+    for key, value in changes.items():
+        if key.startswith("dflash_config."):
+            cfg["dflash_config"][key.split(".", 1)[1]] = value
+        else:
+            cfg[key] = value
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "changes,needle",
+    [
+        ({"is_causal": False}, "is_causal=False makes layers [0]"),
+        ({"is_causal": True}, "is_causal=True makes layers [1]"),
+        ({"dflash_config.causal": True}, "dflash_config.causal=True makes layers [1]"),
+        ({"use_sliding_window": False}, "use_sliding_window=False"),
+        ({"dflash_config.use_swa": True}, "dflash_config.use_swa"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ],
+)
+def test_import_refuses_a_config_that_servers_would_read_differently(changes, needle):
+    from dflash.drafter.export import arch_from_export
+
+    assert arch_from_export(_exported_config()).layer_types == SLIDING["layer_types"]
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        arch_from_export(_exported_config(**changes))
+
+
 def test_warm_start_refuses_a_different_contract():
     assert warm_start_problems(tiny_arch(), tiny_arch()) == []
     problems = warm_start_problems(
@@ -104,3 +174,6 @@ def test_warm_start_refuses_a_different_contract():
     )
     text = "\n".join(problems)
     assert "hidden_size" in text and "target_layer_ids" in text and "mask_token_id" in text
+    text = "\n".join(warm_start_problems(tiny_arch(**SLIDING), tiny_arch(partial_rotary_factor=0.5)))
+    for field in ("layer_types", "sliding_window", "partial_rotary_factor"):
+        assert f"{field} of the saved drafter" in text and f"drafter.{field}=null" in text
