@@ -73,6 +73,8 @@ class DrafterArch:
             )
         if self.sliding_window is not None and self.sliding_window < max(self.block_size, 2):
             raise ValueError(f"sliding_window={self.sliding_window} must be >= block_size={self.block_size}")
+        if "partial_rotary_factor" in self.rope_parameters:
+            raise ValueError("rope_parameters holds partial_rotary_factor: give it as the field of its own")
         rotary = int(self.head_dim * self.partial_rotary_factor)
         if rotary < 2 or rotary % 2:
             raise ValueError(
