@@ -27,8 +27,7 @@ class TargetCache:
     """A DynamicCache for ``target`` (``.cache``, what the target's forward takes) with a rollback."""
 
     def __init__(self, target: nn.Module, *, rollback: bool) -> None:
-        config = getattr(target, "config", None)
-        self.cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        self.cache = DynamicCache(config=getattr(target, "config", None))
         combined = [
             type(layer).__name__
             for layer in self.cache.layers
@@ -54,10 +53,8 @@ class TargetCache:
         return bool(self.linear)
 
     def seq_length(self) -> int:
-        """Positions held by the attention layers (the mark's position on an all-linear target)."""
-        if self.attention:
-            return self.cache.get_seq_length()
-        return self._mark[0] if self._mark is not None else 0
+        """Positions held by the attention layers."""
+        return self.cache.get_seq_length()
 
     def mark(self, length: int) -> None:
         """Remember the state at ``length`` positions, before a verify forward appends a block."""
