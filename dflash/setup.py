@@ -32,7 +32,7 @@ from dflash.data.sources import EMBEDDED, resolve_source
 from dflash.data.tokenize import TokenizedDataset
 from dflash.distributed.topology import Topology
 from dflash.drafter.export import load_exported, warm_start_problems
-from dflash.drafter.model import DrafterArch
+from dflash.drafter.model import DrafterArch, rope_from_config
 from dflash.targets.loader import TargetMeta, read_target_meta, resolve_layer_ids
 
 log = logging.getLogger(__name__)
@@ -99,23 +99,6 @@ def resolve_mask_token_id(
     )
 
 
-ROPE_KEYS_DROPPED = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
-"""Target rope keys the drafter's ``rope_parameters`` leave out: the partial factor is a field of its
-own, and the drafter's positions are text positions, where M-RoPE (equal t/h/w positions) is RoPE."""
-
-
-def drafter_rope(text_config: dict) -> tuple[dict[str, Any], float]:
-    """(rope_parameters, partial_rotary_factor) of the target's text config, as the drafter uses them:
-    theta and scaling (YaRN, llama3, ...) as the target's, M-RoPE reduced to RoPE over text positions."""
-    rope = dict(text_config.get("rope_parameters") or {})
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", text_config.get("rope_theta", 1e6))
-    if rope["rope_type"] == "mrope":  # older VLM configs name the M-RoPE sections as a rope type
-        rope["rope_type"] = "default"
-    partial = float(text_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
-    return {k: v for k, v in rope.items() if k not in ROPE_KEYS_DROPPED}, partial
-
-
 def build_arch(
     cfg: Config,
     meta: TargetMeta,
@@ -127,7 +110,7 @@ def build_arch(
     rotary from the config, else from the ``drafter.init_from`` checkpoint (``saved``), else the defaults
     (all full attention, the target's partial rotary factor). ValueError on an inconsistent layout."""
     d = cfg.drafter
-    rope, target_partial = drafter_rope(meta.text_config)
+    rope, target_partial = rope_from_config(meta.text_config)
     src = saved if saved is not None and saved.num_layers == d.num_layers else None
     if d.layer_types is not None:
         layer_types = list(d.layer_types)
@@ -180,7 +163,7 @@ def target_problems(cfg: Config, meta: TargetMeta, tokenizer: Any) -> list[str]:
     if heads % kv:
         p.append(f"drafter.num_heads={heads} is not a multiple of drafter.num_kv_heads={kv}")
     head_dim = cfg.drafter.head_dim or meta.head_dim
-    partial = cfg.drafter.partial_rotary_factor or drafter_rope(meta.text_config)[1]
+    partial = cfg.drafter.partial_rotary_factor or rope_from_config(meta.text_config)[1]
     rotary = int(head_dim * partial)
     if rotary < 2 or rotary % 2:
         p.append(

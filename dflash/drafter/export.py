@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
 from dflash.files import atomic_directory
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -97,16 +97,6 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, targe
     return Path(out_dir)
 
 
-def _rope_of(config: dict) -> tuple[dict, float]:
-    """(rope_parameters without partial_rotary_factor, partial_rotary_factor) of an exported config."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    legacy_type = rope.pop("type", "default")
-    rope.setdefault("rope_type", legacy_type)
-    rope.setdefault("rope_theta", config.get("rope_theta", 1e6))
-    nested = rope.pop("partial_rotary_factor", None)
-    return rope, float(config.get("partial_rotary_factor") or nested or 1.0)
-
-
 def _layout_of(config: dict, num_layers: int) -> tuple[list[str], int | None]:
     """(layer_types, sliding_window) of an exported config; ValueError when a server would read a
     different causality or no window."""
@@ -149,7 +139,7 @@ def arch_from_export(config: dict) -> DrafterArch:
         block_size = config.get("block_size", dcfg.get("block_size"))
         if block_size is None:
             raise KeyError("block_size")
-        rope, partial = _rope_of(config)
+        rope, partial = rope_from_config(config)
         layer_types, window = _layout_of(config, num_layers)
         return DrafterArch(
             hidden_size=config["hidden_size"],

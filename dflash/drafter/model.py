@@ -116,6 +116,25 @@ class DrafterArch:
         return asdict(self)
 
 
+ROPE_KEYS_DROPPED = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+"""Rope keys the drafter's ``rope_parameters`` leave out: the partial factor is a field of its own, and
+the drafter's positions are text positions, where M-RoPE (equal t/h/w positions) is plain RoPE."""
+
+
+def rope_from_config(config: dict) -> tuple[dict[str, Any], float]:
+    """(rope_parameters, partial_rotary_factor) as the drafter uses them, from a target's text config
+    or an exported drafter's config: theta and scaling (YaRN, llama3, ...) kept, the legacy
+    ``rope_scaling``/``rope_theta``/``type`` keys read, M-RoPE reduced to RoPE over text positions."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    legacy_type = rope.pop("type", "default")
+    rope.setdefault("rope_type", legacy_type)
+    rope.setdefault("rope_theta", config.get("rope_theta", 1e6))
+    if rope["rope_type"] == "mrope":  # older VLM configs name the M-RoPE sections as a rope type
+        rope["rope_type"] = "default"
+    partial = float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    return {k: v for k, v in rope.items() if k not in ROPE_KEYS_DROPPED}, partial
+
+
 class RotaryEmbedding(nn.Module):
     """The target's RoPE (same theta and scaling), with optional partial rotary dims."""
 

@@ -16,11 +16,10 @@ from testpaths import REPO
 from wandb_reader import read_wandb_run
 
 from dflash.drafter.export import export_drafter
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
 from dflash.eval.app import EvalAppConfig, register_eval_schema
 from dflash.eval.loading import load_for_eval, load_prompts
 from dflash.eval.report import build_report, evaluate, report_metrics, report_table
-from dflash.setup import drafter_rope
 
 LAYER_IDS = [1, 2, 4]  # conf/target/tiny.yaml
 QUESTIONS = ["def foo(x):", "import os", "class A:"]
@@ -33,7 +32,7 @@ def _arch(target_dir: Path, **kw) -> DrafterArch:
     from transformers import AutoConfig, AutoTokenizer
 
     c = AutoConfig.from_pretrained(target_dir)
-    rope, partial = drafter_rope(c.to_dict())
+    rope, partial = rope_from_config(c.to_dict())
     base = dict(
         hidden_size=c.hidden_size,
         intermediate_size=256,

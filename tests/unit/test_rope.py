@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 
-from dflash.drafter.model import DrafterArch, RotaryEmbedding, apply_rope
-from dflash.setup import drafter_rope
+from dflash.drafter.model import DrafterArch, RotaryEmbedding, apply_rope, rope_from_config
 from dflash.targets.loader import base_model, read_target_meta
 
 SHAPE = dict(
@@ -81,7 +80,7 @@ def test_drafter_rope_equals_the_targets_own(name, tmp_path):
     config = TARGETS[name]()
     config.save_pretrained(tmp_path)
     meta = read_target_meta(str(tmp_path))  # the run's path: config.json -> text config -> drafter
-    rope, partial = drafter_rope(meta.text_config)
+    rope, partial = rope_from_config(meta.text_config)
     assert "mrope_section" not in rope and "partial_rotary_factor" not in rope
     arch = DrafterArch(
         hidden_size=meta.hidden_size,

@@ -9,10 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
 from dflash.eval.spec_decode import GenerationResult, StepTrace, accepted_prefix, speculative_generate
 from dflash.eval.target_cache import TargetCache
-from dflash.setup import drafter_rope
 
 LAYER_IDS = [1, 2, 4]
 TEXTS = ["def foo(x):\n    return", "import os\nimport", "class A:", "for i in range(10):\n"]
@@ -46,7 +45,7 @@ def hybrid(tiny_hybrid_target_dir):
 
 def make_drafter(target, tok, block_size: int, seed: int = 0, num_layers: int = 1) -> DFlashDraftModel:
     c = target.config
-    rope, partial = drafter_rope(c.to_dict())
+    rope, partial = rope_from_config(c.to_dict())
     arch = DrafterArch(
         hidden_size=c.hidden_size,
         intermediate_size=256,
