@@ -112,7 +112,8 @@ def _layout_of(config: dict, num_layers: int) -> tuple[list[str], int | None]:
     if sliding and not (config.get("use_sliding_window") and window):
         raise ValueError(
             f"layer_types has sliding_attention layers {sliding} but use_sliding_window="
-            f"{config.get('use_sliding_window')} / sliding_window={window}; a server then drops the window: "
+            f"{config.get('use_sliding_window')} / sliding_window={window}; transformers (and vLLM, which reads "
+            "the config through it) then drop the window: "
             "set use_sliding_window=true and sliding_window=<W>"
         )
     for key, value in (("is_causal", config.get("is_causal")), ("dflash_config.causal", dcfg.get("causal"))):
