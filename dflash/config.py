@@ -123,6 +123,10 @@ class TargetConfig:
 
 
 DEFAULT_NUM_TAPS = 5
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+DRAFTER_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+"""Attention kinds of a drafter layer; the names are those of ``layer_types`` in the exported config."""
 
 
 @dataclass
@@ -143,6 +147,16 @@ class DrafterConfig:
     """None = the target's attention heads (likewise num_kv_heads, head_dim)."""
     num_kv_heads: int | None = field(default=None, metadata=derived("drafter.arch"))
     head_dim: int | None = field(default=None, metadata=derived("drafter.arch"))
+    layer_types: list[str] | None = field(default=None, metadata=derived("drafter.arch"))
+    """Per layer 'full_attention' or 'sliding_attention' (num_layers entries); None = those of the
+    drafter.init_from checkpoint, else all full. See dflash/drafter/blocks.py for what each one sees."""
+    sliding_window: int | None = field(default=None, metadata=derived("drafter.arch"))
+    """W: a sliding layer's query at position p sees the keys at positions p-W+1..p (W keys, itself
+    included; causal inside its block); needed iff a layer is sliding, >= block_size; None = the
+    drafter.init_from checkpoint's."""
+    partial_rotary_factor: float | None = field(default=None, metadata=derived("drafter.arch"))
+    """Share of each head's dims that RoPE rotates; None = the drafter.init_from checkpoint's, else the
+    target's. SGLang's DFlash model rotates the whole head whatever the config says: 1.0 to serve there."""
     attention: str = field(default="auto", metadata=FREE)
     """auto (flex on CUDA, sdpa on CPU), flex or sdpa: the same function, two kernels."""
     dtype: str = field(default="auto", metadata=FREE)
@@ -307,12 +321,11 @@ def schema_leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasse
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
-        inner = [
-            t for t in typing.get_args(hints[f.name]) if isinstance(t, type) and dataclasses.is_dataclass(t)
-        ]
         hint = hints[f.name]
+        inner = [t for t in typing.get_args(hint) if isinstance(t, type) and dataclasses.is_dataclass(t)]
         sub: type | None = hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
-        sub = sub or (inner[0] if inner else None)
+        if sub is None and inner:
+            sub = inner[0]
         if sub is None or "resume" in f.metadata:
             yield name, f
         if sub is not None:
@@ -479,6 +492,7 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
             )
     if d.mask_token_id is not None:
         need(d.mask_token_id >= 0, f"drafter.mask_token_id={d.mask_token_id}: must be >= 0 or null")
+    p += layout_problems(d)
     dt = cfg.data
     need(dt.max_length >= 2, f"data.max_length={dt.max_length}: must be >= 2")
     need(
@@ -570,6 +584,44 @@ EXIT_USER_ERROR = 2
 """Exit code of a rank that stopped on a ``UserError``."""
 EXIT_STOPPED = 75
 """Exit code of a run stopped before its last step by a signal (resumable; EX_TEMPFAIL)."""
+
+
+def layout_problems(d: DrafterConfig) -> list[str]:
+    """Problems of ``drafter.layer_types`` / ``sliding_window`` / ``partial_rotary_factor`` alone."""
+    p: list[str] = []
+    types = list(d.layer_types) if d.layer_types is not None else None
+    if types is None and d.init_from is None:
+        types = [FULL_ATTENTION] * d.num_layers
+    if types is not None:
+        bad = sorted({t for t in types if t not in DRAFTER_LAYER_TYPES})
+        if bad:
+            p.append(f"drafter.layer_types has {bad}; each entry must be one of {list(DRAFTER_LAYER_TYPES)}")
+        if len(types) != d.num_layers:
+            p.append(
+                f"drafter.layer_types lists {len(types)} layers but drafter.num_layers={d.num_layers}; "
+                f"give one entry per layer (or drafter.layer_types=null for all {FULL_ATTENTION})"
+            )
+    if d.sliding_window is not None:
+        if d.sliding_window < max(d.block_size, 2):
+            p.append(
+                f"drafter.sliding_window={d.sliding_window}: must be >= drafter.block_size={d.block_size} "
+                "(a window inside the block is windowed differently by SpecForge and the servers)"
+            )
+        if types is not None and SLIDING_ATTENTION not in types:
+            p.append(
+                f"drafter.sliding_window={d.sliding_window} but no drafter.layer_types entry is "
+                f"{SLIDING_ATTENTION!r} (null = all {FULL_ATTENTION}); set drafter.sliding_window=null or "
+                "make a layer sliding"
+            )
+    elif types is not None and SLIDING_ATTENTION in types:
+        p.append(
+            f"drafter.layer_types has {SLIDING_ATTENTION!r} layers but drafter.sliding_window=null; "
+            "set drafter.sliding_window=<W, e.g. 2048>"
+        )
+    f = d.partial_rotary_factor
+    if f is not None and not 0.0 < f <= 1.0:
+        p.append(f"drafter.partial_rotary_factor={f}: must be in (0, 1] or null (the target's)")
+    return p
 
 
 def raise_problems(problems: list[str], what: str) -> None:

@@ -17,14 +17,22 @@ from typing import Any
 import torch
 from hydra.utils import to_absolute_path
 
-from dflash.config import RESOLVED_CONTRACT_KEYS, Config, contract_values, raise_problems, validate
+from dflash.config import (
+    FULL_ATTENTION,
+    RESOLVED_CONTRACT_KEYS,
+    SLIDING_ATTENTION,
+    Config,
+    contract_values,
+    raise_problems,
+    validate,
+)
 from dflash.data.cache import build_or_load_dataset
 from dflash.data.plan import DataPlan
 from dflash.data.sources import EMBEDDED, resolve_source
 from dflash.data.tokenize import TokenizedDataset
 from dflash.distributed.topology import Topology
 from dflash.drafter.export import load_exported, warm_start_problems
-from dflash.drafter.model import DrafterArch
+from dflash.drafter.model import DrafterArch, rope_from_config
 from dflash.targets.loader import TargetMeta, read_target_meta, resolve_layer_ids
 
 log = logging.getLogger(__name__)
@@ -91,10 +99,29 @@ def resolve_mask_token_id(
     )
 
 
-def build_arch(cfg: Config, meta: TargetMeta, layer_ids: list[int], mask_token_id: int) -> DrafterArch:
+def build_arch(
+    cfg: Config,
+    meta: TargetMeta,
+    layer_ids: list[int],
+    mask_token_id: int,
+    saved: DrafterArch | None = None,
+) -> DrafterArch:
+    """The drafter architecture: shape from the config or the target, attention layout and partial
+    rotary from the config, else from the ``drafter.init_from`` checkpoint (``saved``), else the defaults
+    (all full attention, the target's partial rotary factor). ValueError on an inconsistent layout."""
     d = cfg.drafter
-    text = meta.text_config
-    rope = text.get("rope_parameters") or {"rope_type": "default", "rope_theta": text.get("rope_theta", 1e6)}
+    rope, target_partial = rope_from_config(meta.text_config)
+    src = saved if saved is not None and saved.num_layers == d.num_layers else None
+    if d.layer_types is not None:
+        layer_types = list(d.layer_types)
+    else:
+        layer_types = list(src.layer_types) if src else [FULL_ATTENTION] * d.num_layers
+    window = d.sliding_window
+    if window is None and src is not None and SLIDING_ATTENTION in layer_types:
+        window = src.sliding_window
+    partial = d.partial_rotary_factor
+    if partial is None:
+        partial = saved.partial_rotary_factor if saved is not None else target_partial
     return DrafterArch(
         hidden_size=meta.hidden_size,
         intermediate_size=d.intermediate_size or meta.intermediate_size,
@@ -108,11 +135,11 @@ def build_arch(cfg: Config, meta: TargetMeta, layer_ids: list[int], mask_token_i
         mask_token_id=mask_token_id,
         rms_norm_eps=meta.rms_norm_eps,
         max_position_embeddings=meta.max_position_embeddings,
-        rope_parameters={k: v for k, v in rope.items() if k != "partial_rotary_factor"},
-        partial_rotary_factor=float(
-            text.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-        ),
+        rope_parameters=rope,
+        partial_rotary_factor=partial,
         initializer_range=d.init_std,
+        layer_types=layer_types,
+        sliding_window=window,
     )
 
 
@@ -135,6 +162,14 @@ def target_problems(cfg: Config, meta: TargetMeta, tokenizer: Any) -> list[str]:
     kv = cfg.drafter.num_kv_heads or meta.num_kv_heads
     if heads % kv:
         p.append(f"drafter.num_heads={heads} is not a multiple of drafter.num_kv_heads={kv}")
+    head_dim = cfg.drafter.head_dim or meta.head_dim
+    partial = cfg.drafter.partial_rotary_factor or rope_from_config(meta.text_config)[1]
+    rotary = int(head_dim * partial)
+    if rotary < 2 or rotary % 2:
+        p.append(
+            f"drafter.partial_rotary_factor={partial} rotates {rotary} of the drafter's head_dim={head_dim} dims; "
+            "RoPE needs an even number >= 2: set drafter.partial_rotary_factor (e.g. 1.0)"
+        )
     if cfg.data.max_length + cfg.drafter.block_size > meta.max_position_embeddings:
         p.append(
             f"data.max_length={cfg.data.max_length} + drafter.block_size exceeds the target's "
@@ -207,7 +242,11 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
     except ValueError as e:
         problems.append(str(e))
         mask_id = 0
-    arch = build_arch(cfg, meta, layer_ids, mask_id)
+    try:
+        arch = build_arch(cfg, meta, layer_ids, mask_id, saved_arch)
+    except ValueError as e:  # a layout that config_problems cannot see (e.g. taken from init_from)
+        raise_problems([*problems, f"drafter: {e}"], "config")
+        raise
     if saved_arch is not None:
         problems += warm_start_problems(saved_arch, arch)
     raise_problems(problems, "config")

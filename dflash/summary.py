@@ -106,7 +106,9 @@ def summary_table(
     rows.append(("metrics", f"{run_dir / METRICS_FILE}; curves: python -m dflash.report {run_dir}"))
     if wandb_mode == "offline":
         runs = run_dir / "wandb"
-        rows.append(("W&B", f"offline: wandb leet {runs} (terminal UI); upload: wandb sync {runs}/offline-run-*"))
+        rows.append(
+            ("W&B", f"offline: wandb leet {runs} (terminal UI); upload: wandb sync {runs}/offline-run-*")
+        )
     elif wandb_mode == "online":
         rows.append(("W&B", "online run (see the W&B page of the project)"))
     width = max(len(k) for k, _ in rows)
@@ -122,7 +124,9 @@ def best_split(world: int, t_target: float, t_drafter: float) -> tuple[int, floa
     return n, rates[n]
 
 
-def balance_line(rows: list[dict[str, float]], num_targets: int, num_drafters: int, colocated: bool) -> str | None:
+def balance_line(
+    rows: list[dict[str, float]], num_targets: int, num_drafters: int, colocated: bool
+) -> str | None:
     """Where the time went, from the measured per-packet times of the last half of the logged steps,
     and what the best split of the same number of GPUs would give (``best_split``)."""
     tail = rows[len(rows) // 2 :]
@@ -152,7 +156,9 @@ def balance_line(rows: list[dict[str, float]], num_targets: int, num_drafters: i
     waited = mean("comm/recv_wait_frac")
     now = min(num_targets / t_t, num_drafters / t_d)
     n, rate = best_split(world, t_t, t_d)
-    line = f"targets busy {100 * busy:.0f}% (idle {100 * (1 - busy):.0f}%), drafters waited {100 * waited:.0f}%"
+    line = (
+        f"targets busy {100 * busy:.0f}% (idle {100 * (1 - busy):.0f}%), drafters waited {100 * waited:.0f}%"
+    )
     if n == num_targets:
         return line + f": {num_targets} targets + {num_drafters} drafters is the best split of {world} ranks"
     return line + (

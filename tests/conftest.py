@@ -36,6 +36,28 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_target(tmp_path_factory.mktemp("tiny") / "target", TinyTargetConfig())
 
 
+HYBRID = dict(
+    model_type="qwen3_5_text",
+    num_layers=6,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3.5 text target (linear attention in layers 0-2 and 4-5, full attention in
+    layer 3; RoPE over a quarter of each head), built like the default tiny target."""
+    from dflash.config import TinyTargetConfig
+    from dflash.targets.tiny import ensure_tiny_target
+
+    spec = TinyTargetConfig(**HYBRID)
+    return ensure_tiny_target(tmp_path_factory.mktemp("tiny_hybrid") / "target", spec)
+
+
 @pytest.fixture(scope="session")
 def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DFLASH_CACHE_DIR holding what the fast torchrun jobs of tests/runner.py need, built once

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
-from dflash.drafter.model import DrafterArch
+from dflash.drafter.attention import AttentionMask
+from dflash.drafter.blocks import build_masks, doc_ids_from_positions, sample_anchors
+from dflash.drafter.model import DFlashDraftModel, DrafterArch
 
 BS = 4
 MASK_ID = 119
+SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+"""A mixed layout whose window (5 keys) is smaller than either document of ``tiny_batch``."""
 
 
 def tiny_arch(**kw) -> DrafterArch:
@@ -43,3 +46,9 @@ def tiny_batch(seed: int = 0):
     aux = torch.randn(1, S, 3 * 64, generator=g, dtype=torch.float64)
     emb = torch.randn(120, 64, generator=g, dtype=torch.float64)
     return pos, doc, anchors, ids, aux, emb
+
+
+def masks_for(model: DFlashDraftModel, anchors, doc, kind: str = "sdpa") -> dict[str, AttentionMask]:
+    """The training masks ``model``'s layer types need."""
+    arch = model.arch
+    return build_masks(anchors, doc, arch.block_size, kind, arch.layer_types, arch.sliding_window)

@@ -99,16 +99,26 @@ def gather_lists(ctx: DistContext, values: list[int], timeout_s: float | None = 
     device = ctx.device
     n = torch.tensor([len(values)], dtype=torch.int64, device=device)
     lens = [torch.zeros_like(n) for _ in ranks]
-    _collective_wait(ctx, dist.all_gather(lens, n, group=ctx.drafter_group, async_op=True), "all_gather", ranks, timeout_s)
+    _collective_wait(
+        ctx, dist.all_gather(lens, n, group=ctx.drafter_group, async_op=True), "all_gather", ranks, timeout_s
+    )
     width = max(int(x.item()) for x in lens)
     mine = torch.zeros(width, dtype=torch.int64, device=device)
     mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
     rows = [torch.zeros_like(mine) for _ in ranks]
-    _collective_wait(ctx, dist.all_gather(rows, mine, group=ctx.drafter_group, async_op=True), "all_gather", ranks, timeout_s)
+    _collective_wait(
+        ctx,
+        dist.all_gather(rows, mine, group=ctx.drafter_group, async_op=True),
+        "all_gather",
+        ranks,
+        timeout_s,
+    )
     return [row[: int(k.item())].tolist() for row, k in zip(rows, lens, strict=True)]
 
 
-def check_replicas(ctx: DistContext, model: torch.nn.Module, step: int, timeout_s: float | None = None) -> None:
+def check_replicas(
+    ctx: DistContext, model: torch.nn.Module, step: int, timeout_s: float | None = None
+) -> None:
     """Every drafter holds the same weights: compares a per-tensor float64 checksum of every
     parameter over the drafters (one all-gather of a few hundred numbers) and raises
     ``RuntimeError`` naming the step, the two drafters and the first tensor that differs."""
@@ -120,7 +130,13 @@ def check_replicas(ctx: DistContext, model: torch.nn.Module, step: int, timeout_
     with torch.no_grad():
         mine = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(ctx.device)
     rows = [torch.zeros_like(mine) for _ in ranks]
-    _collective_wait(ctx, dist.all_gather(rows, mine, group=ctx.drafter_group, async_op=True), "all_gather", ranks, timeout_s)
+    _collective_wait(
+        ctx,
+        dist.all_gather(rows, mine, group=ctx.drafter_group, async_op=True),
+        "all_gather",
+        ranks,
+        timeout_s,
+    )
     for r, row in zip(ranks[1:], rows[1:], strict=True):
         differ = (row != rows[0]).nonzero()
         if differ.numel():

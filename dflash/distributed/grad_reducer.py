@@ -30,7 +30,9 @@ DEFAULT_BUCKET_BYTES = 25 << 20
 class GradReducer:
     """Overlapped SUM all-reduce of ``params``' gradients among the drafters (see the module doc)."""
 
-    def __init__(self, params: list[nn.Parameter], ctx: DistContext, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(
+        self, params: list[nn.Parameter], ctx: DistContext, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ):
         self.ctx = ctx
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = []

@@ -1,4 +1,4 @@
-"""Anchors, noise blocks, label positions and the attention mask of DFlash training.
+"""Anchors, noise blocks, label positions and the attention masks of DFlash training and decoding.
 
 Shape legend: B rows, S context tokens per row, N blocks per row, bs block size, Q = N * bs.
 A row may hold several packed documents; ``doc_ids [B, S]`` numbers them (-1 = padding) and is
@@ -8,10 +8,40 @@ Rules (reference spec, dflash_training.md sections 2.2-2.5):
 - anchor p is eligible when loss_mask[p] = loss_mask[p+1] = 1 and p+1 is in the same document;
 - block n = ``[x_{a_n}, MASK x (bs-1)]`` at positions pos(a_n) + k; slot k predicts the token AT
   a_n + k (same position, no shift); slot 0 is given and never supervised;
-- a block sees the context of its own document strictly before its anchor (j < a_n) and its own bs
-  slots (bidirectional), nothing else: visibility is keyed on the anchor, never on the block index,
-  so overlapping anchors never see each other's futures. A padding block (anchor -1) sees only
-  itself, so no query row is ever fully masked.
+- visibility is keyed on the anchor, never on the block index, so overlapping anchors never see
+  each other's futures. A padding block (anchor -1) sees only (part of) itself, so no query row is
+  ever fully masked.
+
+Which keys the query of slot k of the block at anchor a sees (its position is p = pos(a) + k):
+- ``full_attention`` layer: the context of its own document strictly before the anchor (j < a) and
+  all bs slots of its own block (bidirectional);
+- ``sliding_attention`` layer with window W (``drafter.sliding_window``): the keys at positions
+  p-W+1 .. p, W keys counting the query itself, i.e. the context rows a+k-W+1 <= j < a of its
+  document and the slots 0..k of its own block (causal inside the block). W >= bs is required.
+
+The sliding rule is the servers' (snapshots read 2026-08; every one applies it to a
+``layer_types``/``sliding_window`` config like the one ``dflash.drafter.export`` writes):
+- vLLM, vllm-project/vllm:vllm/model_executor/models/qwen3_dflash.py (``_dflash_layer_causal``,
+  ``_resolve_layer_attention``): a layer is causal if the top-level ``is_causal`` says so, else if
+  ``dflash_config.causal`` says so (each overrides *every* layer), else iff ``layer_types[i] ==
+  "sliding_attention"``; a sliding layer gets ``per_layer_sliding_window=W``, which
+  vllm/v1/attention/backends/flash_attn.py turns into ``window_size=(W-1, 0)``: keys p-W+1 .. p.
+- SGLang, sgl-project/sglang:python/sglang/srt/models/dflash.py (``_get_dflash_layer_attention_params``)
+  with python/sglang/srt/speculative/dflash_utils.py (``get_dflash_attention_sliding_window_size``):
+  sliding layers are ``AttentionType.DECODER`` (causal) with window_left = W-1 ("HF sliding windows
+  include the current token"), full layers ``ENCODER_ONLY`` (bidirectional); no causality key is read.
+- SpecForge, sgl-project/SpecForge:specforge/algorithms/common/dflash_family_model.py
+  (``create_dflash_sdpa_mask``, ``create_dflash_block_mask``), the training side: sliding layers see
+  context j with a+k-(W-1) <= j < a and own-block slots k' <= k. It does not window the block slots,
+  which differs from the servers only when W < bs (refused here).
+- z-lab reference, z-lab/dflash:dflash/model.py (``Qwen3DFlashAttention``): passes ``sliding_window=W``
+  to the transformers attention function with ``is_causal=False``. Flash-attention applies it as
+  ``window_size=(W-1, W-1)`` (transformers:modeling_flash_attention_utils.py): the same context edge
+  but a bidirectional block; its sdpa/eager paths ignore it (no window at all unless a mask is given).
+
+We follow the servers, where vLLM and SGLang agree and SpecForge trains the same way: causal inside
+the window, bidirectional in full layers; the z-lab flash path differs only inside the block.
+One predicate (``_allow``) builds the dense training mask, the flex BlockMask and the decoding mask.
 """
 
 from __future__ import annotations
@@ -20,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.config import SLIDING_ATTENTION
 from dflash.drafter.attention import AttentionMask
 
 
@@ -126,17 +157,26 @@ def make_blocks(
     )
 
 
-def _allow(q_idx, kv_idx, anchors_flat, q_doc, kv_doc, S: int, block_size: int):
-    """The visibility predicate shared by the dense and the flex mask (tensor or scalar indices)."""
+def _allow(q_idx, kv_idx, anchors_flat, q_doc, kv_doc, S: int, block_size: int, window: int | None):
+    """The visibility predicate of every mask (tensor or scalar indices; keys ``[context; blocks]``).
+
+    Context index arithmetic equals position arithmetic because a document's rows are contiguous.
+    """
     n = q_idx // block_size
+    k = q_idx % block_size
     a = anchors_flat[n]
     ctx = (kv_idx < S) & (kv_idx < a) & (kv_doc == q_doc[n])
     own = (kv_idx >= S) & ((kv_idx - S) // block_size == n)
+    if window is not None:
+        ctx = ctx & (kv_idx >= a + k - (window - 1))
+        own = own & ((kv_idx - S) % block_size <= k)
     return ctx | own
 
 
-def dense_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> AttentionMask:
-    """Boolean [B, 1, Q, S + Q] mask (True = attend) for SDPA."""
+def dense_mask(
+    anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, window: int | None = None
+) -> AttentionMask:
+    """Boolean [B, 1, Q, S + Q] mask (True = attend) for SDPA; ``window`` for a sliding layer."""
     B, S = doc_ids.shape
     N = anchors.shape[1]
     Q = N * block_size
@@ -146,11 +186,13 @@ def dense_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) ->
     for b in range(B):
         kv_doc = torch.cat([doc_ids[b], torch.full((Q,), -2, device=doc_ids.device, dtype=doc_ids.dtype)])
         q_doc = torch.where(anchors[b] >= 0, doc_ids[b].gather(0, anchors[b].clamp(min=0)), -3)
-        masks.append(_allow(q_idx, kv_idx, anchors[b], q_doc, kv_doc[kv_idx], S, block_size))
+        masks.append(_allow(q_idx, kv_idx, anchors[b], q_doc, kv_doc[kv_idx], S, block_size, window))
     return AttentionMask(dense=torch.stack(masks).unsqueeze(1))
 
 
-def flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> AttentionMask:
+def flex_mask(
+    anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, window: int | None = None
+) -> AttentionMask:
     """Block-sparse ``BlockMask`` for flex_attention (one head dimension: H=None)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -162,7 +204,7 @@ def flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> 
     q_doc = torch.where(anchors >= 0, doc_ids.gather(1, anchors.clamp(min=0)), -3)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return _allow(q_idx, kv_idx, anchors[b], q_doc[b], kv_doc[b, kv_idx], S, block_size)
+        return _allow(q_idx, kv_idx, anchors[b], q_doc[b], kv_doc[b, kv_idx], S, block_size, window)
 
     block_mask = create_block_mask(
         mask_mod, B, None, Q, S + Q, device=anchors.device, _compile=anchors.device.type == "cuda"
@@ -170,10 +212,39 @@ def flex_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> 
     return AttentionMask(block_mask=block_mask)
 
 
-def build_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, kind: str) -> AttentionMask:
-    """kind 'sdpa' (dense) or 'flex' (block-sparse)."""
+def decode_mask(num_context: int, num_slots: int, window: int, device: torch.device) -> AttentionMask:
+    """[1, 1, Q, n + Q] mask of a decoding call of a sliding layer: one block of Q = ``num_slots``
+    slots anchored right after ``num_context`` context rows (the last rows before the anchor)."""
+    n, Q = num_context, num_slots
+    q_idx = torch.arange(Q, device=device).view(Q, 1)
+    kv_idx = torch.arange(n + Q, device=device).view(1, n + Q)
+    anchor = torch.tensor([n], device=device)
+    doc = torch.zeros(n + Q, dtype=torch.long, device=device)
+    allow = _allow(q_idx, kv_idx, anchor, doc[:1], doc[kv_idx], n, Q, window)
+    return AttentionMask(dense=allow.view(1, 1, Q, n + Q))
+
+
+def build_mask(
+    anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, kind: str, window: int | None = None
+) -> AttentionMask:
+    """kind 'sdpa' (dense) or 'flex' (block-sparse); ``window`` W for a sliding layer."""
     if kind == "flex":
-        return flex_mask(anchors, doc_ids, block_size)
+        return flex_mask(anchors, doc_ids, block_size, window)
     if kind == "sdpa":
-        return dense_mask(anchors, doc_ids, block_size)
+        return dense_mask(anchors, doc_ids, block_size, window)
     raise ValueError(f"drafter.attention={kind!r}: expected 'sdpa' or 'flex'")
+
+
+def build_masks(
+    anchors: torch.Tensor,
+    doc_ids: torch.Tensor,
+    block_size: int,
+    kind: str,
+    layer_types: list[str],
+    window: int | None,
+) -> dict[str, AttentionMask]:
+    """One training mask per attention kind in ``layer_types`` (what ``DFlashDraftModel`` takes)."""
+    return {
+        t: build_mask(anchors, doc_ids, block_size, kind, window if t == SLIDING_ATTENTION else None)
+        for t in sorted(set(layer_types))
+    }

@@ -2,11 +2,25 @@
 
 ``config.json``: the Qwen3-style config of the drafter layers plus ``architectures:
 ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` (layers of the target) and
-``dflash_config: {target_layer_ids, mask_token_id}``. ``model.safetensors``: only the drafter's own
-tensors (``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
+``dflash_config: {target_layer_ids, mask_token_id, block_size}``. ``model.safetensors``: only the
+drafter's own tensors (``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
 ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``); no embedding and no lm_head. SGLang
 (``--speculative-algorithm DFLASH``) and vLLM load this directory next to the target.
+
+Attention layout and causality (the semantics are in ``dflash.drafter.blocks``):
+- ``layer_types`` (one entry per layer), ``sliding_window`` (W or null) and ``use_sliding_window``
+  (true iff a layer is sliding; transformers' Qwen3Config drops the window otherwise) are always
+  written. SGLang and vLLM make a sliding layer causal and a full layer bidirectional from them.
+- ``is_causal`` and ``dflash_config.causal`` are written when every layer has the same causality
+  (false for all-full, true for all-sliding). vLLM applies either key to *every* layer
+  (``_dflash_layer_causal`` in vllm-project/vllm:vllm/model_executor/models/qwen3_dflash.py), so for a
+  mixed layout any value would be wrong for some layers: they are left out and ``layer_types`` says it.
+- RoPE: ``rope_parameters`` (transformers 5, vLLM), ``rope_theta``/``rope_scaling`` (older readers) and
+  ``partial_rotary_factor`` (top level and in ``rope_parameters``) when it is not 1.
+
+Import (``arch_from_export``) reads the same keys back and refuses a config whose causality keys
+contradict its layer types, or a sliding layout without ``use_sliding_window``, naming the field.
 """
 
 from __future__ import annotations
@@ -18,7 +32,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
 from dflash.files import atomic_directory
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -43,6 +58,17 @@ def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype)
         "is_encoder_decoder",
     ):
         cfg.pop(key, None)
+    dflash_config: dict = {
+        "target_layer_ids": list(arch.target_layer_ids),
+        "mask_token_id": arch.mask_token_id,
+        "block_size": arch.block_size,
+    }
+    causal = {t == SLIDING_ATTENTION for t in arch.layer_types}
+    if len(causal) == 1:
+        cfg["is_causal"] = dflash_config["causal"] = causal.pop()
+    rope = dict(arch.rope_parameters)
+    if arch.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = cfg["partial_rotary_factor"] = arch.partial_rotary_factor
     cfg.update(
         architectures=[ARCHITECTURE],
         model_type="qwen3",
@@ -50,14 +76,11 @@ def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype)
         use_cache=False,
         block_size=arch.block_size,
         num_target_layers=target_num_layers,
-        dflash_config={
-            "target_layer_ids": list(arch.target_layer_ids),
-            "mask_token_id": arch.mask_token_id,
-            "block_size": arch.block_size,
-        },
+        dflash_config=dflash_config,
+        rope_parameters=rope,
+        rope_theta=rope["rope_theta"],
+        rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
     )
-    if arch.partial_rotary_factor != 1.0:
-        cfg["partial_rotary_factor"] = arch.partial_rotary_factor
     return cfg
 
 
@@ -74,29 +97,69 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, *, targe
     return Path(out_dir)
 
 
+def _layout_of(config: dict, num_layers: int) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) of an exported config; ValueError when a server would read a
+    different causality or no window."""
+    types = list(config.get("layer_types") or [FULL_ATTENTION] * num_layers)
+    dcfg = config.get("dflash_config") or {}
+    if dcfg.get("use_swa"):
+        raise ValueError(
+            "dflash_config.use_swa=true (vLLM: every layer sliding, bidirectional unless dflash_config.causal) "
+            "is not a layout this pipeline trains; describe the layers with layer_types instead"
+        )
+    sliding = [i for i, t in enumerate(types) if t == SLIDING_ATTENTION]
+    window = config.get("sliding_window") if sliding else None
+    if sliding and not (config.get("use_sliding_window") and window):
+        raise ValueError(
+            f"layer_types has sliding_attention layers {sliding} but use_sliding_window="
+            f"{config.get('use_sliding_window')} / sliding_window={window}; transformers (and vLLM, which reads "
+            "the config through it) then drop the window: "
+            "set use_sliding_window=true and sliding_window=<W>"
+        )
+    for key, value in (("is_causal", config.get("is_causal")), ("dflash_config.causal", dcfg.get("causal"))):
+        if value is None:
+            continue
+        wrong = [i for i, t in enumerate(types) if bool(value) != (t == SLIDING_ATTENTION)]
+        if wrong:
+            raise ValueError(
+                f"{key}={value} makes layers {wrong} {'causal' if value else 'bidirectional'} in vLLM, but this "
+                f"pipeline trains sliding_attention layers causal and full_attention layers bidirectional "
+                f"(layer_types={types}); remove {key} or fix layer_types"
+            )
+        break  # vLLM reads is_causal first; dflash_config.causal only without it
+    return types, window
+
+
 def arch_from_export(config: dict) -> DrafterArch:
-    """The DrafterArch described by an exported ``config.json`` (ValueError naming a missing field)."""
+    """The DrafterArch described by an exported ``config.json`` (ValueError naming a missing or bad field)."""
     if ARCHITECTURE not in config.get("architectures", []):
         raise ValueError(f"config.json architectures={config.get('architectures')} is not [{ARCHITECTURE!r}]")
     dcfg = config.get("dflash_config") or {}
     try:
+        num_layers = config["num_hidden_layers"]
+        block_size = config.get("block_size", dcfg.get("block_size"))
+        if block_size is None:
+            raise KeyError("block_size")
+        rope, partial = rope_from_config(config)
+        layer_types, window = _layout_of(config, num_layers)
         return DrafterArch(
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=config["num_attention_heads"],
             num_kv_heads=config["num_key_value_heads"],
             head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
             vocab_size=config["vocab_size"],
             target_layer_ids=list(dcfg["target_layer_ids"]),
-            block_size=config.get("block_size", dcfg.get("block_size")),
+            block_size=int(block_size),
             mask_token_id=dcfg["mask_token_id"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 32768),
-            rope_parameters=config.get("rope_parameters")
-            or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e6)},
-            partial_rotary_factor=config.get("partial_rotary_factor", 1.0),
+            rope_parameters=rope,
+            partial_rotary_factor=partial,
             initializer_range=config.get("initializer_range", 0.02),
+            layer_types=layer_types,
+            sliding_window=window,
         )
     except KeyError as e:
         raise ValueError(f"exported drafter config.json lacks field {e.args[0]!r}") from None
@@ -125,6 +188,9 @@ def warm_start_problems(saved: DrafterArch, current: DrafterArch) -> list[str]:
         ("num_heads", "set drafter.num_heads to the saved value"),
         ("num_kv_heads", "set drafter.num_kv_heads to the saved value"),
         ("head_dim", "set drafter.head_dim to the saved value"),
+        ("layer_types", "set drafter.layer_types=null to keep the saved layout"),
+        ("sliding_window", "set drafter.sliding_window=null to keep the saved window"),
+        ("partial_rotary_factor", "set drafter.partial_rotary_factor=null to keep the saved one"),
     ):
         a, b = getattr(saved, field), getattr(current, field)
         if a != b:

@@ -10,11 +10,14 @@ by every layer (the context rows are never updated across layers). q/k RMSNorm, 
 GQA, no biases, an own final norm. Embedding and lm_head are the target's, frozen, and live outside
 this module. Parameter names follow the public DFlash checkpoint layout
 (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``).
+Each layer is ``full_attention`` or ``sliding_attention`` (window W): what a block query sees in
+either is written down, with the servers it follows, in ``dflash.drafter.blocks``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,7 +26,9 @@ from torch import nn
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from dflash.config import DRAFTER_LAYER_TYPES, FULL_ATTENTION, SLIDING_ATTENTION
 from dflash.drafter.attention import AttentionMask, attend
+from dflash.drafter.blocks import decode_mask
 
 
 @dataclass
@@ -47,10 +52,43 @@ class DrafterArch:
     )
     partial_rotary_factor: float = 1.0
     initializer_range: float = 0.02
+    layer_types: list[str] = field(default_factory=list)
+    """``full_attention`` / ``sliding_attention`` per layer; empty = all full (filled in)."""
+    sliding_window: int | None = None
+    """W of the sliding layers (None iff there is none)."""
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL_ATTENTION] * self.num_layers
+        bad = sorted({t for t in self.layer_types if t not in DRAFTER_LAYER_TYPES})
+        if bad or len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types={self.layer_types}: need {self.num_layers} entries from {list(DRAFTER_LAYER_TYPES)}"
+            )
+        sliding = SLIDING_ATTENTION in self.layer_types
+        if sliding != (self.sliding_window is not None):
+            raise ValueError(
+                f"sliding_window={self.sliding_window} with layer_types={self.layer_types}: a window is "
+                "needed exactly when a layer is sliding_attention"
+            )
+        if self.sliding_window is not None and self.sliding_window < max(self.block_size, 2):
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= block_size={self.block_size}")
+        if "partial_rotary_factor" in self.rope_parameters:
+            raise ValueError("rope_parameters holds partial_rotary_factor: give it as the field of its own")
+        rotary = int(self.head_dim * self.partial_rotary_factor)
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} rotates {rotary} of head_dim={self.head_dim} "
+                "dims; RoPE needs an even number >= 2"
+            )
 
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None for a full-attention layer)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
     def qwen3_config(self) -> Qwen3Config:
         """The Qwen3 config of the drafter layers (what the public ``config.json`` carries)."""
@@ -68,10 +106,33 @@ class DrafterArch:
             initializer_range=self.initializer_range,
             attention_bias=False,
             tie_word_embeddings=False,
+            layer_types=list(self.layer_types),
+            use_sliding_window=self.sliding_window is not None,
+            sliding_window=self.sliding_window,
+            max_window_layers=self.num_layers,
         )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+ROPE_KEYS_DROPPED = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+"""Rope keys the drafter's ``rope_parameters`` leave out: the partial factor is a field of its own, and
+the drafter's positions are text positions, where M-RoPE (equal t/h/w positions) is plain RoPE."""
+
+
+def rope_from_config(config: dict) -> tuple[dict[str, Any], float]:
+    """(rope_parameters, partial_rotary_factor) as the drafter uses them, from a target's text config
+    or an exported drafter's config: theta and scaling (YaRN, llama3, ...) kept, the legacy
+    ``rope_scaling``/``rope_theta``/``type`` keys read, M-RoPE reduced to RoPE over text positions."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    legacy_type = rope.pop("type", "default")
+    rope.setdefault("rope_type", legacy_type)
+    rope.setdefault("rope_theta", config.get("rope_theta", 1e6))
+    if rope["rope_type"] == "mrope":  # older VLM configs name the M-RoPE sections as a rope type
+        rope["rope_type"] = "default"
+    partial = float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    return {k: v for k, v in rope.items() if k not in ROPE_KEYS_DROPPED}, partial
 
 
 class RotaryEmbedding(nn.Module):
@@ -108,31 +169,38 @@ class KVCache:
     """Per-layer context keys/values (after k_norm and RoPE) of the accepted tokens, for decoding.
 
     Only context rows are cached; block rows are never stored, which is the same as cropping the
-    cache back after every draft call.
+    cache back after every draft call. A sliding layer keeps only its last W-1 rows (all a block
+    after them can see); ``length`` counts every context position fed so far.
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, keep: list[int | None] | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.keep = list(keep) if keep is not None else [None] * num_layers
+        self.fed = [0] * num_layers
 
     @property
     def length(self) -> int:
-        k = self.keys[0]
-        return 0 if k is None else k.shape[2]
+        return self.fed[0]
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append context rows [B, nkv, L, hd] to layer ``layer``; returns all cached rows."""
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
+        """Append context rows [B, nkv, L, hd] to layer ``layer``; returns the rows it keeps."""
+        self.fed[layer] += k.shape[2]
+        old_k, old_v = self.keys[layer], self.values[layer]
+        if old_k is not None and old_v is not None:
+            k, v = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+        keep = self.keep[layer]
+        if keep is not None and k.shape[2] > keep:
+            k, v = k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, arch: DrafterArch) -> None:
+    def __init__(self, arch: DrafterArch, window: int | None) -> None:
         super().__init__()
         h, hd = arch.hidden_size, arch.head_dim
+        self.window = window
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, hd
         self.q_proj = nn.Linear(h, arch.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(h, arch.num_kv_heads * hd, bias=False)
@@ -156,8 +224,9 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         """x [B, Q, H] normed block states, context [B, S, H] -> [B, Q, H].
 
-        Keys/values are ``[cached context; context; block]``; ``mask`` is None only for decoding,
-        where every block slot sees all cached and new context and its whole block.
+        Keys/values are ``[cached context; context; block]``; ``mask`` is None only for decoding one
+        block that follows all of that context: a full layer then sees everything, a sliding layer
+        its window (``decode_mask``).
         """
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), *rope_q)
         k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads)), *rope_ctx)
@@ -168,6 +237,8 @@ class DFlashAttention(nn.Module):
             k_ctx, v_ctx = cache.extend(layer, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
+        if mask is None and self.window is not None and x.shape[1] > 0:
+            mask = decode_mask(k_ctx.shape[2], x.shape[1], self.window, x.device)
         out = attend(q, k, v, mask, scale=1.0 / math.sqrt(self.head_dim))
         return self.o_proj(
             out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.num_heads * self.head_dim)
@@ -175,10 +246,10 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, arch: DrafterArch) -> None:
+    def __init__(self, arch: DrafterArch, layer: int) -> None:
         super().__init__()
         self.input_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
-        self.self_attn = DFlashAttention(arch)
+        self.self_attn = DFlashAttention(arch, arch.window(layer))
         self.post_attention_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.mlp = Qwen3MLP(arch.qwen3_config())
 
@@ -195,7 +266,7 @@ class DFlashDraftModel(nn.Module):
     def __init__(self, arch: DrafterArch) -> None:
         super().__init__()
         self.arch = arch
-        self.layers = nn.ModuleList(DFlashDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(arch, i) for i in range(arch.num_layers))
         self.fc = nn.Linear(arch.num_taps * arch.hidden_size, arch.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.norm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
@@ -205,6 +276,11 @@ class DFlashDraftModel(nn.Module):
     @property
     def block_size(self) -> int:
         return self.arch.block_size
+
+    def new_cache(self) -> KVCache:
+        """An empty decoding cache: sliding layers keep their last W-1 context rows."""
+        windows = [self.arch.window(i) for i in range(self.arch.num_layers)]
+        return KVCache(self.arch.num_layers, [None if w is None else w - 1 for w in windows])
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Normal(0, initializer_range) linears, unit norms (HF ``post_init`` convention)."""
@@ -227,7 +303,7 @@ class DFlashDraftModel(nn.Module):
         target_hidden: torch.Tensor,
         context_positions: torch.Tensor,
         block_positions: torch.Tensor,
-        mask: AttentionMask | None,
+        masks: Mapping[str, AttentionMask] | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Drafter final hidden states of the block slots.
@@ -235,14 +311,16 @@ class DFlashDraftModel(nn.Module):
         noise_embeds [B, Q, H]: target embedding of ``[x_anchor, MASK x (bs-1)]`` per block;
         target_hidden [B, S, n_tap*H] (S may be 0 when decoding with a warm cache);
         context_positions [B, S] and block_positions [B, Q] are RoPE positions;
-        mask: training mask over keys ``[context (S); blocks (Q)]`` (see attention.py) or None for
-        decoding with ``cache``. Returns [B, Q, H] after the drafter's final norm.
+        masks: the training mask of each attention kind in ``arch.layer_types`` over keys
+        ``[context (S); blocks (Q)]`` (``blocks.build_masks``), or None for decoding one block right
+        after the context (and ``cache``). Returns [B, Q, H] after the drafter's final norm.
         """
         context = self.context(target_hidden.to(self.fc.weight.dtype))
         x = noise_embeds.to(self.fc.weight.dtype)
         rope_q = self.rotary_emb(x, block_positions)
         rope_ctx = self.rotary_emb(x, context_positions)
         for i, layer in enumerate(self.layers):
+            mask = None if masks is None else masks[self.arch.layer_types[i]]
             x = layer(x, context, rope_q, rope_ctx, mask, cache, i)
         return self.norm(x)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.config import LossConfig
-from dflash.drafter.blocks import build_mask, doc_ids_from_positions, make_blocks
+from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks
 from dflash.drafter.model import DFlashDraftModel
 from dflash.loss.verifier import verifier_loss
 
@@ -133,10 +133,11 @@ def dflash_loss(
     bs = drafter.block_size
     doc_ids = doc_ids_from_positions(position_ids)
     blocks = make_blocks(input_ids, position_ids, doc_ids, anchors, bs, drafter.arch.mask_token_id)
-    mask = build_mask(anchors, doc_ids, bs, attention)
+    arch = drafter.arch
+    masks = build_masks(anchors, doc_ids, bs, attention, arch.layer_types, arch.sliding_window)
 
     noise = torch.nn.functional.embedding(blocks.block_ids, embed_weight)
-    hidden = drafter(noise, aux_hidden, position_ids, blocks.block_positions, mask)  # [B, Q, H]
+    hidden = drafter(noise, aux_hidden, position_ids, blocks.block_positions, masks)  # [B, Q, H]
 
     N = anchors.shape[1]
     flat_pos = blocks.label_pos.view(B, N * bs)

@@ -48,7 +48,9 @@ class StepSums:
     counters: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.objective = {k: torch.zeros(n or self.block_size, dtype=torch.float64) for k, n in OBJECTIVE_SUMS.items()}
+        self.objective = {
+            k: torch.zeros(n or self.block_size, dtype=torch.float64) for k, n in OBJECTIVE_SUMS.items()
+        }
         self.counters = dict.fromkeys(COUNTERS, 0.0)
 
     def add(self, out: ObjectiveOutput) -> None:
@@ -57,7 +59,10 @@ class StepSums:
 
     def flat(self) -> torch.Tensor:
         """float64 [all objective sums..., counters...] (the all-reduce payload)."""
-        return torch.cat([self.objective[k] for k in OBJECTIVE_SUMS] + [torch.tensor([self.counters[k] for k in COUNTERS], dtype=torch.float64)])
+        return torch.cat(
+            [self.objective[k] for k in OBJECTIVE_SUMS]
+            + [torch.tensor([self.counters[k] for k in COUNTERS], dtype=torch.float64)]
+        )
 
     def load(self, flat: torch.Tensor) -> None:
         """Replace the sums by an all-reduced ``flat()``."""

@@ -121,7 +121,9 @@ class DrafterTrainer:
         target = None
         if self.topology.colocated:
             target = load_target(cfg.target, self.device, self.target_dtype)
-            self.source: PacketSource = LocalPackets(PacketMaker(cfg, setup, target, self.device, own_peak=False))
+            self.source: PacketSource = LocalPackets(
+                PacketMaker(cfg, setup, target, self.device, own_peak=False)
+            )
             embed, head = target_embed_and_head(target)  # the target's own tensors: no second copy
         else:
             spec = PacketSpec(
@@ -148,7 +150,9 @@ class DrafterTrainer:
         self.model.to(self.device)
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
-        self.grads = GradReducer(list(self.model.parameters()), ctx) if self.topology.num_drafters > 1 else None
+        self.grads = (
+            GradReducer(list(self.model.parameters()), ctx) if self.topology.num_drafters > 1 else None
+        )
         self.state = TrainState(skipped=dict(setup.dataset.skipped))
         if resume is not None:
             self._restore(resume)
@@ -160,13 +164,19 @@ class DrafterTrainer:
         self.evaluator = None
         if cfg.eval.every > 0:
             self.evaluator = PeriodicEval(
-                cfg, setup, self.device, drafter_index=self.drafter_index,
-                num_drafters=self.topology.num_drafters, target=target,
+                cfg,
+                setup,
+                self.device,
+                drafter_index=self.drafter_index,
+                num_drafters=self.topology.num_drafters,
+                target=target,
             )
         self.logger: MetricLogger = NullLogger()
         if self.is_leader:
             config = plain_dict(OmegaConf.structured(cfg))
-            self.logger = build_logger(cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id)
+            self.logger = build_logger(
+                cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
+            )
             self.state.wandb_run_id = self.logger.run_id
         self.ledger = StepLog(run_dir / "ledger.jsonl")
         self.metrics_log = StepLog(run_dir / METRICS_FILE, step_key="train/step")
@@ -199,7 +209,9 @@ class DrafterTrainer:
         self.scheduler.load_state_dict(loaded.scheduler_state)
         restore_rng_state(loaded.rng_state)
         self.state = loaded.train_state
-        log.info("resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet)
+        log.info(
+            "resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet
+        )
 
     def close(self, exit_code: int = 0) -> None:
         self.logger.close(exit_code)
@@ -218,7 +230,9 @@ class DrafterTrainer:
             anchor_generator(self.cfg.train.seed, packet.index),
             self.cfg.drafter.max_anchors_per_packet,
         )
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32):
+        with torch.autocast(
+            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32
+        ):
             return dflash_loss(
                 self.model,
                 packet.aux_hidden.unsqueeze(0),
@@ -284,7 +298,9 @@ class DrafterTrainer:
         if self.grads is not None:
             self.grads.finish(self.source_timeout)
         c["stop"] += float(self.stop_requested)
-        c["busy_s"] = time.perf_counter() - t0 - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
+        c["busy_s"] = (
+            time.perf_counter() - t0 - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
+        )
         flat = all_reduce_sum(self.ctx, sums.flat().to(self.device)).cpu()
         sums.load(flat)
         target_fwd = all_reduce_sum(self.ctx, target_fwd.to(self.device)).cpu()
@@ -307,7 +323,11 @@ class DrafterTrainer:
                     f"(grad_norm={grad_norm}); the optimizer step was not applied. "
                     f"Set train.on_nonfinite=skip to skip such steps instead"
                 )
-            log.warning("step %d: loss or gradient not finite on drafter rank %d; step skipped", step + 1, self.ctx.rank)
+            log.warning(
+                "step %d: loss or gradient not finite on drafter rank %d; step skipped",
+                step + 1,
+                self.ctx.rank,
+            )
         else:
             self.optimizer.step()
         self.scheduler.step()
@@ -317,7 +337,9 @@ class DrafterTrainer:
         self.state.tokens_seen += int(sums.counters["tokens"])
         if sums.counters["nonfinite_samples"]:
             skipped = self.state.skipped
-            skipped["nonfinite_hidden"] = skipped.get("nonfinite_hidden", 0) + int(sums.counters["nonfinite_samples"])
+            skipped["nonfinite_hidden"] = skipped.get("nonfinite_hidden", 0) + int(
+                sums.counters["nonfinite_samples"]
+            )
         if cfg.train.ledger:
             self._write_ledger(step + 1, trained)
         if cfg.train.check_replicas_every and self.state.step % cfg.train.check_replicas_every == 0:
@@ -366,7 +388,9 @@ class DrafterTrainer:
                 by_packet[g] = flat[i + 2 : i + 2 + n]
                 i += 2 + n
         order = sorted(by_packet)
-        self.ledger.append({"step": step, "packets": order, "sample_ids": [x for g in order for x in by_packet[g]]})
+        self.ledger.append(
+            {"step": step, "packets": order, "sample_ids": [x for g in order for x in by_packet[g]]}
+        )
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> None:

@@ -74,11 +74,22 @@ class PeriodicEval:
             )
         self.samples = [samples.sample(i) for i in range(drafter_index, n, num_drafters)]
         self.prompts = [ids[: int(mask.argmax())].tolist() for ids, mask in self.samples]
-        self.target = target if target is not None else load_target(cfg.target, device, torch_dtype(cfg.target.dtype, device))
+        self.target = (
+            target
+            if target is not None
+            else load_target(cfg.target, device, torch_dtype(cfg.target.dtype, device))
+        )
         self.eos_ids = eos_ids_of(setup.tokenizer, self.target)
         autocast = torch_dtype(cfg.drafter.dtype, device)
-        self.autocast = torch.autocast(device.type, dtype=autocast) if autocast != torch.float32 else nullcontext()
-        log.info("periodic eval: %d of %d held-out prompts on this drafter, every %d steps", len(self.samples), n, cfg.eval.every)
+        self.autocast = (
+            torch.autocast(device.type, dtype=autocast) if autocast != torch.float32 else nullcontext()
+        )
+        log.info(
+            "periodic eval: %d of %d held-out prompts on this drafter, every %d steps",
+            len(self.samples),
+            n,
+            cfg.eval.every,
+        )
 
     @torch.no_grad()
     def _tau_hat_sums(
@@ -96,7 +107,16 @@ class PeriodicEval:
             if anchors.numel() == 0:
                 continue
             out = dflash_loss(
-                drafter, aux.clone(), final.clone(), ids, mask, anchors, embed, head, self.cfg.loss, attention="sdpa"
+                drafter,
+                aux.clone(),
+                final.clone(),
+                ids,
+                mask,
+                anchors,
+                embed,
+                head,
+                self.cfg.loss,
+                attention="sdpa",
             )
             tau += float(out.tau_verifier_sum)
             inv += float(out.inv_tau_verifier_sum)
@@ -161,7 +181,9 @@ class PeriodicEval:
             "aborted": 0.0,
         }
         sums[: len(EVAL_SUMS)] = torch.tensor([values[k] for k in EVAL_SUMS], dtype=torch.float64)
-        sums[len(EVAL_SUMS) :] = torch.tensor([report.accept_len_hist[k] for k in range(1, bs + 1)], dtype=torch.float64)
+        sums[len(EVAL_SUMS) :] = torch.tensor(
+            [report.accept_len_hist[k] for k in range(1, bs + 1)], dtype=torch.float64
+        )
         return sums
 
 

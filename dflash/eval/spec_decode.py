@@ -2,7 +2,7 @@
 
 One generation::
 
-    prefill   target(prompt[0:P]) with a fresh DynamicCache, taps captured -> x_P = argmax(last logits)
+    prefill   target(prompt[0:P]) with a fresh cache, taps captured -> x_P = argmax(last logits)
               drafter context = taps of positions 0..P-1 (nothing in the drafter's KVCache yet)
     step      (anchor t = position of the newest token x_t; the target cache holds positions < t)
       draft   drafter(noise = embed([x_t, MASK x (B-1)]) at positions t..t+B-1,
@@ -12,9 +12,10 @@ One generation::
               the call it holds exactly positions 0..t-1
       verify  target([x_t, d_1..d_{B-1}]) at positions t..t+B-1 with its cache, taps captured
               -> y_0..y_{B-1}; k = longest prefix with d_j == y_{j-1}
-      accept  output += d_1..d_k, y_k; tau_step = k + 1; crop the target cache to t + k + 1
-              (drops the rejected drafts); next context = taps of block rows 0..k (positions t..t+k);
-              next anchor t + k + 1 with x = y_k
+      accept  output += d_1..d_k, y_k; tau_step = k + 1; roll the target cache back to t + k + 1
+              (drops the rejected drafts: attention layers are cropped; linear-attention layers are
+              restored to their state at t and x_t, d_1..d_k replayed, see ``target_cache``);
+              next context = taps of block rows 0..k (positions t..t+k); next anchor t + k + 1, x = y_k
     stop      after an eos (kept) or max_new_tokens new tokens (output cut to exactly that many)
 
 ``block_size == 1`` (or no drafter) is plain greedy decoding with the same machinery: one target
@@ -26,13 +27,14 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from dflash.drafter.model import DFlashDraftModel, KVCache
+from dflash.drafter.model import DFlashDraftModel
+from dflash.eval.target_cache import TargetCache
 from dflash.targets.hooks import capture_hidden_states
 
 
@@ -64,7 +66,9 @@ class GenerationResult:
     """tau_step = accepted + 1 of every decode step (each in 1..block_size); the last step's value
     is recorded before the output is cut at an eos or max_new_tokens (as z-lab's benchmark)."""
     num_target_forwards: int = 0
-    """Target forwards, the prefill included."""
+    """Target forwards: the prefill, one verify per decode step and the replays."""
+    num_replay_forwards: int = 0
+    """Target forwards that re-ran accepted tokens after a rejection (targets with linear attention)."""
     num_drafter_forwards: int = 0
     prompt_len: int = 0
     block_size: int = 1
@@ -120,39 +124,55 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def new_target_cache(target: nn.Module, rollback: bool):
-    """A DynamicCache for ``target``; with ``rollback`` it must be croppable (speculative decoding)."""
-    from transformers import DynamicCache
-
-    try:
-        cache = DynamicCache(config=target.config)
-    except TypeError:  # older transformers: no config argument
-        cache = DynamicCache()
-    if rollback:
-        if hasattr(cache, "activate_past_recording"):
-            cache.activate_past_recording()  # sliding-window layers keep what a crop needs
-        if not getattr(cache, "is_croppable", True):
-            raise ValueError(
-                f"target {type(target).__name__}: its cache has layers that cannot be rolled back "
-                "(linear attention / recurrent state), so rejected drafts cannot be undone; "
-                "evaluate with block_size=1 or a full-attention target"
-            )
-    return cache
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first ``length`` positions of a DynamicCache (crop(-n) removes the last n tokens in
-    every transformers version; a positive argument means different things across versions)."""
-    remove = cache.get_seq_length() - length
-    if remove < 0:
-        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
-    if remove:
-        cache.crop(-remove)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class _Drafter:
+    """The drafter side of one generation: the drafter, the target's embedding and head in its
+    device/dtype, the MASK id and the drafter's decoding cache."""
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        embed_weight: torch.Tensor | None,
+        lm_head_weight: torch.Tensor | None,
+        layer_ids: list[int],
+    ) -> None:
+        if embed_weight is None or lm_head_weight is None:
+            raise ValueError("speculative decoding needs the target's embed_weight and lm_head_weight")
+        if list(drafter.arch.target_layer_ids) != [int(i) for i in layer_ids]:
+            raise ValueError(
+                f"layer_ids={list(layer_ids)} differ from the drafter's target_layer_ids="
+                f"{list(drafter.arch.target_layer_ids)}; pass the drafter's tap ids"
+            )
+        param = next(drafter.parameters())
+        self.model, self.device = drafter, param.device
+        self.embed = embed_weight.to(param.device, param.dtype)
+        self.head = lm_head_weight.to(param.device, param.dtype)
+        self.mask_id = int(drafter.arch.mask_token_id)
+        if not 0 <= self.mask_id < self.embed.shape[0]:
+            raise ValueError(
+                f"drafter mask_token_id={self.mask_id} is outside the embedding's {self.embed.shape[0]} rows"
+            )
+        self.cache = drafter.new_cache()
+
+    def propose(self, x: int, anchor: int, new_ctx: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Draft tokens d_1..d_{B-1} [B-1] of the block ``[x, MASK x (B-1)]`` at ``anchor``; ``new_ctx``
+        [1, L, n_tap*H] are the taps of the positions the cache lacks (cache.length .. anchor-1)."""
+        c0 = self.cache.length
+        block_ids = torch.full((1, block_size), self.mask_id, dtype=torch.long, device=self.device)
+        block_ids[0, 0] = x
+        hidden = self.model(
+            self.embed[block_ids],
+            new_ctx.to(self.device),
+            torch.arange(c0, c0 + new_ctx.shape[1], device=self.device).unsqueeze(0),
+            torch.arange(anchor, anchor + block_size, device=self.device).unsqueeze(0),
+            None,
+            self.cache,
+        )
+        return (hidden[0, 1:] @ self.head.T).argmax(-1)
 
 
 @torch.inference_mode()
@@ -172,7 +192,8 @@ def speculative_generate(
     """Greedy generation of at most ``max_new_tokens`` new tokens; with a drafter and
     ``block_size > 1`` DFlash speculative decoding, else plain autoregressive decoding.
 
-    target: a ``*ForCausalLM`` (its lm_head verifies). drafter: a DFlashDraftModel whose
+    target: a ``*ForCausalLM`` (its lm_head verifies), full attention or hybrid with linear-attention
+    layers (rejected drafts are undone by ``TargetCache``). drafter: a DFlashDraftModel whose
     ``target_layer_ids`` are ``layer_ids``. embed_weight / lm_head_weight [V, H]: the target's
     embedding (noise tokens) and lm_head (draft logits), moved to the drafter's device and dtype here
     (a no-op when they are already there). The output is identical to greedy autoregressive decoding
@@ -184,29 +205,13 @@ def speculative_generate(
         raise ValueError(f"block_size={block_size} must be >= 1")
     if not prompt_ids:
         raise ValueError("empty prompt: need at least one prompt token")
-    speculative = drafter is not None and block_size > 1
+    draft = None
+    if drafter is not None and block_size > 1:
+        draft = _Drafter(drafter, embed_weight, lm_head_weight, layer_ids)
+    if draft is None:
+        block_size = 1
     device = next(target.parameters()).device
     eos = {int(e) for e in eos_token_ids}
-    if speculative:
-        if embed_weight is None or lm_head_weight is None:
-            raise ValueError("speculative decoding needs the target's embed_weight and lm_head_weight")
-        if list(drafter.arch.target_layer_ids) != [int(i) for i in layer_ids]:
-            raise ValueError(
-                f"layer_ids={list(layer_ids)} differ from the drafter's target_layer_ids="
-                f"{list(drafter.arch.target_layer_ids)}; pass the drafter's tap ids"
-            )
-        d_param = next(drafter.parameters())
-        d_dev, d_dtype = d_param.device, d_param.dtype
-        embed = embed_weight.to(d_dev, d_dtype)
-        head = lm_head_weight.to(d_dev, d_dtype)
-        mask_id = int(drafter.arch.mask_token_id)
-        if not 0 <= mask_id < embed.shape[0]:
-            raise ValueError(
-                f"drafter mask_token_id={mask_id} is outside the embedding's {embed.shape[0]} rows"
-            )
-        d_cache = KVCache(drafter.arch.num_layers)
-    else:
-        block_size = 1
     cache_kw = _cache_kwarg(target)
     P = len(prompt_ids)
     res = GenerationResult(output_ids=[], prompt_len=P, block_size=block_size)
@@ -215,61 +220,47 @@ def speculative_generate(
         feats = torch.cat([captured[int(i)] for i in layer_ids], dim=-1)  # [1, L, n_tap*H]
         return feats if rows is None else feats[:, :rows]
 
-    capture = capture_hidden_states(target, layer_ids) if speculative else nullcontext({})
-    t_cache = new_target_cache(target, rollback=speculative)
+    def run_target(ids: torch.Tensor, start: int, **kw):
+        res.num_target_forwards += 1
+        positions = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0)
+        return target(
+            input_ids=ids, position_ids=positions, use_cache=True, **{cache_kw: t_cache.cache}, **kw
+        )
+
+    capture: AbstractContextManager[dict[int, torch.Tensor]] = (
+        capture_hidden_states(target, layer_ids) if draft is not None else nullcontext({})
+    )
+    t_cache = TargetCache(target, rollback=draft is not None)
     _sync(device)
     t0 = time.perf_counter()
     with capture as captured:
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        out = target(
-            input_ids=ids,
-            position_ids=torch.arange(P, device=device).unsqueeze(0),
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_kw: t_cache},
-        )
-        res.num_target_forwards += 1
+        out = run_target(torch.tensor([prompt_ids], dtype=torch.long, device=device), 0, logits_to_keep=1)
         x = int(out.logits[0, -1].argmax().item())
         _sync(device)
         res.prefill_time_s = time.perf_counter() - t0
-        new_ctx = taps_of(captured) if speculative else None  # positions 0..P-1
+        new_ctx = taps_of(captured) if draft is not None else None  # positions 0..P-1
         res.output_ids.append(x)
         t = P  # position of x (the target cache holds positions < t)
         done = x in eos or len(res.output_ids) >= max_new_tokens
         res.stopped_on_eos = x in eos
         while not done:
+            block = torch.tensor([x], device=device)
             context_fed = 0
-            if speculative:
-                c0 = d_cache.length
+            if draft is not None and new_ctx is not None:
                 context_fed = new_ctx.shape[1]
-                block_ids = torch.full((1, block_size), mask_id, dtype=torch.long, device=d_dev)
-                block_ids[0, 0] = x
-                hidden = drafter(
-                    embed[block_ids],
-                    new_ctx.to(d_dev),
-                    torch.arange(c0, c0 + context_fed, device=d_dev).unsqueeze(0),
-                    torch.arange(t, t + block_size, device=d_dev).unsqueeze(0),
-                    None,
-                    d_cache,
-                )
+                block = torch.cat([block, draft.propose(x, t, new_ctx, block_size).to(device)])
                 res.num_drafter_forwards += 1
-                drafts = (hidden[0, 1:] @ head.T).argmax(-1)
-                block = torch.cat([torch.tensor([x], device=device), drafts.to(device)])
-            else:
-                block = torch.tensor([x], device=device)
+                t_cache.mark(t)
             B = block.numel()
-            out = target(
-                input_ids=block.unsqueeze(0),
-                position_ids=torch.arange(t, t + B, device=device).unsqueeze(0),
-                use_cache=True,
-                **{cache_kw: t_cache},
-            )
-            res.num_target_forwards += 1
-            preds = out.logits[0].argmax(-1)
+            preds = run_target(block.unsqueeze(0), t).logits[0].argmax(-1)
             k = accepted_prefix(block, preds)
-            crop_cache(t_cache, t + k + 1)
-            if speculative:
-                new_ctx = taps_of(captured, k + 1)  # positions t..t+k
+            if draft is not None:
+                new_ctx = taps_of(captured, k + 1)  # positions t..t+k, before a replay overwrites them
+            if k + 1 < B:
+                replay = t_cache.rewind(t + k + 1)
+                if replay:
+                    run_target(block[:replay].unsqueeze(0), t)
+                    res.num_replay_forwards += 1
             block_l, preds_l = block.tolist(), preds.tolist()
             res.accept_lengths.append(k + 1)
             if on_step is not None:
@@ -280,8 +271,8 @@ def speculative_generate(
                         predictions=preds_l,
                         accepted=k,
                         context_fed=context_fed,
-                        drafter_cache_len=d_cache.length if speculative else 0,
-                        target_cache_len=t_cache.get_seq_length(),
+                        drafter_cache_len=draft.cache.length if draft is not None else 0,
+                        target_cache_len=t_cache.seq_length(),
                     )
                 )
             for tok in block_l[1 : k + 1] + [preds_l[k]]:

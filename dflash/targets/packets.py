@@ -31,7 +31,9 @@ class PacketMaker:
     leaves the counter alone.
     """
 
-    def __init__(self, cfg: Config, setup: RunSetup, model: nn.Module, device: torch.device, own_peak: bool = True):
+    def __init__(
+        self, cfg: Config, setup: RunSetup, model: nn.Module, device: torch.device, own_peak: bool = True
+    ):
         self.cfg, self.setup, self.model, self.device, self.own_peak = cfg, setup, model, device, own_peak
         self.pad_id = setup.tokenizer.pad_token_id if setup.tokenizer.pad_token_id is not None else 0
 
@@ -43,7 +45,9 @@ class PacketMaker:
         if self.own_peak:
             reset_peak_memory(self.device)
         t0 = time.perf_counter()
-        ids, attn, pos, keep = build_batch([s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id)
+        ids, attn, pos, keep = build_batch(
+            [s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id
+        )
         aux, final = target_forward(
             self.model,
             ids.to(self.device),
@@ -100,7 +104,9 @@ def _finite_per_sample(aux: torch.Tensor, final: torch.Tensor, lens: torch.Tenso
     """[S] bool: every hidden value of the sample is finite."""
     tok_ok = torch.isfinite(aux).all(dim=1) & torch.isfinite(final).all(dim=1)
     seg = torch.repeat_interleave(torch.arange(lens.numel()), lens).to(tok_ok.device)
-    bad = torch.zeros(lens.numel(), dtype=torch.long, device=tok_ok.device).index_add_(0, seg, (~tok_ok).long())
+    bad = torch.zeros(lens.numel(), dtype=torch.long, device=tok_ok.device).index_add_(
+        0, seg, (~tok_ok).long()
+    )
     return (bad == 0).cpu()
 
 

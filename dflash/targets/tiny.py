@@ -54,9 +54,20 @@ def build_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB):
 
 
 def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_token_id: int):
-    """A random-init ``*ForCausalLM`` from ``spec`` (fp32, untied head so greedy text is not an echo)."""
+    """A random-init ``*ForCausalLM`` from ``spec`` (fp32, untied head so greedy text is not an echo).
+
+    ``qwen3_5_text`` is a hybrid target (Qwen3.5/3.6 text model: gated-delta-net linear attention with
+    a full-attention layer every 4th), its linear heads sized like the attention heads."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    linear = {}
+    if spec.model_type == "qwen3_5_text":
+        linear = dict(
+            linear_num_key_heads=spec.num_kv_heads,
+            linear_num_value_heads=spec.num_heads,
+            linear_key_head_dim=spec.head_dim,
+            linear_value_head_dim=spec.head_dim,
+        )
     cfg = AutoConfig.for_model(
         spec.model_type,
         vocab_size=vocab_size,
@@ -72,6 +83,7 @@ def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
+        **linear,
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -1,14 +1,14 @@
 """CUDA paths that CPU CI cannot run: the chunked loss on CUDA (fp32, bf16 inputs with fp32
 accumulation, compiled block math) against the CPU fp64 result, and compiled flex_attention against
-dense SDPA (forward and backward). Run with ``pytest -m gpu`` on a GPU host; skipped elsewhere."""
+dense SDPA (forward and backward, full and sliding-window layers). Run with ``pytest -m gpu`` on a GPU host; skipped elsewhere."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_drafter import BS, MASK_ID, tiny_arch, tiny_batch
+from tiny_drafter import BS, MASK_ID, SLIDING, masks_for, tiny_arch, tiny_batch
 
-from dflash.drafter.blocks import build_mask, make_blocks
+from dflash.drafter.blocks import make_blocks
 from dflash.drafter.model import DFlashDraftModel
 from dflash.loss.verifier import verifier_loss
 
@@ -98,9 +98,10 @@ def test_cuda_compiled_block_math_equals_eager():
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-4, atol=1e-4 * eager[1].abs().max().item())
 
 
-def test_compiled_flex_attention_equals_dense_sdpa_forward_and_backward():
+@pytest.mark.parametrize("layout", [{}, SLIDING], ids=["full", "sliding"])
+def test_compiled_flex_attention_equals_dense_sdpa_forward_and_backward(layout):
     torch.manual_seed(0)
-    model = DFlashDraftModel(tiny_arch()).float().cuda()
+    model = DFlashDraftModel(tiny_arch(**layout)).float().cuda()
     pos, doc, anchors, ids, aux, emb = (t.cuda() for t in tiny_batch())
     aux, emb = aux.float(), emb.float()
     blocks = make_blocks(ids, pos, doc, anchors, BS, MASK_ID)
@@ -108,7 +109,7 @@ def test_compiled_flex_attention_equals_dense_sdpa_forward_and_backward():
     outs, grads = {}, {}
     for kind in ("sdpa", "flex"):
         model.zero_grad(set_to_none=True)
-        out = model(noise, aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, kind))
+        out = model(noise, aux, pos, blocks.block_positions, masks_for(model, anchors, doc, kind))
         out.square().mean().backward()
         outs[kind] = out.detach()
         grads[kind] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

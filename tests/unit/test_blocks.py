@@ -1,10 +1,13 @@
-"""Anchor, block, label and mask rules of DFlash training (reference spec sections 2.2-2.4)."""
+"""Anchor, block, label and mask rules of DFlash training (reference spec sections 2.2-2.4), sliding-window
+layers included."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash.drafter.blocks import (
+    build_mask,
     dense_mask,
     doc_ids_from_positions,
     eligible_anchors,
@@ -140,3 +143,75 @@ def test_static_shape_padding_does_not_change_the_objective():
     gp = torch.autograd.grad(plain.loss, list(model.parameters()))
     gq = torch.autograd.grad(padded.loss, list(model.parameters()))
     assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in zip(gp, gq, strict=True))
+
+
+# ------------------------------------------------------------------------------ sliding-window layers
+
+
+def _naive_sliding_allow(pos, doc, anchors, window):
+    """Per-query reference of the sliding rule in positions: the query at p = pos(a) + k sees the keys
+    of its document at positions p-W+1 .. p that are context before the anchor or slots <= k of its
+    own block."""
+    S = pos.shape[1]
+    N = anchors.shape[1]
+    out = torch.zeros(N * BS, S + N * BS, dtype=torch.bool)
+    for n, a in enumerate(anchors[0].tolist()):
+        for k in range(BS):
+            q = n * BS + k
+            for k2 in range(k + 1):  # own block, causal (the window >= BS never cuts it)
+                out[q, S + n * BS + k2] = True
+            if a < 0:
+                continue
+            p = int(pos[0, a]) + k
+            for j in range(a):
+                if doc[0, j] == doc[0, a] and p - window + 1 <= int(pos[0, j]):
+                    out[q, j] = True
+    return out
+
+
+@pytest.mark.parametrize("window", [4, 5, 9])
+def test_sliding_mask_equals_a_naive_per_query_reference_and_stays_in_its_window(window):
+    pos = _packed([13, 9])
+    doc = doc_ids_from_positions(pos)
+    anchors = torch.tensor([[0, 3, 4, 9, 11, 14, 19, -1]])  # overlaps, a document start, padding
+    S = pos.shape[1]
+    m = dense_mask(anchors, doc, BS, window).dense[0, 0]
+    assert torch.equal(m, _naive_sliding_allow(pos, doc, anchors, window))
+    full = dense_mask(anchors, doc, BS).dense[0, 0]
+    assert not (m & ~full).any(), "a sliding layer sees a subset of what a full layer sees"
+    cut = 0
+    for n, a in enumerate(anchors[0].tolist()):
+        if a < 0:
+            continue
+        for k in range(BS):
+            p = int(pos[0, a]) + k
+            keys = m[n * BS + k].nonzero().squeeze(1)
+            key_pos = torch.where(keys < S, pos[0, keys.clamp(max=S - 1)], pos[0, a] + (keys - S) % BS)
+            assert len(keys) <= window and bool(((key_pos > p - window) & (key_pos <= p)).all())
+            cut += int(full[n * BS + k, :S].sum() > m[n * BS + k, :S].sum())
+    assert cut > 0, "the window must cut some context in this batch"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_block_mask_materialises_to_the_dense_mask(window):
+    """The BlockMask's mask_mod, evaluated element by element, is the dense mask (one rule, two kernels;
+    the forward outputs are compared in test_drafter_model, forward only: no flex backward on CPU)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    pos = _packed([13, 9])
+    doc = doc_ids_from_positions(pos)
+    anchors = torch.tensor([[0, 3, 4, 9, 11, 14, 19, -1]])
+    dense = dense_mask(anchors, doc, BS, window).dense
+    bm = build_mask(anchors, doc, BS, "flex", window).block_mask
+    assert torch.equal(create_mask(bm.mask_mod, 1, None, *dense.shape[-2:], device="cpu"), dense)
+
+
+def test_decode_mask_is_the_training_rule_for_one_block_after_the_context():
+    from dflash.drafter.blocks import decode_mask
+
+    n, W = 7, 5
+    m = decode_mask(n, BS, W, torch.device("cpu")).dense[0, 0]
+    doc = torch.zeros(1, n + 1, dtype=torch.long)
+    train = dense_mask(torch.tensor([[n]]), doc, BS, W).dense[0, 0]  # anchor n of an (n+1)-token row
+    assert torch.equal(m[:, :n], train[:, :n]) and torch.equal(m[:, n:], train[:, n + 1 :])
+    assert m[:, :n].sum(1).tolist() == [W - 1, W - 2, W - 3, W - 4]

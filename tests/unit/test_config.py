@@ -55,6 +55,8 @@ def test_qwen3_6_27b_experiment_matches_the_published_drafter():
     cfg = _compose(["experiment=qwen3_6_27b_7x1", "data.path=/d.jsonl"])
     assert cfg.target.layer_ids == [1, 16, 31, 46, 61] and cfg.drafter.mask_token_id == 248070
     assert cfg.topology.num_targets == 7 and not cfg.target.pack
+    assert cfg.drafter.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
+    assert cfg.drafter.sliding_window == 2048 and cfg.drafter.partial_rotary_factor == 1.0
 
 
 def test_any_value_is_overridable():
@@ -105,6 +107,27 @@ BAD = [
     (["drafter.block_size=100000"], 3, "drafter.block_size=100000 is not below data.max_length", "public 16"),
     (["train.stop_after_steps=-1"], 3, "train.stop_after_steps=-1", ">= 1"),
     (["topology.num_drafters=1"], 1, "WORLD_SIZE=1", "torchrun --nproc_per_node 3"),
+    (
+        ["drafter.layer_types=[full_attention]"],
+        3,
+        "drafter.layer_types lists 1 layers",
+        "one entry per layer",
+    ),
+    (["drafter.layer_types=[sliding,full_attention]"], 3, "drafter.layer_types has ['sliding']", "one of"),
+    (
+        ["drafter.layer_types=[sliding_attention,full_attention]"],
+        3,
+        "drafter.sliding_window=null",
+        "drafter.sliding_window=<W",
+    ),
+    (["drafter.sliding_window=64"], 3, "drafter.sliding_window=64 but no", "drafter.sliding_window=null"),
+    (
+        ["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=4"],
+        3,
+        "drafter.sliding_window=4",
+        ">= drafter.block_size=8",
+    ),
+    (["drafter.partial_rotary_factor=1.5"], 3, "drafter.partial_rotary_factor=1.5", "(0, 1]"),
 ]
 
 

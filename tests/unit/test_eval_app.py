@@ -16,7 +16,7 @@ from testpaths import REPO
 from wandb_reader import read_wandb_run
 
 from dflash.drafter.export import export_drafter
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
 from dflash.eval.app import EvalAppConfig, register_eval_schema
 from dflash.eval.loading import load_for_eval, load_prompts
 from dflash.eval.report import build_report, evaluate, report_metrics, report_table
@@ -32,6 +32,7 @@ def _arch(target_dir: Path, **kw) -> DrafterArch:
     from transformers import AutoConfig, AutoTokenizer
 
     c = AutoConfig.from_pretrained(target_dir)
+    rope, partial = rope_from_config(c.to_dict())
     base = dict(
         hidden_size=c.hidden_size,
         intermediate_size=256,
@@ -43,7 +44,8 @@ def _arch(target_dir: Path, **kw) -> DrafterArch:
         target_layer_ids=LAYER_IDS,
         block_size=4,
         mask_token_id=len(AutoTokenizer.from_pretrained(target_dir)),
-        rope_parameters=dict(c.rope_parameters),
+        rope_parameters=rope,
+        partial_rotary_factor=partial,
     )
     base.update(kw)
     return DrafterArch(**base)
@@ -205,6 +207,70 @@ def test_prompts_from_a_datasets_directory(tmp_path, tiny_target_dir):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert load_prompts(str(tmp_path / "ds"), tok) == load_prompts(str(jsonl), tok)
+
+
+def test_eval_and_periodic_eval_on_a_hybrid_target(files, tiny_hybrid_target_dir, tmp_path):
+    """A Qwen3.5 text target (linear + full attention): ``dflash.eval``'s loading and evaluate, and the
+    periodic eval of a training run, decode losslessly with a sliding-window drafter and report tau."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config import register_configs, to_config
+    from dflash.eval.periodic import PeriodicEval
+    from dflash.setup import prepare
+    from dflash.targets.loader import load_embed_and_head
+
+    _, _, prompts_path = files
+    layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8, num_layers=2)
+    drafter_dir = _export(tiny_hybrid_target_dir, tmp_path / "drafter", **layout)
+    setup = load_for_eval(_compose(_overrides(tiny_hybrid_target_dir, drafter_dir, prompts_path)))
+    assert setup.drafter.arch.layer_types == layout["layer_types"]
+    rep = evaluate(
+        setup.target,
+        setup.drafter,
+        setup.embed,
+        setup.head,
+        setup.tokenizer,
+        setup.prompts[:2],
+        max_new_tokens=12,
+        layer_ids=setup.layer_ids,
+        block_size=4,
+        eos_ids=setup.eos_ids,
+        warmup=False,
+    )
+    assert rep.lossless is True and rep.num_steps > 0 and rep.tau >= 1
+
+    conversations = tmp_path / "chat.jsonl"
+    with open(conversations, "w") as f:
+        for q in QUESTIONS * 2:
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": f"{q} pass"}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = to_config(
+            compose(
+                config_name="config",
+                overrides=[
+                    f"target.path={tiny_hybrid_target_dir}",
+                    "target.tiny=null",
+                    "target.pack=false",
+                    f"data.path={conversations}",
+                    f"paths.cache_dir={tmp_path / 'cache'}",
+                    "data.num_eval_prompts=2",
+                    "data.max_length=64",
+                    "data.token_budget=256",
+                    "drafter.layer_types=[sliding_attention,full_attention]",
+                    "drafter.sliding_window=8",
+                    "eval.every=1",
+                    "eval.num_prompts=2",
+                    "eval.max_new_tokens=8",
+                ],
+            )
+        )
+    run = prepare(cfg, 3)
+    drafter = DFlashDraftModel(run.arch)
+    embed, head = load_embed_and_head(run.target_path)
+    metrics = PeriodicEval(cfg, run, torch.device("cpu")).run(drafter, embed, head)
+    assert metrics["eval/tau"] >= 1 and math.isfinite(metrics["eval/tau_hat"])
 
 
 # ------------------------------------------------------------------------------ errors

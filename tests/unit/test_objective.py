@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from dflash.config import LossConfig
-from dflash.drafter.blocks import build_mask, doc_ids_from_positions, make_blocks
+from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks
 from dflash.drafter.model import DFlashDraftModel, DrafterArch
 from dflash.drafter.objective import dflash_loss, prefix_accept
 
 BS, V, H = 4, 60, 32
 
 
-def _setup():
+def _setup(**layout):
     torch.manual_seed(0)
     arch = DrafterArch(
         hidden_size=H,
@@ -27,6 +28,7 @@ def _setup():
         target_layer_ids=[0, 1],
         block_size=BS,
         mask_token_id=V - 1,
+        **layout,
     )
     model = DFlashDraftModel(arch).double()
     pos = torch.cat([torch.arange(11), torch.arange(9)]).unsqueeze(0)
@@ -42,15 +44,24 @@ def _setup():
     return model, pos, ids, mask, aux, final, embed, head, anchors
 
 
-def test_loss_terms_stats_and_tau_equal_a_naive_reference():
-    model, pos, ids, mask, aux, final, embed, head, anchors = _setup()
+@pytest.mark.parametrize(
+    "layout",
+    [{}, dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)],
+    ids=["full", "mixed"],
+)
+def test_loss_terms_stats_and_tau_equal_a_naive_reference(layout):
+    model, pos, ids, mask, aux, final, embed, head, anchors = _setup(**layout)
     cfg = LossConfig(ce=1.0, kl=0.5, verifier_ce=0.25, temperature=2.0, gamma=3.0, chunk_size=5)
     out = dflash_loss(model, aux, final, ids, mask, anchors, embed, head, cfg, position_ids=pos)
 
     doc = doc_ids_from_positions(pos)
     blocks = make_blocks(ids, pos, doc, anchors, BS, V - 1)
     hidden = model(
-        embed[blocks.block_ids], aux, pos, blocks.block_positions, build_mask(anchors, doc, BS, "sdpa")
+        embed[blocks.block_ids],
+        aux,
+        pos,
+        blocks.block_positions,
+        build_masks(anchors, doc, BS, "sdpa", model.arch.layer_types, model.arch.sliding_window),
     )
     num = den = 0.0
     taus, taus_v = [], []

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from testpaths import REPO
 from transformers import AutoTokenizer
 
 from dflash.config import register_configs, to_config
-from dflash.setup import prepare, resolve_mask_token_id
+from dflash.drafter.export import export_config, warm_start_problems
+from dflash.setup import build_arch, prepare, resolve_mask_token_id
+from dflash.targets.loader import read_target_meta
+
+MIXED = ["sliding_attention", "full_attention"]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,10 @@ def _cfg(target: Path, overrides: list[str]):
         ),
         (["drafter.mask_token_id=2"], "is the tokenizer's eos_token_id"),
         (["drafter.num_heads=3"], "drafter.num_heads=3 is not a multiple of drafter.num_kv_heads=2"),
+        (
+            ["drafter.partial_rotary_factor=0.3"],
+            "drafter.partial_rotary_factor=0.3 rotates 9 of the drafter's",
+        ),
     ],
 )
 def test_target_dependent_errors_before_any_weight_loads(weightless_target, overrides, needle):
@@ -79,3 +89,82 @@ def test_mask_token_resolution_order(tiny_target_dir):
         resolve_mask_token_id(None, None, tok, n)  # nothing left but pad/eos: refuse
     with pytest.raises(ValueError, match="pad_token_id"):
         resolve_mask_token_id(tok.pad_token_id, None, tok, n + 64)
+
+
+def test_drafter_layout_comes_from_the_config_then_init_from_then_the_defaults(weightless_target):
+    meta = read_target_meta(str(weightless_target))
+    plain = build_arch(_cfg(weightless_target, []), meta, [1, 2, 4], 7)
+    assert plain.layer_types == ["full_attention"] * 2 and plain.sliding_window is None
+    assert plain.partial_rotary_factor == 1.0  # the tiny Qwen3 target rotates whole heads
+    saved = replace(plain, layer_types=MIXED, sliding_window=64, partial_rotary_factor=0.5)
+    carried = build_arch(_cfg(weightless_target, []), meta, [1, 2, 4], 7, saved)
+    assert (carried.layer_types, carried.sliding_window, carried.partial_rotary_factor) == (MIXED, 64, 0.5)
+    assert warm_start_problems(saved, carried) == []
+    own = build_arch(
+        _cfg(weightless_target, ["drafter.layer_types=[full_attention,full_attention]"]),
+        meta,
+        [1, 2, 4],
+        7,
+        saved,
+    )
+    assert own.sliding_window is None and "layer_types of the saved drafter" in "\n".join(
+        warm_start_problems(saved, own)
+    )
+    widened = build_arch(_cfg(weightless_target, ["drafter.sliding_window=128"]), meta, [1, 2, 4], 7, saved)
+    assert widened.layer_types == MIXED and widened.sliding_window == 128
+
+
+def test_qwen3_6_27b_experiment_builds_the_published_drafter(tmp_path):
+    """experiment=qwen3_6_27b_7x1 against a config-only Qwen3.6-27B-shaped target (a Qwen3.5 VLM config:
+    64 hybrid layers, M-RoPE over a quarter of each head, theta 1e7) exports the layout of the published
+    z-lab/Qwen3.6-27B-DFlash (as in SpecForge configs/qwen3.6-27b-dflash.json)."""
+    from transformers import Qwen3_5Config
+
+    text = dict(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        max_position_embeddings=262144,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+        },
+    )
+    Qwen3_5Config(text_config=text, vision_config={"depth": 1}).save_pretrained(tmp_path)
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = to_config(
+            compose(config_name="config", overrides=["experiment=qwen3_6_27b_7x1", "data.path=/d"])
+        )
+    meta = read_target_meta(str(tmp_path))
+    arch = build_arch(cfg, meta, list(cfg.target.layer_ids), cfg.drafter.mask_token_id)
+    exported = export_config(arch, meta.num_layers, torch.bfloat16)
+    published = {
+        "num_hidden_layers": 5,
+        "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+        "sliding_window": 2048,
+        "use_sliding_window": True,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "num_target_layers": 64,
+        "block_size": 16,
+        "rope_theta": 10_000_000,
+        "rope_scaling": None,
+    }
+    assert {k: exported[k] for k in published} == published
+    assert exported["dflash_config"]["target_layer_ids"] == [1, 16, 31, 46, 61]
+    assert exported["dflash_config"]["mask_token_id"] == 248070
+    assert "partial_rotary_factor" not in exported and "is_causal" not in exported
+    assert exported["rope_parameters"] == {"rope_type": "default", "rope_theta": 10_000_000}

@@ -1,5 +1,6 @@
 """Greedy DFlash speculative decoding on the tiny target: block size 1 == HF generate, lossless with
-any drafter, acceptance bookkeeping, cache lengths, drafts == an uncached reference."""
+any drafter, acceptance bookkeeping, cache lengths, drafts == an uncached reference; and on a tiny
+hybrid Qwen3.5 target (linear attention, rolled back by snapshot + replay): lossless, reports tau."""
 
 from __future__ import annotations
 
@@ -8,15 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
-from dflash.eval.spec_decode import (
-    GenerationResult,
-    StepTrace,
-    accepted_prefix,
-    crop_cache,
-    new_target_cache,
-    speculative_generate,
-)
+from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
+from dflash.eval.spec_decode import GenerationResult, StepTrace, accepted_prefix, speculative_generate
+from dflash.eval.target_cache import TargetCache
 
 LAYER_IDS = [1, 2, 4]
 TEXTS = ["def foo(x):\n    return", "import os\nimport", "class A:", "for i in range(10):\n"]
@@ -26,21 +21,31 @@ N = 24
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def env(tiny_target_dir):
+def _env(target_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.targets.loader import load_embed_and_head
 
-    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    embed, head = load_embed_and_head(str(tiny_target_dir))
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    embed, head = load_embed_and_head(str(target_dir))
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
     return target, tok, embed, head, prompts
 
 
+@pytest.fixture(scope="module")
+def env(tiny_target_dir):
+    return _env(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_hybrid_target_dir):
+    return _env(tiny_hybrid_target_dir)
+
+
 def make_drafter(target, tok, block_size: int, seed: int = 0, num_layers: int = 1) -> DFlashDraftModel:
     c = target.config
+    rope, partial = rope_from_config(c.to_dict())
     arch = DrafterArch(
         hidden_size=c.hidden_size,
         intermediate_size=256,
@@ -52,7 +57,8 @@ def make_drafter(target, tok, block_size: int, seed: int = 0, num_layers: int = 
         target_layer_ids=LAYER_IDS,
         block_size=block_size,
         mask_token_id=len(tok),
-        rope_parameters=dict(c.rope_parameters),
+        rope_parameters=rope,
+        partial_rotary_factor=partial,
     )
     model = DFlashDraftModel(arch)
     model.reset_parameters(seed=seed)
@@ -108,7 +114,7 @@ def check_bookkeeping(res: GenerationResult, block_size: int, n: int) -> None:
         assert len(res.output_ids) == 1 and res.num_target_forwards == 1
         return
     assert all(1 <= a <= block_size for a in res.accept_lengths)
-    assert res.num_target_forwards == 1 + res.num_steps
+    assert res.num_target_forwards == 1 + res.num_steps + res.num_replay_forwards
     assert res.tau == pytest.approx(sum(res.accept_lengths) / len(res.accept_lengths))
     assert res.tau >= 1.0
     # every step but the last contributes accepted + 1 tokens; the last one may be cut (eos / n)
@@ -131,18 +137,44 @@ def test_accepted_prefix_on_hand_made_blocks():
         accepted_prefix(t([5, 1]), t([1, 2, 3]))
 
 
-def test_crop_cache_keeps_a_prefix(env):
+def test_rewind_crops_an_attention_only_cache(env):
     target, _, _, _, prompts = env
-    cache = new_target_cache(target, rollback=True)
+    cache = TargetCache(target, rollback=True)
+    assert not cache.has_linear_attention
     with torch.inference_mode():
-        target(input_ids=torch.tensor([prompts[0]]), cache=cache, use_cache=True)
-    full = cache.layers[0].keys.clone()
-    crop_cache(cache, 5)
-    assert cache.get_seq_length() == 5
-    assert torch.equal(cache.layers[0].keys, full[:, :, :5])
-    crop_cache(cache, 5)  # no-op
+        target(input_ids=torch.tensor([prompts[0]]), cache=cache.cache, use_cache=True)
+    full = cache.cache.layers[0].keys.clone()
+    assert cache.rewind(5) == 0  # nothing to replay: the crop alone undoes the tokens
+    assert cache.seq_length() == 5
+    assert torch.equal(cache.cache.layers[0].keys, full[:, :, :5])
+    assert cache.rewind(5) == 0  # no-op
     with pytest.raises(ValueError):
-        crop_cache(cache, 6)
+        cache.rewind(6)
+
+
+def test_rewind_restores_linear_attention_state_and_asks_for_a_replay(hybrid):
+    """Prompt, then 6 drafted tokens of which 2 are kept: restoring the marked state and replaying the
+    2 tokens gives the same next-token logits as a cache that only ever saw prompt + those 2 tokens."""
+    target, _, _, _, prompts = hybrid
+    prompt, drafts = prompts[0], torch.tensor([[5, 17, 29, 41, 53, 65]])
+    P = len(prompt)
+    probe = torch.tensor([[7]])
+    cache = TargetCache(target, rollback=True)
+    assert cache.has_linear_attention
+    with torch.inference_mode():
+        target(input_ids=torch.tensor([prompt]), cache=cache.cache, use_cache=True)
+        cache.mark(P)
+        target(input_ids=drafts, cache=cache.cache, use_cache=True)
+        assert cache.rewind(P + 2) == 2 and cache.seq_length() == P
+        target(input_ids=drafts[:, :2], cache=cache.cache, use_cache=True)
+        assert cache.seq_length() == P + 2
+        got = target(input_ids=probe, cache=cache.cache, use_cache=True).logits
+        straight = TargetCache(target, rollback=True)
+        target(
+            input_ids=torch.tensor([prompt + drafts[0, :2].tolist()]), cache=straight.cache, use_cache=True
+        )
+        want = target(input_ids=probe, cache=straight.cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------ block size 1
@@ -310,3 +342,33 @@ def test_max_new_tokens_one_and_bad_arguments(env):
             layer_ids=[1, 2, 3],
             block_size=4,
         )
+
+
+# ------------------------------------------------------------------------------ hybrid target
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_hybrid_target_is_lossless_and_reports_tau(hybrid, block_size):
+    """A Qwen3.5 text target (linear + full attention): speculative output == greedy output with a
+    random drafter (mostly rejections: every one needs a replay) and with an accepting drafter (whole
+    blocks accepted: no replay), and tau is reported."""
+    target, tok, _, _, prompts = hybrid
+    eos_id = target.generation_config.eos_token_id
+    ref = hf_generate(target, prompts[0], N, eos_id, tok.pad_token_id)
+    assert greedy(hybrid, prompts[0], eos={eos_id}).output_ids == ref  # plain decoding == HF generate
+    drafter = make_drafter(target, tok, block_size, seed=block_size, num_layers=2)
+    replays = 0
+    for prompt in prompts:
+        base = greedy(hybrid, prompt)
+        res = spec(hybrid, drafter, prompt, block_size)
+        assert res.output_ids == base.output_ids
+        check_bookkeeping(res, block_size, N)
+        replays += res.num_replay_forwards
+        assert res.num_replay_forwards == sum(a < block_size for a in res.accept_lengths)
+        assert res.tau == pytest.approx(sum(res.accept_lengths) / res.num_steps)
+        token = Counter(base.output_ids).most_common(1)[0][0]
+        const, head = _constant_drafter(hybrid, block_size, token)
+        accepting = spec(hybrid, const, prompt, block_size, head=head)
+        assert accepting.output_ids == base.output_ids
+        check_bookkeeping(accepting, block_size, N)
+    assert replays > 0
