@@ -9,6 +9,7 @@ the bad value and the override that fixes it. It runs before any model loads.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -66,6 +67,10 @@ class TopologyConfig:
     num_drafters: int | None = field(default=1, metadata=derived("topology.packets_per_step"))
     """Drafter ranks N..N+M-1, training data-parallel; rank N is the leader (checkpoints, W&B).
     None = every rank the targets leave (WORLD_SIZE - num_targets)."""
+    drafter_nodes: int | None = field(default=None, metadata=FREE)
+    """Several nodes: the last ``drafter_nodes`` nodes hold only drafters (their gradient all-reduce
+    stays on NVLink), the nodes before them only targets. Sets num_drafters = drafter_nodes x
+    LOCAL_WORLD_SIZE and num_targets = the rest; leave num_drafters=null."""
     colocated: bool = field(default=False, metadata=FREE)
     """Every rank holds the target and a drafter replica and makes its own packets (no send/recv):
     one GPU, small hosts. Needs num_targets=0; num_drafters=null (the world) or WORLD_SIZE."""
@@ -415,6 +420,20 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
             t.num_drafters is None or t.num_drafters == world_size,
             f"topology.colocated=true makes every rank a drafter: set topology.num_drafters=null "
             f"(got {t.num_drafters}, WORLD_SIZE={world_size})",
+        )
+    elif t.drafter_nodes is not None:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        nodes = world_size // max(per_node, 1)
+        need(
+            t.num_drafters is None,
+            f"topology.drafter_nodes={t.drafter_nodes} sets the number of drafters: set topology.num_drafters=null",
+        )
+        need(
+            1 <= t.drafter_nodes < nodes and world_size % per_node == 0,
+            f"topology.drafter_nodes={t.drafter_nodes} needs at least one node of targets before it, but the launch "
+            f"has {nodes} node(s) of LOCAL_WORLD_SIZE={per_node} (WORLD_SIZE={world_size}); set "
+            f"topology.drafter_nodes between 1 and {max(nodes - 1, 1)} on a multi-node launch, or "
+            f"topology.drafter_nodes=null",
         )
     else:
         need(

@@ -30,7 +30,7 @@ def at_step(cfg: FaultConfig, rank: int, step: int) -> None:
     if not _armed(cfg):
         return
     if cfg.kill_rank == rank and cfg.kill_at_step is not None and step >= cfg.kill_at_step and not _sent:
-        log.warning("fault injection: %s to rank %d at step %d", cfg.kill_signal, rank, step)
+        log.warning("fault injection: %s rank %d at step %d", cfg.kill_signal, rank, step)
         _sent.append(step)  # a signal the rank survives (SIGTERM) is sent once
         os.kill(os.getpid(), signal.Signals[cfg.kill_signal])
     if cfg.hang_rank == rank and cfg.hang_at_step is not None and step >= cfg.hang_at_step:

@@ -110,11 +110,18 @@ def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> in
     if is_leader:
         atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(dcfg, resolve=True))
 
-    from dflash.distributed.collectives import warm_up_links
+    from dflash.distributed.collectives import shared_run_dir_problems, warm_up_links
     from dflash.distributed.process_group import destroy, init_distributed
 
     ctx = init_distributed(cfg.topology)
     cleanup.callback(destroy, ctx)
+    blind = shared_run_dir_problems(ctx, run_dir, cfg.topology.init_timeout_s)
+    if blind:
+        raise UserError(
+            f"hydra.run.dir={run_dir} is not one directory for every rank: {', '.join(blind)} cannot see what "
+            f"{setup.topology.describe(setup.topology.leader_rank)} wrote there. Put the run directory on a "
+            f"filesystem every node mounts (NFS, Lustre, ...) and give every node the same hydra.run.dir"
+        )
     warm_up_links(
         setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, control_group=ctx.control_group
     )

@@ -184,8 +184,10 @@ def resolve_source(cfg: Any, target_dir: str | os.PathLike | None = None) -> str
     return str(out)
 
 
-def split_ranges(num_records: int, num_samples: int | None, num_eval: int) -> tuple[range, range]:
-    """(training record range, held-out eval record range) of a source with num_records records."""
+def split_ranges(num_records: int, num_samples: int | None, num_eval: int | None) -> tuple[range, range]:
+    """(training record range, held-out eval record range) of a source with num_records records
+    (``num_eval`` None: a DataConfig built without ``to_config``'s defaults; nothing held out)."""
+    num_eval = num_eval or 0
     if num_eval < 0:
         raise ValueError(f"data.num_eval_prompts={num_eval} must be >= 0")
     if num_eval >= num_records:
@@ -207,7 +209,7 @@ def load_eval_conversations(cfg: Any, *, target_dir: str | os.PathLike | None = 
     Malformed records of the tail are dropped (logged). Never overlaps the training records.
     ``target_dir`` is needed for ``data.path=embedded`` only.
     """
-    if cfg.num_eval_prompts <= 0:
+    if not cfg.num_eval_prompts:
         return []
     source = Source(resolve_source(cfg, target_dir), cfg.split)
     _, held_out = split_ranges(source.num_records, cfg.num_samples, cfg.num_eval_prompts)

@@ -10,7 +10,10 @@ naming the ranks involved.
 
 from __future__ import annotations
 
+import secrets
+import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,7 @@ from dflash.distributed.links import Endpoint, PeerError, is_timeout, short_erro
 from dflash.distributed.process_group import DistContext
 from dflash.distributed.protocol import ProtocolError
 from dflash.distributed.topology import Topology, first_on_link
+from dflash.files import atomic_write
 
 
 def _collective_wait(
@@ -114,6 +118,41 @@ def gather_lists(ctx: DistContext, values: list[int], timeout_s: float | None = 
         timeout_s,
     )
     return [row[: int(k.item())].tolist() for row, k in zip(rows, lens, strict=True)]
+
+
+def shared_run_dir_problems(ctx: DistContext, run_dir: Path, timeout_s: float | None = None) -> list[str]:
+    """Every rank sees the leader's run directory (checkpoints, ledger and the lock live there, and a
+    torchrun restart may move the leader to another node): the leader writes a random token into
+    ``run_dir``, every rank reads it back. Returns the ranks (with their hosts) that do not see it
+    (the same list on every rank; empty when the directory is shared)."""
+    topo = ctx.topology
+    assert topo is not None
+    world = list(range(topo.world_size))
+    marker = Path(run_dir) / ".dflash.shared-check"
+    token = secrets.randbits(62)
+    if ctx.rank == topo.leader_rank:
+        atomic_write(marker, str(token))
+    mine = torch.tensor([token if ctx.rank == topo.leader_rank else 0], dtype=torch.int64, device=ctx.device)
+    tokens = [torch.zeros_like(mine) for _ in world]
+    _collective_wait(
+        ctx, dist.all_gather(tokens, mine, async_op=True), "all_gather (run dir check)", world, timeout_s
+    )
+    expected = int(tokens[topo.leader_rank].item())
+    try:
+        seen = marker.read_text().strip() == str(expected)
+    except OSError:
+        seen = False
+    flags = [torch.zeros(1, dtype=torch.int64, device=ctx.device) for _ in world]
+    ok = torch.tensor([int(seen)], dtype=torch.int64, device=ctx.device)
+    _collective_wait(
+        ctx, dist.all_gather(flags, ok, async_op=True), "all_gather (run dir check)", world, timeout_s
+    )
+    blind = [r for r, f in enumerate(flags) if int(f.item()) == 0]
+    if not blind:
+        return []
+    hosts: list[object] = [None] * topo.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    return [f"{topo.describe(r)} on host {hosts[r]}" for r in blind]
 
 
 def check_replicas(

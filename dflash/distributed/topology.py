@@ -15,6 +15,7 @@ Seen from one link (target t -> drafter d), consecutive packets are ``lcm(N, M)`
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from dflash.config import TopologyConfig
@@ -29,8 +30,20 @@ class Topology:
     colocated: bool = False
 
     @classmethod
-    def from_config(cls, cfg: TopologyConfig, world_size: int, grad_accum_steps: int = 1) -> Topology:
-        """The topology of a launch of ``world_size`` ranks (``num_drafters`` None: the rest of the world)."""
+    def from_config(
+        cls,
+        cfg: TopologyConfig,
+        world_size: int,
+        grad_accum_steps: int = 1,
+        local_world_size: int | None = None,
+    ) -> Topology:
+        """The topology of a launch of ``world_size`` ranks, ``local_world_size`` per node (torchrun's
+        LOCAL_WORLD_SIZE): ``num_drafters`` None takes the rest of the world; ``drafter_nodes`` gives
+        the last nodes to the drafters."""
+        if cfg.drafter_nodes is not None:
+            per_node = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            drafters = cfg.drafter_nodes * per_node
+            return cls(world_size - drafters, drafters, world_size, grad_accum_steps, cfg.colocated)
         drafters = cfg.num_drafters if cfg.num_drafters is not None else world_size - cfg.num_targets
         return cls(cfg.num_targets, drafters, world_size, grad_accum_steps, cfg.colocated)
 

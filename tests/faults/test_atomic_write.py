@@ -157,6 +157,7 @@ from faults.test_atomic_write import _payload, _write_dir
 import dflash.files as files
 root = Path(sys.argv[1])
 v = int(sys.argv[2])
+print("ready", flush=True)
 while True:
     v += 1
     files.atomic_write(root / "state.bin", _payload(v))
@@ -174,8 +175,11 @@ def test_random_sigkills_leave_a_complete_version(tmp_path):
     versions = []
     for i in range(25):
         start = _version_of_file(tmp_path / "state.bin")
-        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(start + 10 * i)], env=env)
-        time.sleep(0.3 + rng.random() * 0.3)  # past the interpreter start, into the loop
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(tmp_path), str(start + 10 * i)], env=env, stdout=subprocess.PIPE
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"  # in the loop now
+        time.sleep(rng.random() * 0.2)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         files._restore_interrupted(tmp_path / "drafter")  # what the next atomic_directory does first

@@ -13,6 +13,8 @@ from faultkit import figure
 from runner import FAST, REPO, launch, no_leftover_processes
 from wandb_reader import read_history
 
+from dflash.config import EXIT_USER_ERROR
+
 pytestmark = pytest.mark.faults
 
 MAX_LENGTH = 160  # FAST's data.max_length
@@ -163,7 +165,7 @@ def test_too_many_bad_samples_abort_on_every_rank(tmp_path, run_cache, corpus):
     exits = run.exits()
     n_bad = sum(len(v) for v in corpus["bad_ids"].values())
     for r in range(3):
-        assert exits[(r, 0)]["returncode"] == 1
+        assert exits[(r, 0)]["returncode"] == EXIT_USER_ERROR  # a data problem the user fixes: no traceback
         log = run.rank_log(r)
         assert f"data.max_skip_fraction=0.1: {n_bad} of {corpus['num_records']} conversations" in log, log[
             -2000:
