@@ -9,7 +9,9 @@ drafter.
 
 Busy fractions: a drafter is busy while it is not blocked on a packet (``1 - wait / step``); the
 targets are busy for the summed forward time of the step's packets over ``num_targets x step``
-(a co-located rank spends that time on its own device: ``perf/target_frac`` of its step).
+(a co-located rank spends that time on its own device: ``perf/target_frac`` of its step). Targets
+work ahead of the drafters (``topology.max_in_flight``), so one step's target fraction can exceed 1;
+its mean over many steps cannot.
 """
 
 from __future__ import annotations

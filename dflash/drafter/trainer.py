@@ -304,7 +304,10 @@ class DrafterTrainer:
         flat = all_reduce_sum(self.ctx, sums.flat().to(self.device)).cpu()
         sums.load(flat)
         target_fwd = all_reduce_sum(self.ctx, target_fwd.to(self.device)).cpu()
-        target_mem = all_reduce_max(self.ctx, target_mem.to(self.device)).cpu()
+        drafter_mem = torch.zeros(self.topology.num_drafters, dtype=torch.float64)
+        drafter_mem[self.drafter_index] = peak_memory_gib(self.device)
+        mem = all_reduce_max(self.ctx, torch.cat([target_mem, drafter_mem]).to(self.device)).cpu()
+        target_mem, drafter_mem = mem[:n_targets], mem[n_targets:]
         self.stop_agreed = self.stop_agreed or sums.counters["stop"] > 0
         if sums.counters["stop"] > 0 and self.stop_signal is None:
             self.stop_signal = "a stop signal of another rank"
@@ -360,13 +363,12 @@ class DrafterTrainer:
         packets_in_step = max(self.topology.packets_per_step, 1)
         m["perf/target_s_per_packet"] = sums.counters["target_s"] / packets_in_step
         m["perf/drafter_s_per_packet"] = sums.counters["busy_s"] / packets_in_step
-        if self.topology.colocated:
-            m[f"mem/peak_gib/rank_{self.ctx.rank}"] = peak_memory_gib(self.device)
-        else:
+        if not self.topology.colocated:
             for t in range(self.topology.num_targets):
                 m[f"perf/target_{t}/forward_s"] = float(target_fwd[t])
                 m[f"mem/peak_gib/rank_{t}"] = float(target_mem[t])
-            m[f"mem/peak_gib/rank_{self.ctx.rank}"] = peak_memory_gib(self.device)
+        for d, rank in enumerate(self.topology.drafter_ranks):
+            m[f"mem/peak_gib/rank_{rank}"] = float(drafter_mem[d])
         for reason, n in sorted(self.state.skipped.items()):
             m[f"data/skipped/{reason}"] = float(n)
         return m

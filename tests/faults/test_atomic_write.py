@@ -176,7 +176,9 @@ def test_random_sigkills_leave_a_complete_version(tmp_path):
     for i in range(25):
         start = _version_of_file(tmp_path / "state.bin")
         proc = subprocess.Popen(
-            [sys.executable, "-c", script, str(tmp_path), str(start + 10 * i)], env=env, stdout=subprocess.PIPE
+            [sys.executable, "-c", script, str(tmp_path), str(start + 10 * i)],
+            env=env,
+            stdout=subprocess.PIPE,
         )
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"  # in the loop now
         time.sleep(rng.random() * 0.2)

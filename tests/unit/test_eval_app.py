@@ -215,7 +215,7 @@ def test_eval_and_periodic_eval_on_a_hybrid_target(files, tiny_hybrid_target_dir
     from hydra import compose, initialize_config_dir
 
     from dflash.config import register_configs, to_config
-    from dflash.eval.periodic import PeriodicEval
+    from dflash.eval.periodic import PeriodicEval, eval_metrics
     from dflash.setup import prepare
     from dflash.targets.loader import load_embed_and_head
 
@@ -269,7 +269,8 @@ def test_eval_and_periodic_eval_on_a_hybrid_target(files, tiny_hybrid_target_dir
     run = prepare(cfg, 3)
     drafter = DFlashDraftModel(run.arch)
     embed, head = load_embed_and_head(run.target_path)
-    metrics = PeriodicEval(cfg, run, torch.device("cpu")).run(drafter, embed, head)
+    sums = PeriodicEval(cfg, run, torch.device("cpu")).run(drafter, embed, head)
+    metrics = eval_metrics(sums, run.arch.block_size)
     assert metrics["eval/tau"] >= 1 and math.isfinite(metrics["eval/tau_hat"])
 
 
