@@ -82,7 +82,7 @@ def _file_handlers() -> list[logging.Handler]:
 
 def log_to_files(level: int, message: str) -> None:
     """Write one record to the rank's log file only (not to the console)."""
-    rec = logging.getLogger("dflash").makeRecord("dflash", level, __file__, 0, message, None, None)
+    rec = logging.getLogger("dflash").makeRecord("dflash", level, __file__, 0, message, (), None)
     for h in _file_handlers():
         h.handle(rec)
 
@@ -122,7 +122,9 @@ def _check_config(dcfg: DictConfig, schema: type) -> None:
     resolved = OmegaConf.to_container(dcfg, resolve=True, throw_on_missing=False)
     unresolved = OmegaConf.to_container(dcfg, resolve=False)
     assert isinstance(resolved, dict) and isinstance(unresolved, dict)
-    problems = config_secret_problems(resolved, unresolved)
+    problems = config_secret_problems(
+        {str(k): v for k, v in resolved.items()}, {str(k): v for k, v in unresolved.items()}
+    )
     if problems:
         raise UserError("; ".join(problems))
 

@@ -125,6 +125,9 @@ class TargetConfig:
     """A full commit hash; required when trust_remote_code is true."""
     tokenizer: str | None = field(default=None, metadata=CONTRACT)
     """Tokenizer path or hub id; None = the target path."""
+    random_weights: bool = field(default=False, metadata=CONTRACT)
+    """Build the target from its config.json with random weights on the device (no weights file):
+    for throughput checks at real size (scripts/gpu_check.py), never for a drafter you keep."""
 
 
 DEFAULT_NUM_TAPS = 5
@@ -248,6 +251,9 @@ class TrainConfig:
     overwrite: bool = field(default=False, metadata=FREE)
     """With train.resume=never in a run dir that holds another run's outputs: move them aside to
     ``replaced/<time>/`` and start over (without it the launch is refused)."""
+    time_phases: bool = field(default=False, metadata=FREE)
+    """Log perf/phase/* (target forward, drafter forward, loss, backward, gradient reduction,
+    optimizer) every step; on a GPU it synchronises between phases (a little slower)."""
     check_replicas_every: int = field(default=100, metadata=FREE)
     """With several drafters: every N steps compare a checksum of every replica's weights (0 = never)."""
     ledger: bool = field(default=True, metadata=FREE)
@@ -682,7 +688,9 @@ def unknown_keys(node: dict, schema: type, prefix: str = "") -> list[str]:
 
 def check_known_keys(dcfg: DictConfig, schema: type) -> None:
     """Raise ``UserError`` naming every key the schema does not know (with the closest known key)."""
-    unknown = unknown_keys(OmegaConf.to_container(dcfg, resolve=False), schema)
+    node = OmegaConf.to_container(dcfg, resolve=False)
+    assert isinstance(node, dict)
+    unknown = unknown_keys(node, schema)
     if unknown:
         raise UserError(
             "unknown config key(s): " + "; ".join(unknown) + ". A key that is not in the schema would be "

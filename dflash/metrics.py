@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -287,6 +288,32 @@ def reset_peak_memory(device: torch.device | str) -> None:
             f.write("5")
     except OSError:
         pass
+
+
+class PhaseTimer:
+    """Seconds spent in the named phases of a step: ``mark(name)`` charges the time since the previous
+    mark (or ``start``) to ``name``. With ``sync`` on a CUDA device it synchronises first, so queued
+    kernels are charged to the phase that launched them (it costs a little throughput)."""
+
+    def __init__(self, device: torch.device, sync: bool) -> None:
+        self.device, self.sync = device, sync and device.type == "cuda"
+        self.seconds: dict[str, float] = {}
+        self._last = 0.0
+
+    def start(self) -> None:
+        self.seconds = {}
+        self._sync()
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        self._sync()
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def _sync(self) -> None:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
 
 
 @contextmanager

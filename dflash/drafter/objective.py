@@ -7,6 +7,7 @@ tokens per row, N blocks per row, bs block size, R supervised rows (slots with w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,7 @@ def dflash_loss(
     attention: str = "sdpa",
     verifier_metrics: bool = True,
     static_shape: tuple[int, int] | None = None,
+    on_phase: Callable[[str], None] | None = None,
 ) -> ObjectiveOutput:
     """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss.
 
@@ -121,7 +123,9 @@ def dflash_loss(
     greedy token) even when the loss itself needs no verifier logits. ``static_shape=(S_max, N_max)``
     pads the context to S_max tokens (an extra unsupervised document nobody sees) and the blocks to
     N_max (padding blocks see only themselves): every call then has the same shapes, so a compiled
-    flex_attention compiles once. The result does not change.
+    flex_attention compiles once. The result does not change. ``on_phase(name)`` is called when the
+    drafter forward (``"drafter_forward"``: blocks, mask, layers) and the chunked loss (``"loss"``, its
+    gradient included) end, for step timing.
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
@@ -138,6 +142,8 @@ def dflash_loss(
 
     noise = torch.nn.functional.embedding(blocks.block_ids, embed_weight)
     hidden = drafter(noise, aux_hidden, position_ids, blocks.block_positions, masks)  # [B, Q, H]
+    if on_phase is not None:
+        on_phase("drafter_forward")
 
     N = anchors.shape[1]
     flat_pos = blocks.label_pos.view(B, N * bs)
@@ -166,6 +172,8 @@ def dflash_loss(
         mem_budget_gib=loss_cfg.mem_budget_gib,
         compile=loss_cfg.compile,
     )
+    if on_phase is not None:
+        on_phase("loss")
     with torch.no_grad():
         w_rows = weights.view(-1)[rows].double()
         weight_sum = w_rows.sum()

@@ -52,6 +52,7 @@ from dflash.eval.periodic import PeriodicEval, eval_metrics
 from dflash.metrics import (
     MetricLogger,
     NullLogger,
+    PhaseTimer,
     build_logger,
     human_count,
     peak_memory_gib,
@@ -137,6 +138,8 @@ class DrafterTrainer:
                 self.topology, ctx.rank, spec, cfg.topology.init_timeout_s, control_group=ctx.control_group
             )
             embed, head = None, None
+        if (embed is None or head is None) and cfg.target.random_weights:  # the same random target's tensors
+            embed, head = target_embed_and_head(load_target(cfg.target, self.device, self.target_dtype))
         if embed is None or head is None:
             embed, head = load_embed_and_head(setup.target_path, revision=cfg.target.revision)
         self.embed = embed.to(self.device, self.target_dtype)
@@ -185,6 +188,7 @@ class DrafterTrainer:
                 self.ledger.truncate(self.state.step)
             self.metrics_log.truncate(self.state.step)
         self.summary = RunSummary(setup.num_steps)
+        self.phases = PhaseTimer(self.device, sync=cfg.train.time_phases)
         log.info(
             "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
             human_count(num_parameters(self.model)),
@@ -246,6 +250,7 @@ class DrafterTrainer:
                 position_ids=pos,
                 attention=self.attention,
                 static_shape=self.static_shape,
+                on_phase=self.phases.mark,
             )
 
     def _next_packet(self, step: int, i: int, packets: list[int]) -> None:
@@ -268,8 +273,11 @@ class DrafterTrainer:
         target_fwd = torch.zeros(n_targets, dtype=torch.float64)
         target_mem = torch.zeros(n_targets, dtype=torch.float64)
         trained: list[int] = []  # per packet: g, number of samples, their source ids
+        phases = self.phases
+        phases.start()
         for i, g in enumerate(packets):
             packet = self.source.recv(g)
+            phases.mark("target_forward" if self.topology.colocated else "recv_wait")
             self.source.ack(g)
             self._next_packet(step, i, packets)
             c["wait_s"] += self.source.last_wait_s
@@ -294,6 +302,7 @@ class DrafterTrainer:
             if not torch.isfinite(numerator):
                 c["nonfinite_loss"] += 1.0
             numerator.backward()
+            phases.mark("backward")
             sums.add(out)
         if self.grads is not None:
             self.grads.finish(self.source_timeout)
@@ -311,6 +320,7 @@ class DrafterTrainer:
         self.stop_agreed = self.stop_agreed or sums.counters["stop"] > 0
         if sums.counters["stop"] > 0 and self.stop_signal is None:
             self.stop_signal = "a stop signal of another rank"
+        phases.mark("reduce")
         weight_sum = float(sums.objective["weight_sum"])
         scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
         for p in self.model.parameters():
@@ -334,6 +344,7 @@ class DrafterTrainer:
         else:
             self.optimizer.step()
         self.scheduler.step()
+        phases.mark("optimizer")
         faults.perturb(cfg.fault, self.ctx.rank, step + 1, self.model)
         self.state.step = step + 1
         self.state.next_packet = (step + 1) * self.topology.packets_per_step
@@ -358,6 +369,8 @@ class DrafterTrainer:
             num_drafters=self.topology.num_drafters,
             colocated=self.topology.colocated,
         )
+        if cfg.train.time_phases:
+            m.update({f"perf/phase/{name}_s": s for name, s in phases.seconds.items()})
         m["train/tokens_seen"] = float(self.state.tokens_seen)
         m["train/nonfinite_steps"] = float(self.state.nonfinite_steps)
         packets_in_step = max(self.topology.packets_per_step, 1)

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RANDOM_WEIGHTS_SEED = 1234
+"""Seed of ``target.random_weights``: every rank builds the same random target."""
+
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 EMBED_NAMES = (
@@ -209,21 +212,31 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    """The frozen target ``*ForCausalLM``: eval, requires_grad off, on ``device``."""
+    """The frozen target ``*ForCausalLM``: eval, requires_grad off, on ``device`` (with
+    ``target.random_weights``: built from config.json with random weights, no weights file read)."""
     from transformers import AutoModelForCausalLM
 
     check_remote_code(cfg)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.path,
-        dtype=dtype,
-        attn_implementation=cfg.attn_implementation,
-        revision=cfg.revision,
-        trust_remote_code=cfg.trust_remote_code,
-    )
+    if cfg.random_weights:
+        # Built on the device from config.json; the same seed on every rank gives the same weights.
+        config = _load_config(cfg.path, cfg.revision, cfg.trust_remote_code)
+        torch.manual_seed(RANDOM_WEIGHTS_SEED)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=cfg.attn_implementation
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            revision=cfg.revision,
+            trust_remote_code=cfg.trust_remote_code,
+        )
     model.eval()
     model.requires_grad_(False)
-    model.to(device)  # type: ignore[arg-type]  # transformers types .to's argument as a dtype or device str
+    model.to(device)
     on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     on_meta += [n for n, b in model.named_buffers() if b.device.type == "meta"]
     if on_meta:

@@ -1,114 +1,129 @@
-"""R7: bad configs are rejected on every rank before any model loads (before the process group even
-exists), within 30 s, with a message naming the field (no traceback) and exit code 2. Each case is a real torchrun launch; the
-ranks are left to fail on their own (tests/rank_exit.py does not forward torchrun's SIGTERM), so
-every rank's own rejection is checked, not only the first one torchrun sees. To fit the CI budget
-the world is 1 target + 1 drafter (every role; each rank validates the same way whatever the
-world), except for the world-size case, which launches 2 ranks for the default 2 + 1 topology."""
+"""R7: a user's mistake is rejected on every rank before any process group or model, printed once,
+short, without a traceback, and every rank exits 2.
+
+Real torchrun launches (3 ranks) for the cases that differ in where they are caught: a typo Hydra
+rejects, a key the schema does not know, a cross-field config error, a world-size mismatch, a tap
+id only the target's config.json shows, a target path that does not exist. The workers' own output
+is captured per rank (``--redirects 3 --log-dir``); torchrun's failure report about the failed
+workers is not ours and is left out of the count. The ranks are left to fail on their own
+(tests/rank_exit.py does not forward torchrun's SIGTERM), so every rank's own rejection is checked.
+Every other misconfiguration goes through the same entry point in-process (``dflash.train.train``
+as rank 0 of a 3-rank world), which is where the launches above spend their time anyway.
+"""
 
 from __future__ import annotations
 
 import pytest
 from faultkit import figure
-from runner import launch, no_leftover_processes
+from hydra import compose, initialize_config_dir
+from runner import FAST, launch, no_leftover_processes
+from testpaths import REPO
 
-from dflash.config import EXIT_USER_ERROR
+from dflash.config import EXIT_USER_ERROR, UserError, register_configs
 
 pytestmark = pytest.mark.faults
 
-# (case, overrides, ranks launched, text every rank's log must hold). The tiny target has 6 decoder
-# layers, hidden size 128 and 2112 embedding rows; the first three need its config.json/tokenizer.
-ONE_TARGET = ["topology.num_targets=1"]
-CASES = [
+LAUNCHED = [
+    ("typo without +", ["train.max_step=5"], "Could not override 'train.max_step'"),
+    ("unknown +key", ["+train.max_step=5"], "train.max_step (did you mean train.max_steps?)"),
+    (
+        "eval without held-out data",
+        ["eval.every=10", "data.num_eval_prompts=0"],
+        "data.num_eval_prompts=0 holds out no",
+    ),
+    ("world size mismatch", ["topology.num_targets=3"], "= 4 ranks but the launch has WORLD_SIZE=3"),
     (
         "tap id out of range",
-        [*ONE_TARGET, "target.layer_ids=[1,2,9]"],
-        2,
-        "target.layer_ids=[1, 2, 9]: layers [9] outside the target's 6 decoder layers",
+        ["target.layer_ids=[1,2,9]"],
+        "target.layer_ids=[1, 2, 9]: layers [9] outside the target's 6",
     ),
     (
-        "mask token outside the vocab",
-        [*ONE_TARGET, "drafter.mask_token_id=5000"],
-        2,
-        "mask token id 5000 from drafter.mask_token_id is outside the target vocabulary [0, 2112)",
-    ),
-    (
-        "hidden size mismatch",
-        [*ONE_TARGET, "drafter.hidden_size=64"],
-        2,
-        "drafter.hidden_size=64 differs from the target's hidden_size=128",
-    ),
-    ("world size mismatch", [], 2, "= 3 ranks but the launch has WORLD_SIZE=2"),
-    (
-        "negative layer id",
-        [*ONE_TARGET, "target.layer_ids=[-1,2,4]"],
-        2,
-        "target.layer_ids=[-1, 2, 4] has a negative id",
-    ),
-    ("empty layer ids", [*ONE_TARGET, "target.layer_ids=[]"], 2, "target.layer_ids=[] is empty"),
-    ("max_length <= 0", [*ONE_TARGET, "data.max_length=0"], 2, "data.max_length=0: must be >= 2"),
-    ("save_every < 1", [*ONE_TARGET, "train.save_every=0"], 2, "train.save_every=0: must be >= 1"),
-    (
-        "keep_checkpoints < 2",
-        [*ONE_TARGET, "train.keep_checkpoints=1"],
-        2,
-        "train.keep_checkpoints=1: keep at least 2",
-    ),
-    (
-        "trust_remote_code without a revision",
-        [*ONE_TARGET, "target.trust_remote_code=true"],
-        2,
-        "target.trust_remote_code=true needs target.revision=<40-hex commit hash>",
-    ),
-    (
-        "duplicate layer ids",
-        [*ONE_TARGET, "target.layer_ids=[1,1,4]"],
-        2,
-        "target.layer_ids=[1, 1, 4] has duplicates",
-    ),
-    (
-        "unknown logging.mode",
-        [*ONE_TARGET, "logging.mode=online_please"],
-        2,
-        "logging.mode='online_please' is not one of",
-    ),
-    (
-        "token_budget < max_length",
-        [*ONE_TARGET, "data.token_budget=100"],
-        2,
-        "data.token_budget=100 < data.max_length=160",
+        "missing target dir",
+        ["target.tiny=null", "target.path=/models/Qwen3-8B"],
+        "target.path=/models/Qwen3-8B: no such directory; give a local directory with config.json",
     ),
 ]
 
 
-@pytest.mark.parametrize(("case", "overrides", "nproc", "needle"), CASES, ids=[c[0] for c in CASES])
-def test_bad_config_rejected_on_every_rank_before_any_model_loads(
-    tmp_path, run_cache, case, overrides, nproc, needle
-):
+@pytest.mark.parametrize(("case", "overrides", "needle"), LAUNCHED, ids=[c[0] for c in LAUNCHED])
+def test_mistake_is_printed_once_short_before_anything_starts(tmp_path, run_cache, case, overrides, needle):
+    logs = tmp_path / "workers"
+    run_dir = tmp_path / "run"
     run = launch(
-        tmp_path / "run",
+        run_dir,
         overrides,
         run_cache,
-        nproc=nproc,
+        nproc=3,
+        rdzv=["--standalone", "--redirects=3", f"--log-dir={logs}"],
         record_exits=True,
         forward_signals=False,
         timeout=90,
+        env={"HYDRA_FULL_ERROR": "0"},  # as a user runs it (the test runner asks Hydra for tracebacks)
     )
     assert run.returncode != 0
+    printed = "".join(p.read_text() for p in sorted(logs.rglob("std*.log")))
+    lines = [ln for ln in printed.splitlines() if ln.strip()]
+    assert printed.count(needle) == 1, printed[-3000:]
+    assert len(lines) < 15 and "Traceback" not in printed, printed
     exits = run.exits()
-    assert sorted(exits) == [(r, 0) for r in range(nproc)]
-    for r in range(nproc):
-        assert exits[(r, 0)]["returncode"] == EXIT_USER_ERROR, run.output[-3000:]
+    assert [exits[(r, 0)]["returncode"] for r in range(3)] == [EXIT_USER_ERROR] * 3, exits
+    for r in range(3):
         log = run.rank_log(r)
-        assert "stopped:" in log and needle in log and "Traceback" not in log, log[-3000:]
+        if case != "typo without +":  # Hydra rejects the command line before any log file exists
+            assert "stopped:" in log and needle in log, log[-2000:]
         # rejected before init_distributed: no process group, no target or drafter model
-        assert "gloo on" not in log and "loaded target" not in log and "trainable parameters" not in log
+        assert "gloo on" not in log and "loaded target" not in log and "Traceback" not in log
     ended = max(e["end"] for e in exits.values()) - run.started_at
     assert ended <= 30
     figure(
         f"R7 {case}",
-        ranks_rejecting=nproc,
-        exit_codes=[exits[(r, 0)]["returncode"] for r in range(nproc)],
+        lines_printed=len(lines),
+        exit_codes=[EXIT_USER_ERROR] * 3,
         all_ranks_done_s=round(ended, 1),
-        torchrun_s=round(run.seconds, 1),
     )
-    assert no_leftover_processes(run.run_dir)
+    assert no_leftover_processes(run_dir)
+
+
+IN_PROCESS = [
+    (
+        "mask token outside the vocab",
+        ["drafter.mask_token_id=5000"],
+        "mask token id 5000 from drafter.mask_token_id is outside the target vocabulary [0, 2112)",
+    ),
+    (
+        "hidden size mismatch",
+        ["drafter.hidden_size=64"],
+        "drafter.hidden_size=64 differs from the target's hidden_size=128",
+    ),
+    ("negative layer id", ["target.layer_ids=[-1,2,4]"], "target.layer_ids=[-1, 2, 4] has a negative id"),
+    ("empty layer ids", ["target.layer_ids=[]"], "target.layer_ids=[] is empty"),
+    ("max_length <= 0", ["data.max_length=0"], "data.max_length=0: must be >= 2"),
+    ("save_every < 1", ["train.save_every=0"], "train.save_every=0: must be >= 1"),
+    ("keep_checkpoints < 2", ["train.keep_checkpoints=1"], "train.keep_checkpoints=1: keep at least 2"),
+    (
+        "trust_remote_code without a revision",
+        ["target.trust_remote_code=true"],
+        "target.trust_remote_code=true needs target.revision=<40-hex commit hash>",
+    ),
+    ("duplicate layer ids", ["target.layer_ids=[1,1,4]"], "target.layer_ids=[1, 1, 4] has duplicates"),
+    ("unknown logging.mode", ["logging.mode=online_please"], "logging.mode='online_please' is not one of"),
+    ("token_budget < max_length", ["data.token_budget=100"], "data.token_budget=100 < data.max_length=160"),
+]
+
+
+@pytest.mark.parametrize(("case", "overrides", "needle"), IN_PROCESS, ids=[c[0] for c in IN_PROCESS])
+def test_mistake_is_a_user_error_of_the_entry_point(
+    tmp_path, run_cache, monkeypatch, case, overrides, needle
+):
+    from dflash.train import train
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(run_cache))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        dcfg = compose(config_name="config", overrides=[*FAST, *overrides])
+    with pytest.raises(UserError) as err:
+        train(dcfg, tmp_path / "run")
+    assert needle in str(err.value) and err.value.scope == "all"
+    assert not (tmp_path / "run" / "checkpoints").exists()
