@@ -152,3 +152,29 @@ def colocated_memory(target_items: dict[str, float], drafter_items: dict[str, fl
         "activations_peak": max(target_items["activations"], drafter_transient),
         "packets": drafter_items["packets"] / 2,
     }
+
+
+def memory_per_role(
+    target: TargetShape,
+    drafter: DrafterShape,
+    packet: PacketShape,
+    *,
+    target_attention: AttentionKind,
+    max_in_flight: int,
+    loss_chunk_rows: int,
+    verifier_logits: bool,
+    dtypes: RunDtypes,
+) -> dict[str, dict[str, float]]:
+    """GiB by item for each role: ``target``, ``drafter`` and ``colocated`` (both on one GPU)."""
+    t = target_memory(
+        target,
+        packet,
+        drafter.num_taps,
+        attention=target_attention,
+        max_in_flight=max_in_flight,
+        dtypes=dtypes,
+    )
+    d = drafter_memory(
+        drafter, packet, loss_chunk_rows=loss_chunk_rows, verifier_logits=verifier_logits, dtypes=dtypes
+    )
+    return {"target": t, "drafter": d, "colocated": colocated_memory(t, d)}

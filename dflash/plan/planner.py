@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from dflash.config import Config
 from dflash.plan.costs import PacketCosts, packet_costs
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs
-from dflash.plan.memory import GIB, colocated_memory, drafter_memory, drafter_num_params, target_memory
+from dflash.plan.memory import GIB, drafter_num_params, memory_per_role
 from dflash.plan.throughput import RoleTimes, Split, best_split, colocated, disaggregated, role_times
 
 ROLES = ("target", "drafter", "colocated")
@@ -68,26 +68,16 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         verifier_metrics=VERIFIER_METRICS,
         hidden_dtype_bytes=inputs.dtypes.target_bytes,
     )
-    target_items = target_memory(
+    memory = memory_per_role(
         inputs.target.shape,
-        inputs.packet,
-        inputs.arch.num_taps,
-        attention=inputs.target_attention,
-        max_in_flight=cfg.topology.max_in_flight,
-        dtypes=inputs.dtypes,
-    )
-    drafter_items = drafter_memory(
         inputs.arch,
         inputs.packet,
+        target_attention=inputs.target_attention,
+        max_in_flight=cfg.topology.max_in_flight,
         loss_chunk_rows=inputs.loss_chunk_rows,
         verifier_logits=inputs.verifier_logits,
         dtypes=inputs.dtypes,
     )
-    memory = {
-        "target": target_items,
-        "drafter": drafter_items,
-        "colocated": colocated_memory(target_items, drafter_items),
-    }
     capacity = gpu.hbm_gb * 1e9 / GIB - p.reserved_gib
     fits = {role: sum(memory[role].values()) <= capacity for role in ROLES}
     times = role_times(

@@ -25,6 +25,7 @@ from dflash.plan.costs import PacketShape, packet_costs
 from dflash.plan.inputs import (
     VERIFIER_METRICS,
     attention_kinds,
+    data_stats,
     load_gpu,
     meta_from_shape,
     resolve_inputs,
@@ -48,7 +49,10 @@ def _compose(overrides: list[str]):
 
 
 def _config(overrides: list[str]) -> Config:
-    return to_config(_compose([*overrides, "data.path=/nonexistent/chat.jsonl"]))
+    """The composed config; a chat experiment's data.path, when not given, names no file."""
+    if not any(o.startswith("data.path=") for o in overrides):
+        overrides = [*overrides, "data.path=/nonexistent/chat.jsonl"]
+    return to_config(_compose(overrides))
 
 
 def _arch(cfg: Config, meta):
@@ -346,6 +350,39 @@ def test_a_role_that_does_not_fit_is_warned(capsys, tmp_path):
     assert "WARNING: target does not fit" in printed and "DOES NOT FIT" in printed
     assert out["fits"]["target"] is False and any("target does not fit" in w for w in out["warnings"])
     assert json.loads(printed.strip().splitlines()[-1]) == out
+
+
+def test_data_statistics_come_from_the_prepared_dataset(tiny_target_dir, tmp_path):
+    """The cache that build_or_load_dataset writes is found from the config alone (no tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from dflash.data.cache import build_or_load_dataset
+
+    chat = tmp_path / "chat.jsonl"
+    turns = [("def f(x):", "return x + 1 # add one"), ("print(1)", "prints 1 to the console, then a newline")]
+    chat.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}]})
+            + "\n"
+            for u, a in turns * 4
+        )
+    )
+    overrides = ["experiment=tiny_cpu", f"data.path={chat}", f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = _config([*overrides, "data.num_eval_prompts=0"])
+    assert data_stats(cfg, str(tiny_target_dir)).source == "defaults"
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    ds = build_or_load_dataset(cfg.data, tok, read_target_meta(str(tiny_target_dir)).vocab_size)
+    stats = data_stats(cfg, str(tiny_target_dir))
+    assert stats.source.startswith("dataset cache")
+    assert stats.mean_sample_tokens == pytest.approx(ds.tokens.numel() / len(ds))
+    assert stats.supervised_fraction == pytest.approx(float(ds.loss_mask.float().mean()))
+    # another tokenization setting is another dataset; plan.* wins over the cache
+    assert (
+        data_stats(_config([*overrides, "data.num_eval_prompts=0", "data.max_length=64"]), "").source
+        == "defaults"
+    )
+    pinned = _config([*overrides, "data.num_eval_prompts=0", "plan.mean_sample_tokens=500"])
+    assert data_stats(pinned, str(tiny_target_dir)).mean_sample_tokens == 500
 
 
 # ----------------------------------------------------------------------------------------------
