@@ -16,7 +16,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config import PlanConfig, raise_problems, register_configs, to_config
+from dflash.config import Config, PlanConfig, raise_problems, register_configs, to_config
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.planner import make_plan
 from dflash.plan.report import render, summary
@@ -52,12 +52,19 @@ def plan_problems(p: PlanConfig) -> list[str]:
     return [msg for ok, msg in checks if not ok]
 
 
-def run(dcfg: DictConfig) -> dict[str, Any]:
-    """Plan ``dcfg``: print the table, then the JSON summary as the last line; returns the summary."""
+def plan_config(dcfg: DictConfig) -> Config:
+    """The typed config to plan; ``data.path`` may be unset (then the data statistics come from
+    ``plan.*`` or the defaults). Raises ValueError naming every bad ``plan.*`` value."""
     if OmegaConf.is_missing(dcfg.data, "path"):
-        dcfg.data.path = ""  # no dataset named: the data statistics come from plan.* or the defaults
+        dcfg.data.path = ""
     cfg = to_config(dcfg)
     raise_problems(plan_problems(cfg.plan), "plan")
+    return cfg
+
+
+def run(dcfg: DictConfig) -> dict[str, Any]:
+    """Plan ``dcfg``: print the table, then the JSON summary as the last line; returns the summary."""
+    cfg = plan_config(dcfg)
     plan = make_plan(cfg, resolve_inputs(cfg))
     print(render(plan, cfg.name))
     out = summary(plan, cfg.name, cfg.plan.gpu)

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from safetensors import safe_open
 
 from dflash.config import Config, GpuSpec, TargetShape, dataset_settings, drafter_attention
+from dflash.data.embedded import embedded_corpus_path
+from dflash.data.sources import EMBEDDED
 from dflash.drafter.model import DrafterArch
 from dflash.loss.verifier import default_chunk_size
 from dflash.plan.costs import AttentionKind, PacketShape
@@ -109,7 +112,7 @@ def local_config_dir(cfg: Config) -> str | None:
     path = resolve_path(cfg.target.path)
     if Path(path, "config.json").is_file():
         return path
-    if Path(path).exists():
+    if Path(path).is_absolute():  # a local directory (resolve_path): e.g. a tiny target not built yet
         return None
     from huggingface_hub import try_to_load_from_cache
 
@@ -159,9 +162,6 @@ def cached_dataset_stats(cfg: Config, target_dir: str) -> DataStats | None:
     data = cfg.data
     if not data.path:
         return None
-    from dflash.data.embedded import embedded_corpus_path
-    from dflash.data.sources import EMBEDDED
-
     root = Path(resolve_path(data.cache_dir))
     if data.path == EMBEDDED:
         source = str(
@@ -178,8 +178,6 @@ def cached_dataset_stats(cfg: Config, target_dir: str) -> DataStats | None:
         settings = meta.get("settings", {})
         if meta.get("source") != source or any(settings.get(k) != v for k, v in want.items()):
             continue
-        from safetensors import safe_open
-
         with safe_open(str(meta_file.parent / "data.safetensors"), framework="numpy") as f:
             mask = f.get_tensor("loss_mask")
         return DataStats(

@@ -27,6 +27,8 @@ class Plan:
     """GiB by item for each of :data:`ROLES`."""
     capacity_gib: float
     """What one GPU offers to tensors: HBM minus ``plan.reserved_gib``."""
+    fits: dict[str, bool]
+    """Whether each role's memory fits ``capacity_gib``."""
     times: RoleTimes
     splits: list[Split]
     """Every N:M of the world, N = 1 .. W-1."""
@@ -37,9 +39,6 @@ class Plan:
     """The config's own topology, when it uses the whole world."""
     world_size: int
     warnings: list[str]
-
-    def fits(self, role: str) -> bool:
-        return sum(self.memory[role].values()) <= self.capacity_gib
 
     @property
     def mode(self) -> str:
@@ -108,6 +107,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         costs=costs,
         memory=memory,
         capacity_gib=capacity,
+        fits=fits,
         times=times,
         splits=splits,
         colocated=co,

@@ -44,7 +44,7 @@ def summary(plan: Plan, name: str, gpu: str) -> dict[str, Any]:
         "mfu_target": plan.times.mfu_target,
         "mfu_drafter": plan.times.mfu_drafter,
         "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
-        "fits": {role: plan.fits(role) for role in ROLES},
+        "fits": dict(plan.fits),
         "warnings": plan.warnings,
     }
 
@@ -89,7 +89,7 @@ def render(plan: Plan, name: str) -> str:
     ]
     for role in ROLES:
         items = ", ".join(f"{k} {v:.1f}" for k, v in plan.memory[role].items())
-        verdict = "FITS" if plan.fits(role) else "DOES NOT FIT"
+        verdict = "FITS" if plan.fits[role] else "DOES NOT FIT"
         lines.append(f"  {role:<9} {sum(plan.memory[role].values()):7.1f}  {verdict:<12}  ({items})")
     lines += [
         "",

@@ -16,11 +16,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from testpaths import REPO
 
-from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs, to_config
+from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs
 from dflash.drafter.blocks import build_mask, doc_ids_from_positions, make_blocks, sample_anchors
 from dflash.drafter.model import DFlashDraftModel, DrafterArch
 from dflash.drafter.objective import dflash_loss
-from dflash.plan.app import run
+from dflash.plan.app import plan_config, run
 from dflash.plan.costs import PacketShape, packet_costs
 from dflash.plan.inputs import (
     VERIFIER_METRICS,
@@ -49,10 +49,7 @@ def _compose(overrides: list[str]):
 
 
 def _config(overrides: list[str]) -> Config:
-    """The composed config; a chat experiment's data.path, when not given, names no file."""
-    if not any(o.startswith("data.path=") for o in overrides):
-        overrides = [*overrides, "data.path=/nonexistent/chat.jsonl"]
-    return to_config(_compose(overrides))
+    return plan_config(_compose(overrides))
 
 
 def _arch(cfg: Config, meta):
@@ -427,6 +424,12 @@ def test_shipped_8gpu_experiments_use_the_recommendation_on_h200():
         cfg = _config([f"experiment={experiment}", "plan.gpu=h200", "plan.world_size=8"])
         plan = make_plan(cfg, resolve_inputs(cfg))
         assert plan.best.fits and plan.configured is plan.best, experiment
+
+
+def test_the_tiny_default_plans_from_its_yaml_shape_before_it_is_built(capsys, tmp_path):
+    out = run(_compose(["plan.world_size=3", f"target.path={tmp_path / 'not_built'}"]))
+    assert "[target.shape]" in capsys.readouterr().out
+    assert out["experiment"] == "tiny_cpu" and out["num_targets"] + out["num_drafters"] == 3
 
 
 def test_bad_plan_values_name_the_field():
