@@ -334,6 +334,7 @@ def test_drafter_activation_estimate_matches_the_saved_tensors(autocast, one_thr
         drafter_memory(arch, packet, loss_chunk_rows=64, verifier_logits=True, dtypes=dtypes)["activations"]
         * GIB
     )
+    print(f"\nactivations: estimate {estimate / 1e6:.2f} MB, saved {saved / 1e6:.2f} MB")
     assert 0.75 <= estimate / saved <= 1.25, f"estimate {estimate / 1e6:.2f} MB, saved {saved / 1e6:.2f} MB"
 
 
