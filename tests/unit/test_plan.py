@@ -199,19 +199,23 @@ def test_target_shape_is_read_from_config_json_and_checked(tmp_path):
 # ratio the pipeline measures.
 
 
-def _best_seconds(fn, repeats: int = 3) -> float:
-    times = []
+def _best_seconds(steps, repeats: int = 5) -> list[float]:
+    """Best wall time of each step over ``repeats`` rounds, the steps interleaved within a round so
+    that load from other processes on the shared cores hits both alike."""
+    best = [float("inf")] * len(steps)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for i, step in enumerate(steps):
+            t0 = time.perf_counter()
+            step()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def test_predicted_cost_ratio_of_the_tiny_models_is_within_2x_of_the_pipeline(tiny_target_dir, one_thread):
     """One packet of the embedded default (conf/target/tiny.yaml + conf/drafter/tiny.yaml, fp32):
     data.token_budget tokens of data.max_length-token samples (a 64-token prompt, then supervised),
-    the tiny drafter's anchors; timed through target_forward and dflash_loss + backward, 1 thread."""
+    the tiny drafter's anchors; timed through target_forward and dflash_loss + backward, 1 thread,
+    best of 5."""
     cfg = _config(["experiment=tiny_cpu"])
     meta = read_target_meta(str(tiny_target_dir))
     shape = shape_from_meta(meta)
@@ -252,9 +256,9 @@ def test_predicted_cost_ratio_of_the_tiny_models_is_within_2x_of_the_pipeline(ti
         res.loss.backward()
         out["rows"] = res.num_rows
 
-    t_target = _best_seconds(target_step)
+    target_step()
     aux, final = (x.clone() for x in out["hidden"])  # what a packet carries: normal tensors
-    t_drafter = _best_seconds(drafter_step)
+    t_target, t_drafter = _best_seconds([target_step, drafter_step])
 
     real = anchors[anchors >= 0]
     packet = PacketShape(
@@ -282,7 +286,7 @@ def test_predicted_cost_ratio_of_the_tiny_models_is_within_2x_of_the_pipeline(ti
         f"target/drafter cost ratio: predicted {predicted:.3f}, measured {measured:.3f}, "
         f"predicted/measured {predicted / measured:.2f}"
     )
-    assert 0.1 < t_target < 5 and 0.1 < t_drafter < 5, "pick a shape where the FLOPs dominate"
+    assert min(t_target, t_drafter) > 0.1, "pick a shape where the FLOPs dominate"
     assert 0.5 <= predicted / measured <= 2.0
 
 
