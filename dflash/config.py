@@ -105,6 +105,33 @@ class TinyTargetConfig:
 
 
 @dataclass
+class TargetShape:
+    """The target's shape as its ``config.json`` (text config) gives it: what the planner needs
+    without a download (``python -m dflash.plan``, ``dflash.plan.costs``). When the checkpoint's
+    config.json is readable the planner reads it and reports any field that disagrees."""
+
+    num_layers: int = field(default=MISSING, metadata=FREE)
+    """num_hidden_layers (all decoder layers, linear-attention ones included)."""
+    hidden_size: int = field(default=MISSING, metadata=FREE)
+    intermediate_size: int = field(default=MISSING, metadata=FREE)
+    num_heads: int = field(default=MISSING, metadata=FREE)
+    """num_attention_heads of the full-attention layers."""
+    num_kv_heads: int = field(default=MISSING, metadata=FREE)
+    head_dim: int = field(default=MISSING, metadata=FREE)
+    vocab_size: int = field(default=MISSING, metadata=FREE)
+    tie_word_embeddings: bool = field(default=False, metadata=FREE)
+    attn_output_gate: bool = field(default=False, metadata=FREE)
+    """Qwen3.5/3.6 full attention: q_proj also emits a per-head output gate (2x its width)."""
+    num_linear_layers: int = field(default=0, metadata=FREE)
+    """Hybrid targets (Qwen3.5/3.6): decoder layers with Gated DeltaNet linear attention."""
+    linear_num_key_heads: int = field(default=0, metadata=FREE)
+    linear_num_value_heads: int = field(default=0, metadata=FREE)
+    linear_key_head_dim: int = field(default=0, metadata=FREE)
+    linear_value_head_dim: int = field(default=0, metadata=FREE)
+    linear_conv_kernel_dim: int = field(default=0, metadata=FREE)
+
+
+@dataclass
 class TargetConfig:
     name: str = field(default=MISSING, metadata=CONTRACT)
     path: str = field(default=MISSING, metadata=CONTRACT)
@@ -128,6 +155,8 @@ class TargetConfig:
     random_weights: bool = field(default=False, metadata=CONTRACT)
     """Build the target from its config.json with random weights on the device (no weights file):
     for throughput checks at real size (scripts/gpu_check.py), never for a drafter you keep."""
+    shape: TargetShape | None = field(default=None, metadata=FREE)
+    """The target's shape for the planner (no download needed); checked against config.json when readable."""
 
 
 DEFAULT_NUM_TAPS = 5
@@ -307,6 +336,44 @@ class FaultConfig:
 
 
 @dataclass
+class GpuSpec:
+    """One accelerator of ``conf/gpu/<name>.yaml`` (datasheet figures, cited in each file)."""
+
+    name: str = MISSING
+    bf16_tflops: float = MISSING
+    """Dense BF16 tensor-core peak in TFLOP/s (without 2:4 sparsity)."""
+    hbm_gb: float = MISSING
+    """HBM capacity in GB (10^9 bytes, as the datasheet states it)."""
+    hbm_tbps: float = MISSING
+    """HBM bandwidth in TB/s."""
+    nvlink_gbps: float = MISSING
+    """NVLink bandwidth per GPU in GB/s, both directions together (the datasheet figure)."""
+    internode_gbps: float = MISSING
+    """Network bandwidth per GPU between hosts in GB/s, one direction (e.g. one 400 Gb/s NIC = 50)."""
+    gpus_per_node: int = 8
+
+
+@dataclass
+class PlanConfig:
+    """``python -m dflash.plan``: the cost model's knobs (training ignores them)."""
+
+    world_size: int = field(default=8, metadata=FREE)
+    """GPUs to split between targets and drafters (or to co-locate both on)."""
+    gpu: str = field(default="h200", metadata=FREE)
+    """A file of conf/gpu/ (h100, h200, b200, a100) or a path to a YAML file with the GpuSpec fields."""
+    mfu_target: float = field(default=0.4, metadata=FREE)
+    """Fraction of the dense BF16 peak the target's forward achieves (SpecForge measured ~43% prefill MFU)."""
+    mfu_drafter: float = field(default=0.4, metadata=FREE)
+    """Fraction of the peak the drafter step achieves (SpecForge measured ~44% on 8xH200)."""
+    mean_sample_tokens: int | None = field(default=None, metadata=FREE)
+    """Mean tokens per sample; None = the prepared dataset's mean when its cache exists, else 1024."""
+    supervised_fraction: float | None = field(default=None, metadata=FREE)
+    """Share of tokens under the loss mask; None = the prepared dataset's when cached, else 0.7."""
+    reserved_gib: float = field(default=4.0, metadata=FREE)
+    """Memory per GPU not available to tensors (CUDA context, NCCL buffers, allocator slack)."""
+
+
+@dataclass
 class Config:
     name: str = field(default="run", metadata=FREE)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
@@ -320,6 +387,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 # ----------------------------------------------------------------------------------------------

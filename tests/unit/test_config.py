@@ -35,7 +35,9 @@ def _compose(overrides: list[str]) -> Config:
 
 
 def test_required_experiments_exist():
-    assert {"tiny_cpu", "qwen3_8b_7x1", "qwen3_6_27b_7x1"} <= set(EXPERIMENTS)
+    assert {"tiny_cpu", "qwen3_8b_7x1", "qwen3_6_27b_7x1", "qwen3_8b_8gpu", "qwen3_6_27b_8gpu"} <= set(
+        EXPERIMENTS
+    )
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

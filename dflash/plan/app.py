@@ -1,0 +1,77 @@
+"""``python -m dflash.plan``: how to use a world of GPUs for a training config.
+
+    python -m dflash.plan experiment=qwen3_8b_8gpu plan.world_size=8 plan.gpu=h200
+    python -m dflash.plan experiment=qwen3_6_27b_8gpu plan.gpu=h100 plan.mfu_drafter=0.3
+
+The training config and its overrides (``conf/plan_app.yaml`` composes ``conf/config.yaml``) plus
+``plan.*``. Prints the table of :mod:`dflash.plan.report` and ends with one JSON line. Needs no
+GPU and no network, builds nothing and writes nothing; ``data.path`` may stay unset.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.config import Config, PlanConfig, raise_problems, register_configs, to_config
+from dflash.plan.inputs import resolve_inputs
+from dflash.plan.planner import make_plan
+from dflash.plan.report import render, summary
+
+register_configs()
+
+
+def plan_problems(p: PlanConfig) -> list[str]:
+    """Every invalid ``plan.*`` value, each with the override that fixes it."""
+    checks = [
+        (
+            p.world_size >= 2,
+            f"plan.world_size={p.world_size}: need at least 2 GPUs to split; set plan.world_size=8",
+        ),
+        (
+            0 < p.mfu_target <= 1,
+            f"plan.mfu_target={p.mfu_target}: must be in (0, 1]; e.g. plan.mfu_target=0.4",
+        ),
+        (
+            0 < p.mfu_drafter <= 1,
+            f"plan.mfu_drafter={p.mfu_drafter}: must be in (0, 1]; e.g. plan.mfu_drafter=0.4",
+        ),
+        (
+            p.mean_sample_tokens is None or p.mean_sample_tokens >= 2,
+            f"plan.mean_sample_tokens={p.mean_sample_tokens}: must be >= 2 or null",
+        ),
+        (
+            p.supervised_fraction is None or 0 < p.supervised_fraction <= 1,
+            f"plan.supervised_fraction={p.supervised_fraction}: must be in (0, 1] or null",
+        ),
+        (p.reserved_gib >= 0, f"plan.reserved_gib={p.reserved_gib}: must be >= 0"),
+    ]
+    return [msg for ok, msg in checks if not ok]
+
+
+def plan_config(dcfg: DictConfig) -> Config:
+    """The typed config to plan; ``data.path`` may be unset (then the data statistics come from
+    ``plan.*`` or the defaults). Raises ValueError naming every bad ``plan.*`` value."""
+    if OmegaConf.is_missing(dcfg.data, "path"):
+        dcfg.data.path = ""
+    cfg = to_config(dcfg)
+    raise_problems(plan_problems(cfg.plan), "plan")
+    return cfg
+
+
+def run(dcfg: DictConfig) -> dict[str, Any]:
+    """Plan ``dcfg``: print the table, then the JSON summary as the last line; returns the summary."""
+    cfg = plan_config(dcfg)
+    plan = make_plan(cfg, resolve_inputs(cfg))
+    print(render(plan, cfg.name))
+    out = summary(plan, cfg.name, cfg.plan.gpu)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="plan_app")
+def main(dcfg: DictConfig) -> None:
+    run(dcfg)

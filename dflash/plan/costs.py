@@ -1,0 +1,244 @@
+"""FLOPs and bytes of one packet for each role: the planner's cost model (pure Python, no torch).
+
+A packet is what one target forward produces and one drafter step consumes: ``tokens`` tokens of
+``num_seqs`` documents (packed in one row, or padded rows for targets that cannot pack), with
+``num_anchors`` blocks of ``block_size`` slots sampled on it. Units: FLOP (a multiply-add is 2
+FLOP; a GEMM ``[m, k] @ [k, n]`` is ``2*m*n*k``) and bytes. Only GEMM-like work is counted:
+norms, RoPE, activations, softmaxes and the loss's elementwise passes are a few FLOP per element,
+against ``2*H`` per element for the GEMMs that produce them, and are left out.
+
+Notation: ``H`` hidden size, ``F`` FFN size, ``nh``/``nkv``/``hd`` query heads, key-value heads
+and head dim, ``V`` vocabulary, ``n_tap`` tapped target layers, ``B`` block size.
+
+Target (headless forward, never the lm_head), per computed token (padding included) and layer:
+
+- full attention: projections ``2*H*(g*nh*hd + 2*nkv*hd) + 2*nh*hd*H`` (``g = 2`` when q_proj also
+  emits an output gate, Qwen3.5/3.6), plus scores and weighted sum ``4*nh*hd*k`` for ``k`` keys per
+  query (see :data:`AttentionKind`);
+- Gated DeltaNet linear attention (hybrid Qwen3.5/3.6 layers, ``dk = nk*dk_head``,
+  ``dv = nv*dv_head``): projections ``2*H*(2*dk + 2*dv + 2*nv) + 2*dv*H`` (in_proj_qkv, in_proj_z,
+  in_proj_a/b, out_proj), causal conv ``2*K*(2*dk + dv)`` and the delta rule ``6*nv*dk_head*dv_head``
+  (state times key, rank-1 state update, state times query; the chunked kernels do about as much);
+- SwiGLU MLP ``6*H*F``.
+
+Drafter step (forward + backward), per packet:
+
+- ``fc``: ``2*S_c*(n_tap*H)*H`` forward over the ``S_c`` context rows, and backward only its weight
+  gradient (the target's taps need no gradient): 2x forward in total;
+- per decoder layer, over the ``Q = blocks*B`` block tokens: q and o projections ``2*2*Q*H*nh*hd``,
+  k and v over context and blocks ``2*2*(S_c + Q)*H*nkv*hd``, MLP ``6*Q*H*F``, attention
+  ``4*nh*hd*k`` per block query; backward = 2x forward (input and weight gradients): 3x in total;
+- the loss over the ``R`` supervised slots with the frozen lm_head, chunked: drafter logits
+  ``2*R*H*V``, the logit gradient ``dh = G @ W`` ``2*R*H*V``, and the verifier logits
+  ``2*R*H*V`` when a term or the metrics need them (KL, verifier-CE, accuracy against the verifier
+  argmax and tau_hat).
+
+Attention keys per query (:data:`AttentionKind`): ``"sparse"`` kernels skip masked tiles
+(flex_attention, flash-attention varlen), so a target query at position ``p`` of its document
+sees ``p + 1`` keys (``(L + 1)/2`` on average for documents of ``L`` tokens) and a drafter block
+query sees the context before its anchor plus its own ``B`` slots (``L/2 + B`` on average for
+uniform anchors); ``"dense"`` kernels (SDPA or eager with an explicit mask, which transformers
+passes for packed or padded rows) compute every query-key pair of the row. Tile rounding of
+sparse kernels is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from dflash.config import LossConfig, TargetShape
+
+AttentionKind = Literal["sparse", "dense"]
+"""How many keys an attention kernel computes per query: only the visible ones, or the whole row."""
+
+LOSS_GEMMS = ("drafter_logits", "logit_grad", "verifier_logits")
+
+
+class DrafterShape(Protocol):
+    """What the cost model reads of a drafter (``dflash.drafter.model.DrafterArch`` is one)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+
+    @property
+    def num_taps(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class PacketShape:
+    """One packet in the units of the formulas.
+
+    ``tokens`` real tokens of ``num_seqs`` documents; ``num_anchors`` blocks with a loss (all
+    documents together). The optional fields default to what the packet itself implies:
+
+    - ``loss_rows``: supervised slots (default ``num_anchors * (block_size - 1)``: every slot
+      after the given one of every block);
+    - ``target_tokens`` / ``target_row_tokens``: tokens the target computes and the length of one
+      of its rows (default: one packed row, ``tokens``; padded rows: ``num_seqs * L_max`` and
+      ``L_max``);
+    - ``drafter_context_tokens`` / ``drafter_blocks``: context rows and blocks the drafter
+      computes (default ``tokens`` and ``num_anchors``; a static flex shape pads them to
+      ``data.token_budget`` and ``drafter.max_anchors_per_packet``, padding blocks seeing only
+      their own slots);
+    - ``anchor_context``: mean context keys a real block sees (default ``tokens / num_seqs / 2``:
+      anchors uniform over documents of equal length).
+    """
+
+    tokens: int
+    num_seqs: int
+    num_anchors: int
+    loss_rows: int | None = None
+    target_tokens: int | None = None
+    target_row_tokens: int | None = None
+    drafter_context_tokens: int | None = None
+    drafter_blocks: int | None = None
+    anchor_context: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.num_seqs < 1 or self.num_anchors < 0:
+            raise ValueError(f"PacketShape needs tokens >= 1, num_seqs >= 1, num_anchors >= 0: {self}")
+
+    @property
+    def mean_doc_tokens(self) -> float:
+        return self.tokens / self.num_seqs
+
+
+@dataclass(frozen=True)
+class PacketCosts:
+    """FLOPs (forward of the target; forward + backward of the drafter) and wire bytes of one packet."""
+
+    target_flop: float
+    """Headless target forward (decoder layers; no embedding lookup, no lm_head)."""
+    target_attention_flop: float
+    """The part of ``target_flop`` spent in attention scores and weighted sums."""
+    drafter_layers_flop: float
+    """``fc`` and the decoder layers, forward + backward."""
+    drafter_attention_flop: float
+    """The part of ``drafter_layers_flop`` spent in attention scores and weighted sums."""
+    drafter_loss_flop: dict[str, float]
+    """The loss GEMMs by name (:data:`LOSS_GEMMS`); 0 for one that does not run."""
+    hidden_bytes: int
+    """Tapped and final hidden states on the wire: ``tokens * (n_tap + 1) * H * dtype_bytes``."""
+    payload_bytes: int
+    """Everything a packet carries: hidden states, input ids (int64), loss mask (uint8), lengths (int64)."""
+
+    @property
+    def drafter_loss_total(self) -> float:
+        return sum(self.drafter_loss_flop.values())
+
+    @property
+    def drafter_flop(self) -> float:
+        """One drafter step on the packet: layers + loss."""
+        return self.drafter_layers_flop + self.drafter_loss_total
+
+
+def target_layer_flop_per_token(target: TargetShape, keys_per_query: float) -> tuple[float, float]:
+    """``(all layers, their attention part)`` FLOPs of one token through the target's decoder layers."""
+    h, f = target.hidden_size, target.intermediate_size
+    gate = 2 if target.attn_output_gate else 1
+    nh, nkv, hd = target.num_heads, target.num_kv_heads, target.head_dim
+    full_proj = 2 * h * (gate * nh * hd + 2 * nkv * hd) + 2 * nh * hd * h
+    full_attn = 4 * nh * hd * keys_per_query
+    nk, nv = target.linear_num_key_heads, target.linear_num_value_heads
+    dk, dv = nk * target.linear_key_head_dim, nv * target.linear_value_head_dim
+    linear = (
+        2 * h * (2 * dk + 2 * dv + 2 * nv)
+        + 2 * dv * h
+        + 2 * target.linear_conv_kernel_dim * (2 * dk + dv)
+        + 6 * nv * target.linear_key_head_dim * target.linear_value_head_dim
+    )
+    mlp = 6 * h * f
+    num_full = target.num_layers - target.num_linear_layers
+    total = num_full * (full_proj + full_attn + mlp) + target.num_linear_layers * (linear + mlp)
+    return total, num_full * full_attn
+
+
+def target_keys_per_query(packet: PacketShape, attention: AttentionKind) -> float:
+    """Mean keys a target query attends to: ``(L + 1)/2`` causal within its document (sparse) or
+    the whole row (dense)."""
+    if attention == "dense":
+        return float(packet.target_row_tokens or packet.tokens)
+    return (packet.mean_doc_tokens + 1) / 2
+
+
+def drafter_keys_per_query(packet: PacketShape, block_size: int, attention: AttentionKind) -> float:
+    """Mean keys a drafter block query attends to, over all computed blocks (padding included).
+
+    sparse: a real block sees ``anchor_context + B`` keys, a padding block its own ``B``;
+    dense: every context row and every block slot of the row, ``S_c + blocks * B``.
+    """
+    blocks = packet.drafter_blocks if packet.drafter_blocks is not None else packet.num_anchors
+    context = packet.drafter_context_tokens or packet.tokens
+    if attention == "dense":
+        return float(context + blocks * block_size)
+    if blocks == 0:
+        return 0.0
+    anchor_context = (
+        packet.anchor_context if packet.anchor_context is not None else packet.mean_doc_tokens / 2
+    )
+    real = min(packet.num_anchors, blocks)
+    return (real * anchor_context + blocks * block_size) / blocks
+
+
+def packet_costs(
+    target: TargetShape,
+    drafter: DrafterShape,
+    packet: PacketShape,
+    loss: LossConfig,
+    *,
+    target_attention: AttentionKind,
+    drafter_attention: AttentionKind,
+    verifier_metrics: bool = True,
+    hidden_dtype_bytes: int = 2,
+) -> PacketCosts:
+    """The FLOPs and bytes of ``packet`` for the target and the drafter (formulas: module docstring).
+
+    ``verifier_metrics``: the verifier logits are computed for the metrics even when no loss term
+    needs them (what the trainer does: accuracy against the verifier argmax and tau_hat).
+    ``hidden_dtype_bytes``: bytes per element of the hidden states on the wire (2 for bf16).
+    """
+    if drafter.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"drafter hidden size {drafter.hidden_size} != target hidden size {target.hidden_size}"
+        )
+    per_token, attn_per_token = target_layer_flop_per_token(
+        target, target_keys_per_query(packet, target_attention)
+    )
+    t_tokens = packet.target_tokens or packet.tokens
+    target_flop = per_token * t_tokens
+    target_attention_flop = attn_per_token * t_tokens
+
+    h, bs = drafter.hidden_size, drafter.block_size
+    nh, nkv, hd = drafter.num_heads, drafter.num_kv_heads, drafter.head_dim
+    blocks = packet.drafter_blocks if packet.drafter_blocks is not None else packet.num_anchors
+    q = blocks * bs
+    s_c = packet.drafter_context_tokens or packet.tokens
+    attn = 4 * nh * hd * q * drafter_keys_per_query(packet, bs, drafter_attention)
+    layer = 2 * 2 * q * h * nh * hd + 2 * 2 * (s_c + q) * h * nkv * hd + 6 * q * h * drafter.intermediate_size
+    fc = 2 * s_c * drafter.num_taps * h * h
+    drafter_layers_flop = 3 * drafter.num_layers * (layer + attn) + 2 * fc
+    drafter_attention_flop = 3 * drafter.num_layers * attn
+
+    rows = packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (bs - 1)
+    gemm = 2 * rows * h * drafter.vocab_size
+    verifier = loss.kl > 0 or loss.verifier_ce > 0 or verifier_metrics
+    loss_flop = {"drafter_logits": gemm, "logit_grad": gemm, "verifier_logits": gemm if verifier else 0}
+
+    hidden = packet.tokens * (drafter.num_taps + 1) * h * hidden_dtype_bytes
+    payload = hidden + packet.tokens * (8 + 1) + packet.num_seqs * 8
+    return PacketCosts(
+        target_flop=float(target_flop),
+        target_attention_flop=float(target_attention_flop),
+        drafter_layers_flop=float(drafter_layers_flop),
+        drafter_attention_flop=float(drafter_attention_flop),
+        drafter_loss_flop={k: float(v) for k, v in loss_flop.items()},
+        hidden_bytes=int(hidden),
+        payload_bytes=int(payload),
+    )

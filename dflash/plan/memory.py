@@ -1,0 +1,180 @@
+"""Memory per GPU for each role (GiB by item): the planner's memory model (pure Python, no torch).
+
+Exact items (what the code allocates):
+
+- target weights: every parameter of the ``*ForCausalLM`` in the target dtype (the lm_head is
+  loaded although never run; tied embeddings are counted once);
+- drafter weights, gradients and AdamW moments: fp32, 4 + 4 + 8 bytes per trainable parameter
+  (the trainer keeps fp32 master weights and computes under bf16 autocast);
+- the drafter's frozen embedding and lm_head copies (``2 * V * H`` in the target dtype);
+- the loss workspace: ``n_buf`` fp32 ``[C, V]`` chunk buffers (2 with verifier logits, 1
+  without) plus ``dh`` and the compacted rows ``[R, H]`` in fp32;
+- packet buffers: a target holds the packet it builds plus ``max_in_flight`` unacknowledged ones,
+  a drafter the packet it trains on plus the one it receives ahead.
+
+Estimates (stated element counts, checked against saved-tensor sizes of the tiny drafter in
+tests/unit/test_plan.py):
+
+- drafter activations saved for backward, per decoder layer: ``10*H + 4*nh*hd + 4*nkv*hd + 4*F``
+  elements per block token (norm inputs and outputs, q/k/v, attention output, MLP gate/up/product)
+  and ``4*nkv*hd`` per context token (its keys and values before and after norm and RoPE), plus
+  ``(n_tap + 3)*H`` per context token once (fc input and output, hidden norm); 4 bytes per element
+  in fp32, about 3 under bf16 autocast (bf16 GEMM operands, fp32 norms and residual stream);
+- target activations (inference mode, nothing kept between layers): the working set of one layer,
+  ``4*H + (g + 1)*nh*hd + 2*nkv*hd + 3*F`` elements per computed token, plus for a dense-attention
+  kernel the ``[row, row]`` mask of each row (1 byte bool + the additive mask SDPA derives from
+  it in the compute dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash.config import TargetShape
+from dflash.plan.costs import AttentionKind, DrafterShape, PacketShape
+
+GIB = 2**30
+ADAM_BYTES_PER_PARAM = 4 + 4 + 8
+"""fp32 weights, fp32 gradients, fp32 AdamW first and second moments."""
+AUTOCAST_ACT_BYTES = 3.0
+"""Mean bytes per saved activation element under bf16 autocast (measured 2.6-3.0 on the tiny drafter)."""
+
+
+@dataclass(frozen=True)
+class RunDtypes:
+    """Element sizes of a run: target weights and hidden states, drafter activations."""
+
+    target_bytes: int = 2
+    """bf16 target (weights, hidden states on the wire, frozen embedding and lm_head)."""
+    activation_bytes: float = AUTOCAST_ACT_BYTES
+    """Per saved drafter activation element: 4 in fp32, :data:`AUTOCAST_ACT_BYTES` under bf16 autocast."""
+
+
+def target_num_params(target: TargetShape) -> int:
+    """Parameters of the target ``*ForCausalLM`` (matrices only; norms and biases are negligible)."""
+    h, f = target.hidden_size, target.intermediate_size
+    nh, nkv, hd = target.num_heads, target.num_kv_heads, target.head_dim
+    gate = 2 if target.attn_output_gate else 1
+    full = h * (gate * nh * hd + 2 * nkv * hd) + nh * hd * h
+    nk, nv = target.linear_num_key_heads, target.linear_num_value_heads
+    dk, dv = nk * target.linear_key_head_dim, nv * target.linear_value_head_dim
+    linear = h * (2 * dk + 2 * dv + 2 * nv) + dv * h + target.linear_conv_kernel_dim * (2 * dk + dv)
+    num_full = target.num_layers - target.num_linear_layers
+    layers = num_full * full + target.num_linear_layers * linear + target.num_layers * 3 * h * f
+    embeddings = (1 if target.tie_word_embeddings else 2) * target.vocab_size * h
+    return layers + embeddings
+
+
+def drafter_num_params(drafter: DrafterShape) -> int:
+    """Trainable drafter parameters: decoder layers and ``fc`` (the norms are negligible)."""
+    h = drafter.hidden_size
+    nh, nkv, hd = drafter.num_heads, drafter.num_kv_heads, drafter.head_dim
+    layer = 2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * drafter.intermediate_size
+    return drafter.num_layers * layer + drafter.num_taps * h * h
+
+
+def target_memory(
+    target: TargetShape,
+    packet: PacketShape,
+    num_taps: int,
+    *,
+    attention: AttentionKind,
+    max_in_flight: int,
+    dtypes: RunDtypes,
+) -> dict[str, float]:
+    """GiB by item on a target rank: ``weights``, ``activations``, ``packets``."""
+    a = dtypes.target_bytes
+    h, nh, nkv, hd = target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim
+    gate = 2 if target.attn_output_gate else 1
+    tokens = packet.target_tokens or packet.tokens
+    working = tokens * (4 * h + (gate + 1) * nh * hd + 2 * nkv * hd + 3 * target.intermediate_size) * a
+    if attention == "dense":
+        row = packet.target_row_tokens or packet.tokens
+        working += (tokens // row) * row * row * (1 + a)
+    packet_bytes = packet.tokens * (num_taps + 1) * h * a
+    return {
+        "weights": target_num_params(target) * a / GIB,
+        "activations": working / GIB,
+        "packets": (1 + max_in_flight) * packet_bytes / GIB,
+    }
+
+
+def drafter_memory(
+    drafter: DrafterShape,
+    packet: PacketShape,
+    *,
+    loss_chunk_rows: int,
+    verifier_logits: bool,
+    dtypes: RunDtypes,
+) -> dict[str, float]:
+    """GiB by item on a drafter rank: ``weights``, ``gradients``, ``adamw``, ``embed_and_head``,
+    ``activations``, ``loss_workspace``, ``packets``. ``loss_chunk_rows``: the loss chunk ``C``
+    (``dflash.loss.verifier.default_chunk_size`` or ``loss.chunk_size``)."""
+    h, bs = drafter.hidden_size, drafter.block_size
+    nh, nkv, hd, f = drafter.num_heads, drafter.num_kv_heads, drafter.head_dim, drafter.intermediate_size
+    params = drafter_num_params(drafter)
+    blocks = packet.drafter_blocks if packet.drafter_blocks is not None else packet.num_anchors
+    q = blocks * bs
+    s_c = packet.drafter_context_tokens or packet.tokens
+    per_block_token = 10 * h + 4 * nh * hd + 4 * nkv * hd + 4 * f
+    elements = (
+        drafter.num_layers * (q * per_block_token + s_c * 4 * nkv * hd) + s_c * (drafter.num_taps + 3) * h
+    )
+    rows = packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (bs - 1)
+    chunk = min(loss_chunk_rows, max(rows, 1))
+    workspace = (2 if verifier_logits else 1) * chunk * drafter.vocab_size * 4 + 2 * rows * h * 4
+    packet_bytes = packet.tokens * (drafter.num_taps + 1) * h * dtypes.target_bytes
+    return {
+        "weights": params * 4 / GIB,
+        "gradients": params * 4 / GIB,
+        "adamw": params * 8 / GIB,
+        "embed_and_head": 2 * drafter.vocab_size * h * dtypes.target_bytes / GIB,
+        "activations": elements * dtypes.activation_bytes / GIB,
+        "loss_workspace": workspace / GIB,
+        "packets": 2 * packet_bytes / GIB,
+    }
+
+
+def colocated_memory(target_items: dict[str, float], drafter_items: dict[str, float]) -> dict[str, float]:
+    """GiB by item on a co-located rank: the target and a drafter replica on one device.
+
+    Both weight sets, the drafter's gradients, AdamW moments and frozen copies stay; the target's
+    activations are freed before the drafter step, so the transient peak is the larger of the
+    target's activations and the drafter's activations plus loss workspace; one packet, handed
+    over in memory."""
+    drafter_transient = drafter_items["activations"] + drafter_items["loss_workspace"]
+    return {
+        "target_weights": target_items["weights"],
+        "drafter_weights": drafter_items["weights"],
+        "gradients": drafter_items["gradients"],
+        "adamw": drafter_items["adamw"],
+        "embed_and_head": drafter_items["embed_and_head"],
+        "activations_peak": max(target_items["activations"], drafter_transient),
+        "packets": drafter_items["packets"] / 2,
+    }
+
+
+def memory_per_role(
+    target: TargetShape,
+    drafter: DrafterShape,
+    packet: PacketShape,
+    *,
+    target_attention: AttentionKind,
+    max_in_flight: int,
+    loss_chunk_rows: int,
+    verifier_logits: bool,
+    dtypes: RunDtypes,
+) -> dict[str, dict[str, float]]:
+    """GiB by item for each role: ``target``, ``drafter`` and ``colocated`` (both on one GPU)."""
+    t = target_memory(
+        target,
+        packet,
+        drafter.num_taps,
+        attention=target_attention,
+        max_in_flight=max_in_flight,
+        dtypes=dtypes,
+    )
+    d = drafter_memory(
+        drafter, packet, loss_chunk_rows=loss_chunk_rows, verifier_logits=verifier_logits, dtypes=dtypes
+    )
+    return {"target": t, "drafter": d, "colocated": colocated_memory(t, d)}

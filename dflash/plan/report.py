@@ -1,0 +1,121 @@
+"""The planner's output: a readable table and the one-line JSON summary that ends it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.plan.planner import ROLES, Plan
+from dflash.plan.throughput import Split
+
+TERA = 1e12
+
+
+def link_gbps(plan: Plan, split: Split) -> float:
+    """GB/s through the busiest GPU's link at the split's packet rate: each drafter receives
+    ``rate / M`` packets/s, each target sends ``rate / N``."""
+    if split.mode == "colocated":
+        return 0.0
+    busiest = min(split.num_targets, split.num_drafters)
+    return split.packets_per_s / busiest * plan.costs.payload_bytes / 1e9
+
+
+def summary(plan: Plan, name: str, gpu: str) -> dict[str, Any]:
+    """The JSON summary (the last output line of ``python -m dflash.plan``)."""
+    best, co, spp = plan.best, plan.colocated, plan.samples_per_packet
+    return {
+        "experiment": name,
+        "gpu": gpu,
+        "world_size": plan.world_size,
+        "mode": plan.mode,
+        "num_targets": best.num_targets,
+        "num_drafters": best.num_drafters,
+        "expected_packets_per_s": round(best.packets_per_s, 4),
+        "expected_samples_per_s": round(best.packets_per_s * spp, 3),
+        "colocated_samples_per_s": round(co.packets_per_s * spp, 3) if co.fits else 0.0,
+        "configured_samples_per_s": round(plan.configured.packets_per_s * spp, 3)
+        if plan.configured
+        else None,
+        "samples_per_packet": spp,
+        "target_tflop_per_packet": round(plan.costs.target_flop / TERA, 3),
+        "drafter_tflop_per_packet": round(plan.costs.drafter_flop / TERA, 3),
+        "drafter_loss_tflop_per_packet": round(plan.costs.drafter_loss_total / TERA, 3),
+        "hidden_mb_per_packet": round(plan.costs.hidden_bytes / 1e6, 1),
+        "link_gbps_busiest_gpu": round(link_gbps(plan, best), 3),
+        "mfu_target": plan.times.mfu_target,
+        "mfu_drafter": plan.times.mfu_drafter,
+        "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
+        "fits": dict(plan.fits),
+        "warnings": plan.warnings,
+    }
+
+
+def _tf(x: float) -> str:
+    return f"{x / TERA:10.2f}"
+
+
+def render(plan: Plan, name: str) -> str:
+    """The table: inputs, per-packet FLOPs and bytes, memory per role, every split, the verdict."""
+    inp, c, pk, gpu, arch = plan.inputs, plan.costs, plan.inputs.packet, plan.inputs.gpu, plan.inputs.arch
+    ts = inp.target.shape
+    lines = [
+        f"dflash plan: {name} on {plan.world_size} x {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s dense bf16 each)",
+        f"  target : {ts.num_layers} layers ({ts.num_linear_layers} linear attention), H {ts.hidden_size}, "
+        f"FFN {ts.intermediate_size}, {ts.num_heads}/{ts.num_kv_heads} heads x {ts.head_dim}, V {ts.vocab_size} "
+        f"[{inp.target.source}]; attention {inp.target_attention}",
+        f"  drafter: {arch.num_layers} layers, FFN {arch.intermediate_size}, {arch.num_heads}/{arch.num_kv_heads} "
+        f"heads x {arch.head_dim}, {arch.num_taps} taps, block {arch.block_size}; attention {inp.drafter_attention}",
+        f"  data   : {inp.stats.mean_sample_tokens:.0f} tokens per sample, {inp.stats.supervised_fraction:.2f} "
+        f"supervised [{inp.stats.source}]",
+        "",
+        f"Per packet: {pk.num_seqs} samples, {pk.tokens} tokens, {pk.num_anchors} anchors x {arch.block_size} slots, "
+        f"{pk.loss_rows} loss rows; drafter computes {pk.drafter_context_tokens or pk.tokens} context rows and "
+        f"{pk.drafter_blocks if pk.drafter_blocks is not None else pk.num_anchors} blocks",
+        "  role     what                                      TFLOP",
+        f"  target   forward, headless (no lm_head)       {_tf(c.target_flop)}",
+        f"             of which attention                 {_tf(c.target_attention_flop)}",
+        f"  drafter  fc + layers, forward + backward      {_tf(c.drafter_layers_flop)}",
+        f"             of which attention                 {_tf(c.drafter_attention_flop)}",
+        f"           loss: drafter logits                 {_tf(c.drafter_loss_flop['drafter_logits'])}",
+        f"           loss: logit gradient (dh = G W)      {_tf(c.drafter_loss_flop['logit_grad'])}",
+        f"           loss: verifier logits                {_tf(c.drafter_loss_flop['verifier_logits'])}",
+        f"           total                                {_tf(c.drafter_flop)}",
+        f"  drafter/target FLOP ratio {c.drafter_flop / c.target_flop:.2f}; on the wire {c.hidden_bytes / 1e6:.1f} MB "
+        f"of hidden states ({arch.num_taps} taps + final, {inp.dtypes.target_bytes} bytes each), "
+        f"{c.payload_bytes / 1e6:.1f} MB in all",
+        f"  one GPU per packet: target {plan.times.target_s:.3f} s, drafter {plan.times.drafter_s:.3f} s "
+        f"(t = FLOP / (peak x MFU), MFU target {plan.times.mfu_target:g}, drafter {plan.times.mfu_drafter:g})",
+        "",
+        f"Memory per GPU, GiB (capacity {plan.capacity_gib:.1f}: {gpu.hbm_gb:g} GB minus reserved)",
+    ]
+    for role in ROLES:
+        items = ", ".join(f"{k} {v:.1f}" for k, v in plan.memory[role].items())
+        verdict = "FITS" if plan.fits[role] else "DOES NOT FIT"
+        lines.append(f"  {role:<9} {sum(plan.memory[role].values()):7.1f}  {verdict:<12}  ({items})")
+    lines += [
+        "",
+        f"Splits of {plan.world_size} GPUs: packets/s = min(N / t_target, M / t_drafter, link)",
+        "  N:M            packets/s  samples/s  bound      link GB/s (busiest GPU)",
+    ]
+    for s in [*plan.splits, plan.colocated]:
+        marks = [
+            m for m, hit in (("recommended", s is plan.best), ("configured", s is plan.configured)) if hit
+        ]
+        if not s.fits:
+            marks.append("does not fit")
+        lines.append(
+            f"  {s.label:<14} {s.packets_per_s:9.3f} {s.packets_per_s * plan.samples_per_packet:10.2f}  "
+            f"{s.bound:<9}  {link_gbps(plan, s):8.2f}   {' '.join(f'<- {m}' for m in marks)}"
+        )
+    lines.append("")
+    b = plan.best
+    lines.append(
+        f"Recommended split: {b.label} (topology.num_targets={b.num_targets} topology.num_drafters="
+        f"{b.num_drafters}): {b.packets_per_s * plan.samples_per_packet:.2f} samples/s"
+        f"{'' if b.fits else ' (a role does not fit: see the warnings)'}"
+    )
+    lines.append(
+        f"Co-located (topology.colocated=true): {plan.colocated.packets_per_s * plan.samples_per_packet:.2f} samples/s"
+        f"{'' if plan.colocated.fits else ' (does not fit)'}; faster here: {plan.mode}"
+    )
+    lines += [f"WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines)

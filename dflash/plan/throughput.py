@@ -1,0 +1,137 @@
+"""Packets per second of every way to use a world of GPUs: N:M splits and the co-located mode.
+
+Times per packet on one GPU of peak ``P`` FLOP/s (dense BF16, from ``conf/gpu/``):
+
+- ``t_target = target_flop / (P * mfu_target)``;
+- ``t_drafter = drafter_flop / (P * mfu_drafter) + t_sync / accum``: the step's gradient
+  all-reduce among the ``M`` drafters (ring: ``2*(M-1)/M`` of the fp32 gradients over one
+  direction of the GPU's link) and the AdamW update (28 bytes per parameter: read weights,
+  gradients and both moments, write weights and both moments, at HBM bandwidth), once per
+  optimizer step of ``accum`` packets.
+
+MFU here is the achieved fraction of the peak over the FLOPs the kernels execute (padding and the
+masked half of dense attention included), so it is comparable between roles.
+
+Disaggregated ``N:M`` (``N`` targets, ``M`` drafters): packets/s
+``= min(N / t_target, M / t_drafter, N * link / bytes, M * link / bytes)``, where ``bytes`` is
+what a packet carries and ``link`` one direction of a GPU's NVLink (or of its network share when
+the world spans hosts): each target sends, each drafter receives, its share of the packets.
+
+Co-located (every GPU holds the target and a drafter replica and runs both per packet, no
+send/recv): packets/s ``= W / (t_target + t_drafter)`` with the all-reduce among all ``W``.
+
+The recommended split is the one with the most packets/s among those where both roles fit in
+memory (among all when none fits), ties going to more drafters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash.config import GpuSpec
+from dflash.plan.costs import PacketCosts
+
+ADAMW_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class RoleTimes:
+    """Seconds one GPU needs per packet for each role (compute only) and per optimizer step (sync)."""
+
+    target_s: float
+    drafter_s: float
+    mfu_target: float
+    mfu_drafter: float
+    drafter_params: int
+    grad_accum_steps: int
+
+    def drafter_step_s(self, num_drafters: int, gpu: GpuSpec, world_size: int) -> float:
+        """Drafter seconds per packet including its share of the step's all-reduce and AdamW update."""
+        grad_bytes = 4 * self.drafter_params
+        allreduce = 2 * (num_drafters - 1) / num_drafters * grad_bytes / link_bytes_per_s(gpu, world_size)
+        adamw = ADAMW_BYTES_PER_PARAM * self.drafter_params / (gpu.hbm_tbps * 1e12)
+        return self.drafter_s + (allreduce + adamw) / self.grad_accum_steps
+
+
+@dataclass(frozen=True)
+class Split:
+    """One way to run on the world: ``N:M`` disaggregated, or co-located (every GPU is both roles)."""
+
+    mode: str
+    """``disaggregated`` or ``colocated``."""
+    num_targets: int
+    num_drafters: int
+    packets_per_s: float
+    bound: str
+    """What limits it: ``targets``, ``drafters``, ``link`` (disaggregated) or ``both`` (co-located)."""
+    fits: bool
+
+    @property
+    def label(self) -> str:
+        return (
+            f"co-located x{self.num_targets}"
+            if self.mode == "colocated"
+            else f"{self.num_targets}:{self.num_drafters}"
+        )
+
+
+def role_times(
+    costs: PacketCosts,
+    gpu: GpuSpec,
+    *,
+    mfu_target: float,
+    mfu_drafter: float,
+    drafter_params: int,
+    grad_accum_steps: int,
+) -> RoleTimes:
+    """``t = FLOP / (peak * MFU)`` for each role on one GPU of ``gpu``."""
+    peak = gpu.bf16_tflops * 1e12
+    return RoleTimes(
+        target_s=costs.target_flop / (peak * mfu_target),
+        drafter_s=costs.drafter_flop / (peak * mfu_drafter),
+        mfu_target=mfu_target,
+        mfu_drafter=mfu_drafter,
+        drafter_params=drafter_params,
+        grad_accum_steps=grad_accum_steps,
+    )
+
+
+def link_bytes_per_s(gpu: GpuSpec, world_size: int) -> float:
+    """One direction of a GPU's link: half the NVLink figure within a host, the network beyond it."""
+    if world_size <= gpu.gpus_per_node:
+        return gpu.nvlink_gbps / 2 * 1e9
+    return gpu.internode_gbps * 1e9
+
+
+def disaggregated(
+    times: RoleTimes,
+    payload_bytes: int,
+    gpu: GpuSpec,
+    world_size: int,
+    num_targets: int,
+    fits: bool,
+) -> Split:
+    """Packets/s of ``num_targets`` targets and ``world_size - num_targets`` drafters."""
+    m = world_size - num_targets
+    link = link_bytes_per_s(gpu, world_size) / payload_bytes
+    bounds = {
+        "targets": num_targets / times.target_s,
+        "drafters": m / times.drafter_step_s(m, gpu, world_size),
+        "link": min(num_targets, m) * link,
+    }
+    bound = min(bounds, key=lambda k: bounds[k])
+    return Split("disaggregated", num_targets, m, bounds[bound], bound, fits)
+
+
+def colocated(times: RoleTimes, gpu: GpuSpec, world_size: int, fits: bool) -> Split:
+    """Packets/s when every GPU runs the target forward and the drafter step of its own packets."""
+    per_packet = times.target_s + times.drafter_step_s(world_size, gpu, world_size)
+    return Split("colocated", world_size, world_size, world_size / per_packet, "both", fits)
+
+
+def best_split(splits: list[Split]) -> Split:
+    """The disaggregated split with the most packets/s (ties: more drafters), among those that fit
+    when any does (otherwise among all: the caller warns that a role does not fit)."""
+    disaggregated_splits = [s for s in splits if s.mode == "disaggregated"]
+    candidates = [s for s in disaggregated_splits if s.fits] or disaggregated_splits
+    return max(candidates, key=lambda s: (round(s.packets_per_s, 9), s.num_drafters))
