@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from testpaths import REPO
 
 from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs
-from dflash.drafter.blocks import build_mask, doc_ids_from_positions, make_blocks, sample_anchors
+from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks, sample_anchors
 from dflash.drafter.model import DFlashDraftModel, DrafterArch
 from dflash.drafter.objective import dflash_loss
 from dflash.plan.app import plan_config, run
@@ -310,8 +310,8 @@ def test_drafter_activation_estimate_matches_the_saved_tensors(autocast, one_thr
         torch.randperm(tokens - bs, generator=torch.Generator().manual_seed(0))[:num_blocks]
     ).values[None]
     blocks = make_blocks(torch.zeros(1, tokens, dtype=torch.long), pos, doc, anchors, bs, 0)
-    mask = build_mask(anchors, doc, bs, "sdpa")
-    skip = params | {mask.dense.untyped_storage().data_ptr()}
+    masks = build_masks(anchors, doc, bs, "sdpa", arch.layer_types, arch.sliding_window)
+    skip = params | {m.dense.untyped_storage().data_ptr() for m in masks.values() if m.dense is not None}
     seen: set[int] = set()
     saved = 0
 
@@ -330,7 +330,7 @@ def test_drafter_activation_estimate_matches_the_saved_tensors(autocast, one_thr
                 torch.randn(1, tokens, 3 * arch.hidden_size),
                 pos,
                 blocks.block_positions,
-                mask,
+                masks,
             )
     packet = PacketShape(tokens=tokens, num_seqs=1, num_anchors=num_blocks)
     dtypes = RunDtypes(target_bytes=4, activation_bytes=AUTOCAST_ACT_BYTES if autocast else 4.0)
