@@ -36,9 +36,21 @@ OBJECTIVE_SUMS: dict[str, int] = {
     "term_sums": len(TERMS),
 }
 """ObjectiveOutput fields summed per step: name -> length (0: the block size)."""
-COUNTERS = ("tokens", "seqs", "stop", "wait_s", "target_s", "busy_s", "nonfinite_loss", "nonfinite_samples")
+COUNTERS = (
+    "tokens",
+    "seqs",
+    "stop",
+    "wait_s",
+    "target_s",
+    "busy_s",
+    "nonfinite_loss",
+    "nonfinite_samples",
+    "target_flop",
+    "drafter_flop",
+)
 """Per-drafter counters summed per step (``stop``: stop requests seen; ``target_s``: the forward
-time of the step's packets; ``busy_s``: the drafter's own step time minus its waits)."""
+time of the step's packets; ``busy_s``: the drafter's own step time minus its waits; ``*_flop``:
+the planner's cost model (``dflash.plan.packet_costs``) of the step's packets)."""
 
 
 @dataclass
@@ -113,6 +125,8 @@ def step_metrics(
         "comm/recv_wait_s": c["wait_s"] / num_drafters,
         "comm/recv_wait_frac": c["wait_s"] / (num_drafters * step_s),
         "perf/drafter_busy_frac": c["busy_s"] / (num_drafters * step_s),
+        "perf/tflops/target": c["target_flop"] / max(c["target_s"], 1e-9) / 1e12,
+        "perf/tflops/drafter": c["drafter_flop"] / max(c["busy_s"], 1e-9) / 1e12,
     }
     if colocated:
         m["perf/target_frac"] = c["target_s"] / (num_drafters * step_s)

@@ -59,6 +59,8 @@ from dflash.metrics import (
     progress_bar,
     reset_peak_memory,
 )
+from dflash.plan import AttentionKind, PacketCosts, PacketShape, packet_costs
+from dflash.plan.inputs import attention_kinds, shape_from_meta
 from dflash.setup import RunSetup, resolve_path, torch_dtype
 from dflash.steplog import StepLog
 from dflash.summary import (
@@ -189,6 +191,7 @@ class DrafterTrainer:
             self.metrics_log.truncate(self.state.step)
         self.summary = RunSummary(setup.num_steps)
         self.phases = PhaseTimer(self.device, sync=cfg.train.time_phases)
+        self.target_shape = shape_from_meta(setup.meta)
         log.info(
             "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
             human_count(num_parameters(self.model)),
@@ -304,6 +307,9 @@ class DrafterTrainer:
             numerator.backward()
             phases.mark("backward")
             sums.add(out)
+            costs = self._costs(packet, out)
+            c["target_flop"] += costs.target_flop
+            c["drafter_flop"] += costs.drafter_flop
         if self.grads is not None:
             self.grads.finish(self.source_timeout)
         c["stop"] += float(self.stop_requested)
@@ -385,6 +391,27 @@ class DrafterTrainer:
         for reason, n in sorted(self.state.skipped.items()):
             m[f"data/skipped/{reason}"] = float(n)
         return m
+
+    def _costs(self, packet: Packet, out: ObjectiveOutput) -> PacketCosts:
+        """The cost model of this packet as trained (its documents, real blocks and loss rows)."""
+        target_attn, _ = attention_kinds(self.cfg, packet.num_seqs)
+        drafter_attn: AttentionKind = "sparse" if self.attention == "flex" else "dense"
+        shape = PacketShape(
+            tokens=packet.num_tokens,
+            num_seqs=packet.num_seqs,
+            num_anchors=int(out.num_blocks),
+            loss_rows=out.num_rows,
+            drafter_context_tokens=self.static_shape[0] if self.static_shape else None,
+            drafter_blocks=self.static_shape[1] if self.static_shape else None,
+        )
+        return packet_costs(
+            self.target_shape,
+            self.setup.arch,
+            shape,
+            self.cfg.loss,
+            target_attention=target_attn,
+            drafter_attention=drafter_attn,
+        )
 
     @property
     def source_timeout(self) -> float:
