@@ -124,6 +124,10 @@ def best_split(world: int, t_target: float, t_drafter: float) -> tuple[int, floa
     return n, rates[n]
 
 
+def _split(n: int, m: int) -> str:
+    return f"{n} target{'s' * (n != 1)} + {m} drafter{'s' * (m != 1)}"
+
+
 def balance_line(
     rows: list[dict[str, float]], num_targets: int, num_drafters: int, colocated: bool
 ) -> str | None:
@@ -149,7 +153,7 @@ def balance_line(
         )
         if world > 1:
             n, rate = best_split(world, t_t, t_d)
-            line += f"; disaggregated {n} targets + {world - n} drafters would be ~{rate * (t_t + t_d) / world:.2f}x this"
+            line += f"; disaggregated {_split(n, world - n)} would be ~{rate * (t_t + t_d) / world:.2f}x this"
         return line
     world = num_targets + num_drafters
     busy = mean("perf/target_busy_frac")
@@ -160,9 +164,9 @@ def balance_line(
         f"targets busy {100 * busy:.0f}% (idle {100 * (1 - busy):.0f}%), drafters waited {100 * waited:.0f}%"
     )
     if n == num_targets:
-        return line + f": {num_targets} targets + {num_drafters} drafters is the best split of {world} ranks"
+        return line + f": {_split(num_targets, num_drafters)} is the best split of {world} ranks"
     return line + (
-        f": {n} targets + {world - n} drafters would be ~{rate / now:.1f}x faster "
+        f": {_split(n, world - n)} would be ~{rate / now:.1f}x faster "
         f"(measured {t_t:.3g}s per target forward, {t_d:.3g}s per drafter packet)"
     )
 
