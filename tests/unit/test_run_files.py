@@ -1,0 +1,130 @@
+"""What a run keeps in its directory, in-process: step logs, the lock, resume choices, secrets, summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from dflash.cli import RUN_ID_KEY, launch_run_id
+from dflash.config import TrainConfig, UserError
+from dflash.run_dir import RunDirLock, move_aside, resume_checkpoint
+from dflash.secrets import REDACTED, SecretFilter, config_secret_problems, redact
+from dflash.steplog import StepLog
+from dflash.summary import balance_line, best_split, status_line, step_line
+
+
+def test_step_log_truncate_drops_later_steps_and_a_torn_tail(tmp_path):
+    log = StepLog(tmp_path / "ledger.jsonl")
+    for s in range(1, 6):
+        log.append({"step": s, "packets": [s]})
+    with open(log.path, "a") as fh:
+        fh.write('{"step": 6, "packets": [')  # torn by a full disk
+    assert [r["step"] for r in log.records()] == [1, 2, 3, 4, 5]
+    assert log.truncate(3) == 3  # steps 4, 5 and the torn line
+    assert [json.loads(line)["step"] for line in log.path.read_text().splitlines()] == [1, 2, 3]
+    assert log.truncate(3) == 0  # nothing to drop: the file is left alone
+    with pytest.raises(ValueError, match="step"):
+        log.append({"packets": []})
+
+
+def test_run_dir_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
+    first = RunDirLock(tmp_path).acquire()
+    try:
+        with pytest.raises(UserError) as err:
+            RunDirLock(tmp_path).acquire()
+        assert f"hydra.run.dir={tmp_path} is in use by another launch" in str(err.value)
+        assert f'"pid": {os.getpid()}' in str(err.value) and err.value.scope == "here"
+    finally:
+        first.release()
+    with RunDirLock(tmp_path):  # released: free again
+        pass
+
+
+def test_resume_never_refuses_another_runs_outputs_unless_overwrite(tmp_path):
+    (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "ledger.jsonl").write_text('{"step": 1}\n')
+    never = TrainConfig(resume="never")
+    with pytest.raises(UserError, match="holds another run's outputs \\(checkpoints, ledger.jsonl\\)"):
+        resume_checkpoint(tmp_path, never, {}, str, is_leader=True)
+    assert (tmp_path / "checkpoints").exists()
+    assert (
+        resume_checkpoint(tmp_path, TrainConfig(resume="never", overwrite=True), {}, str, is_leader=True)
+        is None
+    )
+    (aside,) = (tmp_path / "replaced").iterdir()
+    assert (aside / "checkpoints" / "step_00000002").is_dir() and (aside / "ledger.jsonl").exists()
+    assert not (tmp_path / "checkpoints").exists()
+    assert move_aside(tmp_path) != aside  # a second move never overwrites the first
+
+
+def test_resume_from_a_missing_path_says_so(tmp_path):
+    with pytest.raises(UserError, match="train.resume=/nope: no such checkpoint directory"):
+        resume_checkpoint(tmp_path, TrainConfig(resume="/nope"), {}, str, is_leader=True)
+
+
+def test_secrets_are_refused_in_configs_and_redacted_from_logs(monkeypatch, caplog):
+    key = "wandb-secret-0123456789abcdef"
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    problems = config_secret_problems(
+        {"logging": {"name": key, "project": "p"}},
+        {"logging": {"name": "${oc.env:WANDB_API_KEY}", "project": "p"}},
+    )
+    assert len(problems) == 1 and "logging.name holds the value of the secret WANDB_API_KEY" in problems[0]
+    assert key not in problems[0]
+    assert redact(f"a {key} b") == f"a {REDACTED} b"
+    record = logging.LogRecord("x", logging.ERROR, __file__, 1, "bad value %r", (key,), None)
+    SecretFilter().filter(record)
+    assert key not in record.getMessage() and REDACTED in record.getMessage()
+
+
+def test_run_id_is_shared_through_torchruns_store(monkeypatch):
+    """Without a rendezvous id (torchrun's ``none``) the first rank to ask sets the id in the agent's
+    store and every other rank (and restart) reads the same one."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    first, second = launch_run_id(), launch_run_id()
+    assert first == second == store.get(RUN_ID_KEY).decode() and first != "none"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc123")
+    assert launch_run_id() == "abc123"
+
+
+def test_summary_lines():
+    m = {
+        "train/step": 10.0,
+        "train/loss": 6.1234,
+        "train/tau_hat": 1.234,
+        "train/acc": 0.4,
+        "perf/tokens_per_s": 456.0,
+        "comm/recv_wait_frac": 0.03,
+    }
+    assert step_line(m, 145).startswith(
+        "step 10/145  loss 6.1234  tau_hat 1.234  acc 0.400  tok/s 456  wait 3%"
+    )
+    assert status_line(145, 145, None) == "finished: 145 of 145 steps"
+    assert (
+        status_line(51, 505, "SIGTERM")
+        == "stopped at step 51 of 505 (SIGTERM); relaunch the same command to resume"
+    )
+    assert best_split(8, 1.0, 1.6) == (3, 3.0)  # 3 targets x 1 packet/s vs 5 drafters / 1.6 s
+    rows = [
+        {
+            "perf/target_s_per_packet": 1.0,
+            "perf/drafter_s_per_packet": 1.6,
+            "perf/target_busy_frac": 0.2,
+            "comm/recv_wait_frac": 0.02,
+        }
+    ] * 4
+    line = balance_line(rows, 7, 1, colocated=False)
+    assert line == (
+        "targets busy 20% (idle 80%), drafters waited 2%: 3 targets + 5 drafters would be ~4.8x faster "
+        "(measured 1s per target forward, 1.6s per drafter packet)"
+    )
+    assert "per packet: target forward 1s + drafter 1.6s" in balance_line(rows, 0, 8, colocated=True)
