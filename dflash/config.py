@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -677,6 +678,9 @@ EXIT_USER_ERROR = 2
 """Exit code of a rank that stopped on a ``UserError``."""
 EXIT_STOPPED = 75
 """Exit code of a run stopped before its last step by a signal (resumable; EX_TEMPFAIL)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Preemption (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP): every rank stops at the next
+step boundary, with a checkpoint."""
 
 
 def layout_problems(d: DrafterConfig) -> list[str]:

@@ -30,6 +30,7 @@ from dflash.data.cache import build_or_load_dataset
 from dflash.data.plan import DataPlan
 from dflash.data.sources import EMBEDDED, resolve_source
 from dflash.data.tokenize import TokenizedDataset
+from dflash.distributed.protocol import PacketSpec
 from dflash.distributed.topology import Topology
 from dflash.drafter.export import load_exported, warm_start_problems
 from dflash.drafter.model import DrafterArch, rope_from_config
@@ -51,6 +52,16 @@ class RunSetup:
     topology: Topology
     num_steps: int
     contract: dict[str, Any]
+
+    def packet_spec(self, dtype: torch.dtype, device: torch.device) -> PacketSpec:
+        """What both ends of a link check on every packet (taps, width, dtype, size, device)."""
+        return PacketSpec(
+            num_taps=len(self.layer_ids),
+            hidden_size=self.meta.hidden_size,
+            dtype=dtype,
+            max_tokens=self.cfg.data.token_budget,
+            device=device,
+        )
 
 
 def resolve_path(path: str) -> str:

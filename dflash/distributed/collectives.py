@@ -92,6 +92,15 @@ def _drafter_all_reduce(
     return tensor
 
 
+def _drafter_all_gather(ctx: DistContext, tensor: Tensor, timeout_s: float | None) -> list[Tensor]:
+    """Every drafter's ``tensor`` (same shape everywhere), in drafter order."""
+    ranks = ctx.topology.drafter_ranks if ctx.topology else []
+    rows = [torch.zeros_like(tensor) for _ in ranks]
+    work = dist.all_gather(rows, tensor, group=ctx.drafter_group, async_op=True)
+    _collective_wait(ctx, work, "all_gather", ranks, timeout_s)
+    return rows
+
+
 def gather_lists(ctx: DistContext, values: list[int], timeout_s: float | None = None) -> list[list[int]]:
     """Every drafter's list of ints, in drafter order, on every drafter (lists may differ in length).
 
@@ -100,23 +109,12 @@ def gather_lists(ctx: DistContext, values: list[int], timeout_s: float | None = 
     ranks = ctx.topology.drafter_ranks if ctx.topology else []
     if len(ranks) <= 1:
         return [list(values)]
-    device = ctx.device
-    n = torch.tensor([len(values)], dtype=torch.int64, device=device)
-    lens = [torch.zeros_like(n) for _ in ranks]
-    _collective_wait(
-        ctx, dist.all_gather(lens, n, group=ctx.drafter_group, async_op=True), "all_gather", ranks, timeout_s
+    lens = _drafter_all_gather(
+        ctx, torch.tensor([len(values)], dtype=torch.int64, device=ctx.device), timeout_s
     )
-    width = max(int(x.item()) for x in lens)
-    mine = torch.zeros(width, dtype=torch.int64, device=device)
+    mine = torch.zeros(max(int(x.item()) for x in lens), dtype=torch.int64, device=ctx.device)
     mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    rows = [torch.zeros_like(mine) for _ in ranks]
-    _collective_wait(
-        ctx,
-        dist.all_gather(rows, mine, group=ctx.drafter_group, async_op=True),
-        "all_gather",
-        ranks,
-        timeout_s,
-    )
+    rows = _drafter_all_gather(ctx, mine, timeout_s)
     return [row[: int(k.item())].tolist() for row, k in zip(rows, lens, strict=True)]
 
 
@@ -168,14 +166,7 @@ def check_replicas(
     names = [n for n, _ in model.named_parameters()]
     with torch.no_grad():
         mine = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(ctx.device)
-    rows = [torch.zeros_like(mine) for _ in ranks]
-    _collective_wait(
-        ctx,
-        dist.all_gather(rows, mine, group=ctx.drafter_group, async_op=True),
-        "all_gather",
-        ranks,
-        timeout_s,
-    )
+    rows = _drafter_all_gather(ctx, mine, timeout_s)
     for r, row in zip(ranks[1:], rows[1:], strict=True):
         differ = (row != rows[0]).nonzero()
         if differ.numel():

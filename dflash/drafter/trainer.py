@@ -29,7 +29,7 @@ from dflash.checkpoint import (
     save_checkpoint,
 )
 from dflash.cli import log_to_files
-from dflash.config import EXIT_STOPPED, Config, drafter_attention, plain_dict
+from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, drafter_attention, plain_dict
 from dflash.distributed.collectives import (
     agree_on_start,
     all_reduce_max,
@@ -40,7 +40,7 @@ from dflash.distributed.collectives import (
 from dflash.distributed.grad_reducer import GradReducer
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
-from dflash.distributed.protocol import Packet, PacketSpec
+from dflash.distributed.protocol import Packet
 from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
@@ -77,9 +77,6 @@ from dflash.targets.loader import load_embed_and_head, load_target
 from dflash.targets.packets import LocalPackets, PacketMaker, PacketSource
 
 log = logging.getLogger(__name__)
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-"""Preemption (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) all stop with a checkpoint."""
 
 
 def packet_positions(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -129,15 +126,12 @@ class DrafterTrainer:
             )
             embed, head = target_embed_and_head(target)  # the target's own tensors: no second copy
         else:
-            spec = PacketSpec(
-                num_taps=len(setup.layer_ids),
-                hidden_size=setup.meta.hidden_size,
-                dtype=self.target_dtype,
-                max_tokens=cfg.data.token_budget,
-                device=self.device,
-            )
             self.source = DrafterLink(
-                self.topology, ctx.rank, spec, cfg.topology.init_timeout_s, control_group=ctx.control_group
+                self.topology,
+                ctx.rank,
+                setup.packet_spec(self.target_dtype, self.device),
+                cfg.topology.init_timeout_s,
+                control_group=ctx.control_group,
             )
             embed, head = None, None
         if (embed is None or head is None) and cfg.target.random_weights:  # the same random target's tensors

@@ -12,20 +12,17 @@ import logging
 import signal
 
 from dflash import faults
-from dflash.config import Config
+from dflash.config import STOP_SIGNALS, Config
 from dflash.distributed.collectives import agree_on_start
 from dflash.distributed.links import TargetLink
 from dflash.distributed.process_group import DistContext, set_timeout
-from dflash.distributed.protocol import FLAG_STOP_REQUESTED, PacketSpec
+from dflash.distributed.protocol import FLAG_STOP_REQUESTED
 from dflash.distributed.topology import linked_drafters
 from dflash.setup import RunSetup, torch_dtype
 from dflash.targets.loader import load_target
 from dflash.targets.packets import PacketMaker
 
 log = logging.getLogger(__name__)
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-"""As the drafter's: ask the drafters to stop with a checkpoint."""
 
 
 class TargetWorker:
@@ -39,13 +36,7 @@ class TargetWorker:
         self.stop_requested = False
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.packets = PacketMaker(cfg, setup, load_target(cfg.target, self.device, self.dtype), self.device)
-        spec = PacketSpec(
-            num_taps=len(setup.layer_ids),
-            hidden_size=setup.meta.hidden_size,
-            dtype=self.dtype,
-            max_tokens=cfg.data.token_budget,
-            device=self.device,
-        )
+        spec = setup.packet_spec(self.dtype, self.device)
         self.links = {
             d: TargetLink(
                 self.topology,
