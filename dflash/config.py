@@ -169,6 +169,18 @@ class DataConfig:
     embedded_max_new_tokens: int = field(default=96, metadata=data_field(derived("data.fingerprint"), False))
     num_eval_prompts: int = field(default=0, metadata=data_field(derived("data.fingerprint"), True))
     """Held-out conversations (taken from the end, never trained on) for eval."""
+    chat_template_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata=data_field(derived("data.fingerprint"), True)
+    )
+    """Passed to apply_chat_template wherever a conversation is rendered: training samples, eval
+    prompts, the embedded corpus; ``dflash.data.regenerate`` takes the same setting. Must match how
+    the target is served (e.g. {enable_thinking: false} for Qwen3 served without thinking)."""
+    max_record_chars: int | None = field(default=None, metadata=data_field(derived("data.fingerprint"), True))
+    """Cap on the content characters of one record, applied before rendering: beyond it the record
+    is cut (overlong=truncate, when an assistant turn starts before the cap) or skipped as too_long,
+    so one huge record costs no more than a long one. None = 32 x max_length."""
+    num_workers: int = field(default=1, metadata=data_field(FREE, False))
+    """Tokenizer processes that build the dataset cache (same result for any number)."""
 
 
 @dataclass
@@ -454,6 +466,12 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
     if dt.num_samples is not None:
         need(dt.num_samples >= 1, f"data.num_samples={dt.num_samples}: must be >= 1 or null")
     need(dt.num_eval_prompts >= 0, f"data.num_eval_prompts={dt.num_eval_prompts}: must be >= 0")
+    if dt.max_record_chars is not None:
+        need(
+            dt.max_record_chars >= 1,
+            f"data.max_record_chars={dt.max_record_chars}: must be >= 1 or null (32 x data.max_length)",
+        )
+    need(dt.num_workers >= 1, f"data.num_workers={dt.num_workers}: must be >= 1")
     lo = cfg.loss
     need(
         min(lo.ce, lo.kl, lo.verifier_ce) >= 0,

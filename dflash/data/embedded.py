@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ from dflash.files import atomic_file, atomic_write, file_lock
 
 log = logging.getLogger(__name__)
 
-CORPUS_VERSION = 2
+CORPUS_VERSION = 3
 PROMPT_TEMPLATES = (
     "Continue this code:\n{code}",
     "Complete the following Python code:\n{code}",
@@ -79,10 +80,18 @@ def target_fingerprint(target_dir: Path) -> str:
 
 
 def embedded_corpus_path(
-    cache_root: Path, target_dir: str | os.PathLike, num_prompts: int, max_new_tokens: int, seed: int
+    cache_root: Path,
+    target_dir: str | os.PathLike,
+    num_prompts: int,
+    max_new_tokens: int,
+    seed: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Path:
     """Where the corpus for these parameters lives under the data cache."""
-    key = json.dumps([str(Path(target_dir).resolve()), num_prompts, max_new_tokens, seed])
+    params: list[Any] = [str(Path(target_dir).resolve()), num_prompts, max_new_tokens, seed]
+    if chat_template_kwargs:
+        params.append(chat_template_kwargs)
+    key = json.dumps(params, sort_keys=True)
     return Path(cache_root) / "embedded" / f"corpus-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
 
 
@@ -170,13 +179,15 @@ def build_embedded_corpus(
     num_prompts: int,
     max_new_tokens: int,
     seed: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
     device: str | None = None,
 ) -> Path:
     """Build (or reuse) the embedded chat JSONL at ``out_path`` with the target at ``target_dir``.
 
     Each line is ``{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}``; the
     assistant content is the target's greedy response (fp32, batched, left-padded, stop at eos,
-    at most max_new_tokens), decoded with special tokens kept. Safe to call from every rank: one
+    at most max_new_tokens), decoded with special tokens kept; the prompts are rendered with
+    ``chat_template_kwargs`` (recorded in the sidecar). Safe to call from every rank: one
     builds under a file lock, the others wait and reuse. ``device``: None = cuda when available,
     else cpu. On CPU generation runs on one thread: these small decode steps gain nothing from
     more, and with the cores shared (other ranks, other jobs) 2 threads measured 5-8x slower.
@@ -189,6 +200,7 @@ def build_embedded_corpus(
             f"{max_new_tokens} must be >= 1"
         )
     meta_path = out_path.with_name(out_path.name + ".meta.json")
+    kwargs = dict(chat_template_kwargs or {})
     want = {
         "version": CORPUS_VERSION,
         "num_prompts": num_prompts,
@@ -197,6 +209,7 @@ def build_embedded_corpus(
         "python": sys.version.split()[0],
         "device": torch.device(device).type,
         "target": target_fingerprint(target_dir),
+        "chat_template_kwargs": kwargs,
     }
 
     def ready() -> bool:
@@ -214,7 +227,7 @@ def build_embedded_corpus(
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(device)
         users = make_prompts(num_prompts, seed)
         convs = [[{"role": "user", "content": u}] for u in users]
-        prompts = [prompt_ids(tokenizer, c) for c in convs]
+        prompts = [prompt_ids(tokenizer, c, **kwargs) for c in convs]
         with _torch_threads(1 if torch.device(device).type == "cpu" else torch.get_num_threads()):
             responses, finished = generate_greedy(model, tokenizer, prompts, max_new_tokens)
         del model
