@@ -77,7 +77,8 @@ class TopologyConfig:
 
 @dataclass
 class TinyTargetConfig:
-    """A random-init target built locally from a config and saved with save_pretrained."""
+    """A small target built locally from a config, trained for a fixed number of steps on stdlib
+    code (``dflash.targets.tiny``) and saved with save_pretrained; the whole spec is its cache key."""
 
     model_type: str = field(default="qwen3", metadata=CONTRACT)
     num_layers: int = field(default=6, metadata=CONTRACT)
@@ -90,6 +91,12 @@ class TinyTargetConfig:
     """Embedding rows past the tokenizer's vocabulary (the first is the MASK token)."""
     init_std: float = field(default=0.02, metadata=CONTRACT)
     seed: int = field(default=0, metadata=CONTRACT)
+    """Initialisation and training data order."""
+    train_steps: int = field(default=400, metadata=CONTRACT)
+    """Optimizer steps of next-token training on chat samples cut from stdlib code (0 = random weights)."""
+    train_batch_size: int = field(default=4, metadata=CONTRACT)
+    train_seq_len: int = field(default=128, metadata=CONTRACT)
+    train_lr: float = field(default=3e-3, metadata=CONTRACT)
 
 
 @dataclass
@@ -302,7 +309,7 @@ def schema_leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasse
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
         inner = [t for t in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(t)]
-        sub = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else (inner[0] if inner else None)
+        sub: Any = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else (inner[0] if inner else None)
         if sub is None or "resume" in f.metadata:
             yield name, f
         if sub is not None:
