@@ -89,7 +89,7 @@ def embedded_corpus_path(
 
 
 def make_prompts(num_prompts: int, seed: int) -> list[str]:
-    """num_prompts user messages: 1-12 lines of a stdlib file of ``corpus_files`` in a random
+    """num_prompts user messages: a few lines of a stdlib file of ``corpus_files`` in a random
     template (``code_snippets``). Deterministic for a seed and a Python installation."""
     return [user for user, _ in code_snippets(num_prompts, seed)]
 

@@ -21,6 +21,8 @@ PROMPT_TEMPLATES = (
 )
 CORPUS_FILES = 4
 CORPUS_MAX_FILE_BYTES = 16_000
+MAX_PROMPT_LINES = 6
+"""Prompts of 1-6 lines: under ~130 tokens, so prompt + answer fits the embedded data.max_length."""
 
 
 def stdlib_text_files(max_files: int = 120) -> list[Path]:
@@ -41,8 +43,8 @@ def corpus_files() -> list[Path]:
 
 
 def code_snippets(num: int, seed: int, max_answer_lines: int = 0) -> list[tuple[str, str]]:
-    """``num`` (user message, continuation) pairs cut from :func:`corpus_files`: 1-12 consecutive
-    lines of a file in a random template of PROMPT_TEMPLATES, and the lines that follow them up to
+    """``num`` (user message, continuation) pairs cut from :func:`corpus_files`: 1-MAX_PROMPT_LINES
+    consecutive lines of a file in a random template of PROMPT_TEMPLATES, and the lines that follow them up to
     the next blank line, at most ``max_answer_lines`` (0: no continuation). A continuation that
     ends where the code block ends is something a small model can learn to stop at.
     Deterministic for a seed and a Python installation."""
@@ -55,7 +57,7 @@ def code_snippets(num: int, seed: int, max_answer_lines: int = 0) -> list[tuple[
         if f not in lines_of:
             lines_of[f] = f.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
         lines = lines_of[f]
-        k = rng.randint(1, 12)
+        k = rng.randint(1, MAX_PROMPT_LINES)
         start = rng.randrange(max(1, len(lines) - k))
         code = "".join(lines[start : start + k]).strip("\n")
         answer: list[str] = []

@@ -32,6 +32,7 @@ MALFORMED = [
     json.dumps({"text": "no messages"}),
     json.dumps({"messages": conv(("assistant", "first"), ("user", "q"))}),  # no user before it
     json.dumps({"messages": conv(("system", "only a system prompt"))}),  # nothing to generate
+    json.dumps({"messages": conv(("user", "lone \ud800 surrogate"))}),  # cannot be sent or written
 ]
 
 
@@ -67,8 +68,8 @@ def test_turn_by_turn_and_exact_accounting(tmp_path):
     lines = write_input(tmp_path / "in.jsonl")
     with OpenAIStub() as stub:
         summary = run(regen_cfg(tmp_path, stub.url, chat_template_kwargs={"enable_thinking": False}))
-    assert summary.records == len(lines) == 8 and summary.skipped == 0
-    assert summary.written == 4 and summary.failed == {"malformed": 4} and summary.complete is False
+    assert summary.records == len(lines) == 9 and summary.skipped == 0
+    assert summary.written == 4 and summary.failed == {"malformed": 5} and summary.complete is False
     assert summary.written + summary.num_failed + summary.skipped == summary.records
     out = read_out(tmp_path / "out.jsonl")
     by_id = {r["id"]: r for r in out.values()}
@@ -90,7 +91,7 @@ def test_turn_by_turn_and_exact_accounting(tmp_path):
     assert later["temperature"] == 0.0 and later["max_tokens"] == 2048 and later["model"] == "stub"
     assert later["chat_template_kwargs"] == {"enable_thinking": False}
     failed = [json.loads(x) for x in (tmp_path / "out.jsonl.failed.jsonl").read_text().splitlines()]
-    assert sorted(f["source_index"] for f in failed) == [1, 3, 5, 7]
+    assert sorted(f["source_index"] for f in failed) == [1, 3, 5, 7, 8]
     assert {f["reason"] for f in failed} == {"malformed"} and all(":" in f["where"] for f in failed)
     meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
     assert meta["chat_template_kwargs"] == {"enable_thinking": False} and meta["model"] == "stub"
@@ -111,14 +112,16 @@ def test_resume_after_a_torn_line_never_duplicates(tmp_path):
         out_path.write_text("\n".join(kept[:-1]) + "\n" + kept[-1][: len(kept[-1]) // 2])
         n_requests = len(stub.requests)
         second = run(regen_cfg(tmp_path, stub.url))
-        assert second.skipped == 1 and second.written == 3 and second.failed == {"malformed": 4}
-        assert second.written + second.num_failed + second.skipped == second.records == 8
+        assert second.skipped == 1 and second.written == 3 and second.failed == {"malformed": 5}
+        assert second.written + second.num_failed + second.skipped == second.records == 9
         out = read_out(out_path)
         assert sorted(out) == [0, 2, 4, 6] and len(out_path.read_text().splitlines()) == 4
-        assert out[2] == json.loads(kept[-1])  # the torn record was redone, identically
+        torn = json.loads(kept[-1])
+        assert out[torn["source_index"]] == torn  # the torn record was redone, identically
         third = run(regen_cfg(tmp_path, stub.url))
-        assert (third.skipped, third.written, third.records) == (4, 0, 8)
-        assert len(stub.requests) == n_requests + 4  # u2+u3, u4 of the second run, u5... and no more
+        assert (third.skipped, third.written, third.records) == (4, 0, 9)
+        # the second run sent the torn record's turns and those of records 4 and 6; the third none
+        assert len(stub.requests) == n_requests + len(torn["finish_reasons"]) + 2
     assert read_out(out_path) == out
 
 
@@ -188,6 +191,8 @@ def test_training_refuses_other_chat_template_kwargs(tmp_path, tiny_target_dir):
     assert "set data.chat_template_kwargs={enable_thinking:false}" in str(err.value)
     data.chat_template_kwargs = {"enable_thinking": False}
     ds = build_or_load_dataset(data, tok, len(tok))
-    assert len(ds) == 4 and tok.decode(ds.sample(0)[0]).endswith(
-        stub_reply(conv(("user", "q0"))) + "<|im_end|>\n"
-    )
+    assert len(ds) == 4  # lines in completion order: each sample is the stub's answer to its own prompt
+    for k in range(4):
+        text = tok.decode(ds.sample(k)[0])
+        user = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        assert text.endswith(stub_reply(conv(("user", user))) + "<|im_end|>\n")

@@ -37,6 +37,11 @@ class Regeneration:
     _pos: int = 0
 
     def __post_init__(self) -> None:
+        for i, msg in enumerate(self.source):
+            try:
+                msg["content"].encode("utf-8")
+            except UnicodeEncodeError as exc:  # e.g. a lone surrogate: no server or JSON line can carry it
+                raise MalformedConversation(f"message {i} is not valid Unicode ({exc.reason})") from None
         self._copy_until_assistant()
         if self.prompt is None and not self.replies:
             raise MalformedConversation("no assistant turn and no final user turn: nothing to generate")
