@@ -112,27 +112,27 @@ def _template_markers(tokenizer: Any, **kwargs: Any) -> TemplateMarkers:
     that way get None; callers then fall back to a plain content search.
     """
     user = [{"role": "user", "content": "Hi"}]
-    try:
-        bare = render(tokenizer, user, **kwargs)
-        gen = render(tokenizer, user, add_generation_prompt=True, **kwargs)
-        last = render(tokenizer, user + [{"role": "assistant", "content": _PROBE}], **kwargs)
-        mid = render(
-            tokenizer,
-            user + [{"role": "assistant", "content": _PROBE}, {"role": "user", "content": "Hi"}],
-            **kwargs,
-        )
-    except Exception:  # noqa: BLE001 - a template that rejects the probe just has no markers
-        return TemplateMarkers(None, "", None)
+    probe = [{"role": "assistant", "content": _PROBE}]
+
+    def attempt(messages: list[dict], **extra: Any) -> str | None:
+        try:
+            return render(tokenizer, messages, **extra, **kwargs)
+        except Exception:  # noqa: BLE001 - a template that rejects a probe just gives no marker
+            return None
+
+    bare, gen = attempt(user), attempt(user, add_generation_prompt=True)
+    last, mid = attempt(user + probe), attempt(user + probe + user)
     header, extra = None, ""
-    if gen.startswith(bare) and gen[len(bare) :].strip():
+    if bare is not None and gen is not None and gen.startswith(bare) and gen[len(bare) :].strip():
         g = gen[len(bare) :]
-        before = [r[len(bare) : r.find(_PROBE)] for r in (last, mid) if r.startswith(bare) and _PROBE in r]
+        renders = [r for r in (last, mid) if r is not None and r.startswith(bare) and _PROBE in r]
+        before = [r[len(bare) : r.find(_PROBE)] for r in renders]
         h = _common_prefix(g, *before)
         if h.strip():
             header, extra = h, g[len(h) :]
     end = None
-    pos = last.rfind(_PROBE)
-    if pos >= 0:
+    pos = last.rfind(_PROBE) if last is not None else -1
+    if last is not None and pos >= 0:
         rest = last[pos + len(_PROBE) :].lstrip()
         for text in sorted(special_token_texts(tokenizer), key=len, reverse=True):
             if text and rest.startswith(text):

@@ -15,6 +15,7 @@ from dflash.config import DataConfig
 from dflash.data.cache import build_or_load_dataset
 from dflash.data.regenerate.app import run
 from dflash.data.regenerate.config import RegenerateConfig
+from dflash.files import file_lock
 
 
 def conv(*pairs):
@@ -175,6 +176,13 @@ def test_other_settings_are_refused_and_config_errors_name_the_field(tmp_path):
     assert "endpoint=http://HOST:PORT/v1" in str(err.value) and "concurrency=0: must be >= 1" in str(
         err.value
     )
+
+
+def test_a_second_run_on_the_same_output_is_refused(tmp_path):
+    write_input(tmp_path / "in.jsonl")
+    with file_lock(tmp_path / ".out.jsonl.lock"), pytest.raises(ValueError, match="another regenerate run"):
+        run(regen_cfg(tmp_path, "http://127.0.0.1:9/v1"))
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_training_refuses_other_chat_template_kwargs(tmp_path, tiny_target_dir):

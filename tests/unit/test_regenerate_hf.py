@@ -21,6 +21,7 @@ from dflash.data.regenerate.config import RegenerateConfig
 MAX_TOKENS = 20
 
 
+@pytest.mark.slow
 def test_hf_backend_regenerates_turn_by_turn_as_greedy_generate(tiny_target_dir, tmp_path, one_thread):
     records = [
         {

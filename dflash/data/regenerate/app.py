@@ -229,15 +229,15 @@ async def _drive_openai(run: _Run, todo: Iterable[tuple[int, str, Any]]) -> None
 
 def _drive_hf(run: _Run, todo: Iterable[tuple[int, str, Any]]) -> None:
     """``batch_size`` records at a time: turn k of every record of the batch in one ``generate``."""
+    import torch
+
+    from dflash.config import device_kind
     from dflash.data.regenerate.hf_backend import HFBackend
-    from dflash.eval.loading import resolve_device
     from dflash.setup import torch_dtype
 
     cfg = run.cfg
-    device = resolve_device(cfg.device)
+    device = torch.device(device_kind(cfg.device))
     if cfg.seed is not None:
-        import torch
-
         torch.manual_seed(cfg.seed)
     backend = HFBackend(
         cfg.model,
