@@ -90,7 +90,8 @@ class TopologyConfig:
 
 @dataclass
 class TinyTargetConfig:
-    """A random-init target built locally from a config and saved with save_pretrained."""
+    """A small target built locally from a config, trained for a fixed number of steps on stdlib
+    code (``dflash.targets.tiny``) and saved with save_pretrained; the whole spec is its cache key."""
 
     model_type: str = field(default="qwen3", metadata=CONTRACT)
     num_layers: int = field(default=6, metadata=CONTRACT)
@@ -103,6 +104,12 @@ class TinyTargetConfig:
     """Embedding rows past the tokenizer's vocabulary (the first is the MASK token)."""
     init_std: float = field(default=0.02, metadata=CONTRACT)
     seed: int = field(default=0, metadata=CONTRACT)
+    """Initialisation and training data order."""
+    train_steps: int = field(default=400, metadata=CONTRACT)
+    """Optimizer steps of next-token training on chat samples cut from stdlib code (0 = random weights)."""
+    train_batch_size: int = field(default=4, metadata=CONTRACT)
+    train_seq_len: int = field(default=128, metadata=CONTRACT)
+    train_lr: float = field(default=3e-3, metadata=CONTRACT)
 
 
 @dataclass
@@ -229,6 +236,18 @@ class DataConfig:
     num_eval_prompts: int | None = field(default=None, metadata=data_field(derived("data.fingerprint"), True))
     """Held-out conversations (taken from the end, never trained on) for eval; None = eval.num_prompts
     when eval.every > 0, else 0."""
+    chat_template_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata=data_field(derived("data.fingerprint"), True)
+    )
+    """Passed to apply_chat_template wherever a conversation is rendered: training samples, eval
+    prompts, the embedded corpus; ``dflash.data.regenerate`` takes the same setting. Must match how
+    the target is served (e.g. {enable_thinking: false} for Qwen3 served without thinking)."""
+    max_record_chars: int | None = field(default=None, metadata=data_field(derived("data.fingerprint"), True))
+    """Cap on the content characters of one record, applied before rendering: beyond it the record
+    is cut (overlong=truncate, when an assistant turn starts before the cap) or skipped as too_long,
+    so one huge record costs no more than a long one. None = 32 x max_length."""
+    num_workers: int = field(default=1, metadata=data_field(FREE, False))
+    """Tokenizer processes that build the dataset cache (same result for any number)."""
 
 
 @dataclass
@@ -603,6 +622,12 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
         need(dt.num_samples >= 1, f"data.num_samples={dt.num_samples}: must be >= 1 or null")
     if dt.num_eval_prompts is not None:
         need(dt.num_eval_prompts >= 0, f"data.num_eval_prompts={dt.num_eval_prompts}: must be >= 0 or null")
+    if dt.max_record_chars is not None:
+        need(
+            dt.max_record_chars >= 1,
+            f"data.max_record_chars={dt.max_record_chars}: must be >= 1 or null (32 x data.max_length)",
+        )
+    need(dt.num_workers >= 1, f"data.num_workers={dt.num_workers}: must be >= 1")
     lo = cfg.loss
     need(
         min(lo.ce, lo.kl, lo.verifier_ce) >= 0,

@@ -10,8 +10,10 @@
   available the old directory is moved aside first; a kill between the two renames leaves it as
   ``.<name>.old-<pid>``, which the next ``atomic_directory(path)`` puts back before doing anything.
 - ``append_line(path, line)``: one ``O_APPEND`` write of a whole line, then fsync: a crash can
-  tear only the line being written, never an earlier one.
-- ``file_lock(path)``: an exclusive ``flock``; the kernel releases it when the holder dies.
+  tear only the line being written, never an earlier one; ``drop_torn_tail(path)`` removes such a
+  torn last line before a writer resumes.
+- ``file_lock(path)``: an exclusive ``flock``; the kernel releases it when the holder dies
+  (``blocking=False``: fail at once when another process holds it).
 
 Files are made readable like any other file the user creates (mode ``0o666 & ~umask``;
 safetensors alone would write 0600).
@@ -172,13 +174,40 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
         os.close(fd)
 
 
+def drop_torn_tail(path: str | os.PathLike[str]) -> int:
+    """Cut an append-only file after its last newline (a line torn by a crash during
+    :func:`append_line`), fsync it, and return the number of bytes removed (0 if none or no file)."""
+    p = Path(path)
+    if not p.exists():
+        return 0
+    size = p.stat().st_size
+    with open(p, "rb+") as fh:
+        keep, block = size, 1 << 16
+        while keep > 0:
+            start = max(0, keep - block)
+            fh.seek(start)
+            chunk = fh.read(keep - start)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            keep = start
+        if keep == size:
+            return 0
+        fh.truncate(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return size - keep
+
+
 @contextmanager
-def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
-    """Exclusive inter-process lock on ``path`` (created if missing); blocks until it is free."""
+def file_lock(path: str | os.PathLike[str], *, blocking: bool = True) -> Iterator[None]:
+    """Exclusive inter-process lock on ``path`` (created if missing); blocks until it is free, or
+    with ``blocking=False`` raises ``BlockingIOError`` when another process holds it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             yield
         finally:

@@ -215,8 +215,9 @@ def run_contract(
     return {**raw, **resolved}
 
 
-def prepare(cfg: Config, world_size: int) -> RunSetup:
-    """Everything a rank needs before the process group; raises ValueError on any config problem."""
+def prepare(cfg: Config, world_size: int, *, progress: bool = False) -> RunSetup:
+    """Everything a rank needs before the process group; raises ValueError on any config problem.
+    ``progress`` shows a bar while the dataset is tokenized (``python -m dflash.data.prepare``)."""
     validate(cfg, world_size)
     raw_contract = contract_values(cfg)  # as the user gave it (paths below get resolved)
     topology = Topology.from_config(cfg.topology, world_size, cfg.optim.grad_accum_steps)
@@ -271,7 +272,7 @@ def prepare(cfg: Config, world_size: int) -> RunSetup:
     # held-out eval tail on the drafter) then finds the same file without the target directory
     data_cfg = type(data_cfg)(**{**asdict(data_cfg), "path": resolve_source(data_cfg, target_path)})
     cfg.data = data_cfg
-    dataset = build_or_load_dataset(data_cfg, tokenizer, meta.vocab_size)
+    dataset = build_or_load_dataset(data_cfg, tokenizer, meta.vocab_size, progress=progress)
     plan = DataPlan.build(dataset.lengths(), data_cfg.token_budget, data_cfg.seed, data_cfg.num_epochs)
     available = topology.num_steps(plan.num_packets)
     if available < 1:

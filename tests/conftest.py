@@ -28,12 +28,15 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny target + tokenizer (conf/target/tiny.yaml), built once for the session."""
-    from dflash.config import TinyTargetConfig
-    from dflash.targets.tiny import ensure_tiny_target
-
-    return ensure_tiny_target(tmp_path_factory.mktemp("tiny") / "target", TinyTargetConfig())
+def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's DFLASH_CACHE_DIR: the tiny target is built (trained) here once, and every
+    fixture and torchrun job of the session finds it. ``DFLASH_TEST_CACHE_DIR`` names a directory
+    to reuse across sessions instead (every artefact in it is keyed on what it was built from)."""
+    reuse = os.environ.get("DFLASH_TEST_CACHE_DIR")
+    if reuse:
+        Path(reuse).mkdir(parents=True, exist_ok=True)
+        return Path(reuse)
+    return tmp_path_factory.mktemp("dflash_cache")
 
 
 HYBRID = dict(
@@ -59,25 +62,40 @@ def tiny_hybrid_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def run_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_target_dir(session_cache: Path) -> Path:
+    """The default tiny target + tokenizer (conf/target/tiny.yaml), built once for the session where
+    the training config looks for it (``${paths.cache_dir}/tiny_target_v1``)."""
+    from dflash.config import TinyTargetConfig
+    from dflash.targets.tiny import ensure_tiny_target
+
+    return ensure_tiny_target(session_cache / "tiny_target_v1", TinyTargetConfig())
+
+
+@pytest.fixture(scope="session")
+def run_cache(session_cache: Path, tiny_target_dir: Path) -> Path:
     """A DFLASH_CACHE_DIR holding what the fast torchrun jobs of tests/runner.py need, built once
     in-process (tiny target, regenerated corpus, tokenized data) so the ranks only load it."""
     from hydra import compose, initialize_config_dir
     from runner import FAST
 
-    from dflash.config import register_configs, to_config
+    from dflash.config import TinyTargetConfig, register_configs, to_config
     from dflash.setup import prepare
 
-    cache = tmp_path_factory.mktemp("dflash_cache")
     old = os.environ.get("DFLASH_CACHE_DIR")
-    os.environ["DFLASH_CACHE_DIR"] = str(cache)
+    os.environ["DFLASH_CACHE_DIR"] = str(session_cache)
     try:
         register_configs()
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            prepare(to_config(compose(config_name="config", overrides=FAST)), 3)
+            cfg = to_config(compose(config_name="config", overrides=FAST))
+            # the same spec as the fixture's, or prepare would train the tiny target a second time
+            assert cfg.target.tiny == TinyTargetConfig(), (
+                "conf/target/tiny.yaml differs from TinyTargetConfig()"
+            )
+            setup = prepare(cfg, 3)
     finally:
         if old is None:
             os.environ.pop("DFLASH_CACHE_DIR")
         else:
             os.environ["DFLASH_CACHE_DIR"] = old
-    return cache
+    assert Path(setup.target_path) == tiny_target_dir
+    return session_cache

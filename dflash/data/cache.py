@@ -18,19 +18,27 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file, save_file
 
 from dflash.config import DataConfig, dataset_settings
-from dflash.data.sources import Source, cache_root, resolve_source, split_ranges
-from dflash.data.tokenize import SKIP_REASONS, TokenizedDataset, check_skip_fraction, tokenize_records
+from dflash.data.sources import Source, cache_root, check_template_kwargs, resolve_source, split_ranges
+from dflash.data.tokenize import (
+    SKIP_REASONS,
+    TokenizedDataset,
+    TokenizeSettings,
+    check_skip_fraction,
+    tokenize_records,
+)
 from dflash.files import atomic_directory, file_lock
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: spans start after the generation prompt, character cap
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -55,6 +63,8 @@ def _settings(cfg: DataConfig, vocab_size: int) -> dict[str, Any]:
         raise ValueError(f"data.overlong={cfg.overlong!r}: must be truncate or skip")
     if cfg.max_length < 2:
         raise ValueError(f"data.max_length={cfg.max_length}: must be >= 2")
+    if cfg.max_record_chars is not None and cfg.max_record_chars < 1:
+        raise ValueError(f"data.max_record_chars={cfg.max_record_chars}: must be >= 1 or null")
     return {"version": FORMAT_VERSION, "vocab_size": int(vocab_size), **dataset_settings(cfg)}
 
 
@@ -126,6 +136,7 @@ def _identify(
     """(the opened source, the tokenization settings, the dataset fingerprint) of ``cfg``."""
     settings = _settings(cfg, vocab_size)
     source = Source(resolve_source(cfg, target_dir), cfg.split)
+    check_template_kwargs(source.path, dict(cfg.chat_template_kwargs))
     return source, settings, dataset_fingerprint(source.fingerprint, tokenizer, settings)
 
 
@@ -137,13 +148,19 @@ def cache_dir_of(
 
 
 def build_or_load_dataset(
-    cfg: Any, tokenizer: Any, vocab_size: int, *, target_dir: str | os.PathLike | None = None
+    cfg: Any,
+    tokenizer: Any,
+    vocab_size: int,
+    *,
+    target_dir: str | os.PathLike | None = None,
+    progress: bool = False,
 ) -> TokenizedDataset:
     """The tokenized training set of ``cfg`` (a DataConfig), from the cache or built and cached.
 
-    Safe to call from every rank at once (exactly one builds). ``vocab_size`` is the target's
-    embedding rows (ids at or above it are skipped as token_out_of_vocab). ``target_dir`` is needed
-    for ``data.path=embedded`` only. Raises ValueError when too many samples are skipped.
+    Safe to call from every rank at once (exactly one builds, with ``cfg.num_workers`` tokenizer
+    processes). ``vocab_size`` is the target's embedding rows (ids at or above it are skipped as
+    token_out_of_vocab). ``target_dir`` is needed for ``data.path=embedded`` only. ``progress``
+    shows a tqdm bar while building. Raises ValueError when too many samples are skipped.
     """
     source, settings, fp = _identify(cfg, tokenizer, vocab_size, target_dir)
     train, _ = split_ranges(source.num_records, cfg.num_samples, cfg.num_eval_prompts)
@@ -154,15 +171,21 @@ def build_or_load_dataset(
         with file_lock(lock_path(root, fp)):
             ds = load_cached_dataset(final)
             if ds is None:
-                log.info("tokenizing %d conversations of %s into %s", len(train), source.path, final)
-                ds = tokenize_records(
-                    _take(source.records(), train.stop),
-                    tokenizer,
-                    vocab_size=vocab_size,
-                    max_length=cfg.max_length,
-                    overlong=cfg.overlong,
-                    train_only_last_turn=cfg.train_only_last_turn,
+                log.info(
+                    "tokenizing %d conversations of %s into %s (%d worker processes)",
+                    len(train),
+                    source.path,
+                    final,
+                    cfg.num_workers,
                 )
+                with _progress_bar(len(train), progress) as bar:
+                    ds = tokenize_records(
+                        islice(source.numbered(), train.stop),
+                        tokenizer,
+                        TokenizeSettings.of(cfg, vocab_size),
+                        num_workers=cfg.num_workers,
+                        progress=bar.update if bar is not None else None,
+                    )
                 ds.fingerprint = fp
                 meta = {
                     "fingerprint": fp,
@@ -178,19 +201,26 @@ def build_or_load_dataset(
                 }
                 save_dataset(ds, final, meta)
     log.info(
-        "dataset %s: %d samples, %d tokens, skipped %s, truncated %d",
+        "dataset %s: %d samples, %d tokens, skipped %s, truncated %d (%s %s)",
         fp[:12],
         len(ds),
         ds.tokens.numel(),
         ds.skipped,
         ds.truncated,
+        "loaded from the cache" if ds.loaded_from_cache else "built into the cache",
+        final,
     )
     check_skip_fraction(ds, cfg.max_skip_fraction)
     return ds
 
 
-def _take(records: Iterator[Any], stop: int) -> Iterator[tuple[int, Any]]:
-    for idx, rec in enumerate(records):
-        if idx >= stop:
-            return
-        yield idx, rec
+@contextmanager
+def _progress_bar(total: int, enabled: bool) -> Iterator[Any]:
+    """A tqdm bar over the records being tokenized, or None."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="tokenize", unit="rec", dynamic_ncols=True) as bar:
+        yield bar

@@ -7,14 +7,20 @@ is then located in the rendered text (char offsets) and mapped to tokens with th
 so the approach works for any template (ChatML, Qwen3, Llama-3, ...) without per-template regexes,
 including templates that rewrite earlier assistant turns (Qwen3 drops their ``<think>`` part).
 
-Loss mask = 1 on every token that overlaps an assistant content span, plus the end-of-turn special
-token that closes it (``<|im_end|>``, ``<|eot_id|>``: the drafter must learn to predict it), and 0
-on system/user/tool turns, role headers and template boilerplate.
+Loss mask = 1 on what the target writes in an assistant turn: from the end of the generation prompt
+(the assistant header, plus what ``add_generation_prompt`` appends after it, such as Qwen3's empty
+``<think>\n\n</think>\n\n`` with ``enable_thinking=False``) to the end of the content, plus the
+end-of-turn special token that closes it (``<|im_end|>``, ``<|eot_id|>``: the drafter must learn to
+predict it); 0 on system/user/tool turns, role headers and template boilerplate. So a rendered
+``<think>`` block is supervised when the model writes it (thinking mode) and is prompt when the
+generation prompt already holds it (non-thinking mode), exactly as at serving time; the same
+``template_kwargs`` must therefore be used here, in regeneration and when serving.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,10 +72,23 @@ def special_token_texts(tokenizer: Any) -> dict[str, int]:
     return {tok.content: i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
 
 
-_MARKERS: dict[tuple[int, int, str, str], tuple[str | None, str | None]] = {}
+@dataclass(frozen=True)
+class TemplateMarkers:
+    """What a chat template writes around assistant contents, found by rendering probes."""
+
+    header: str | None
+    """Opens every assistant turn (``<|im_start|>assistant\n``); None when not found."""
+    gen_extra: str
+    """What the generation prompt adds after ``header`` (Qwen3's empty think block with thinking
+    off); the model does not write it, so it is never supervised."""
+    end: str | None
+    """The special token that closes an assistant content (only whitespace between)."""
 
 
-def template_markers(tokenizer: Any, **kwargs: Any) -> tuple[str | None, str | None]:
+_MARKERS: dict[tuple[int, int, str, str], TemplateMarkers] = {}
+
+
+def template_markers(tokenizer: Any, **kwargs: Any) -> TemplateMarkers:
     """Cached :func:`_template_markers` (keyed on the tokenizer object, its template and kwargs)."""
     key = (id(tokenizer), len(tokenizer), str(tokenizer.chat_template), repr(sorted(kwargs.items())))
     if key not in _MARKERS:
@@ -77,35 +96,49 @@ def template_markers(tokenizer: Any, **kwargs: Any) -> tuple[str | None, str | N
     return _MARKERS[key]
 
 
-def _template_markers(tokenizer: Any, **kwargs: Any) -> tuple[str | None, str | None]:
-    """(assistant header, end-of-turn text) of the template, found by rendering a probe.
+def _common_prefix(*texts: str) -> str:
+    n = 0
+    while all(n < len(t) for t in texts) and len({t[n] for t in texts}) == 1:
+        n += 1
+    return texts[0][:n]
 
-    header: what ``add_generation_prompt`` appends after a user turn (``<|im_start|>assistant\\n``);
-    end-of-turn: the special token that follows an assistant content (only whitespace between).
-    Either is None when the template does not expose it that way; callers then fall back to a
-    plain content search.
+
+def _template_markers(tokenizer: Any, **kwargs: Any) -> TemplateMarkers:
+    """The markers of the template, found by rendering probes.
+
+    The generation prompt G (what ``add_generation_prompt`` appends after a user turn) is compared
+    with what precedes an assistant content as the last turn and as an earlier turn; their common
+    prefix is the header, the rest of G is ``gen_extra``. Templates that do not expose a marker
+    that way get None; callers then fall back to a plain content search.
     """
     user = [{"role": "user", "content": "Hi"}]
-    header = None
-    try:
-        bare, gen = (
-            render(tokenizer, user, **kwargs),
-            render(tokenizer, user, add_generation_prompt=True, **kwargs),
-        )
-        if gen.startswith(bare) and gen[len(bare) :].strip():
-            header = gen[len(bare) :]
-        full = render(tokenizer, user + [{"role": "assistant", "content": _PROBE}], **kwargs)
-    except Exception:  # noqa: BLE001 - a template that rejects the probe just has no markers
-        return header, None
+    probe = [{"role": "assistant", "content": _PROBE}]
+
+    def attempt(messages: list[dict], **extra: Any) -> str | None:
+        try:
+            return render(tokenizer, messages, **extra, **kwargs)
+        except Exception:  # noqa: BLE001 - a template that rejects a probe just gives no marker
+            return None
+
+    bare, gen = attempt(user), attempt(user, add_generation_prompt=True)
+    last, mid = attempt(user + probe), attempt(user + probe + user)
+    header, extra = None, ""
+    if bare is not None and gen is not None and gen.startswith(bare) and gen[len(bare) :].strip():
+        g = gen[len(bare) :]
+        renders = [r for r in (last, mid) if r is not None and r.startswith(bare) and _PROBE in r]
+        before = [r[len(bare) : r.find(_PROBE)] for r in renders]
+        h = _common_prefix(g, *before)
+        if h.strip():
+            header, extra = h, g[len(h) :]
     end = None
-    pos = full.rfind(_PROBE)
-    if pos >= 0:
-        rest = full[pos + len(_PROBE) :].lstrip()
+    pos = last.rfind(_PROBE) if last is not None else -1
+    if last is not None and pos >= 0:
+        rest = last[pos + len(_PROBE) :].lstrip()
         for text in sorted(special_token_texts(tokenizer), key=len, reverse=True):
             if text and rest.startswith(text):
                 end = text
                 break
-    return header, end
+    return TemplateMarkers(header, extra, end)
 
 
 def _candidates(content: str) -> list[str]:
@@ -154,34 +187,38 @@ def assistant_spans(
     tokenizer: Any, messages: Sequence[dict], *, train_only_last_turn: bool = False, **template_kwargs: Any
 ) -> tuple[str, list[tuple[int, int]]]:
     """Render ``messages`` and return ``(text, spans)``: the char spans ``[start, end)`` of the
-    supervised assistant contents in ``text``, in order (only the last one with
-    ``train_only_last_turn``). Empty assistant contents have no span.
+    supervised assistant turns in ``text``, in order (only the last one with
+    ``train_only_last_turn``). A span starts where the generation prompt ends (after the header
+    and ``gen_extra``, see :class:`TemplateMarkers`) and ends with the content; empty assistant
+    contents have no span.
 
     Raises :class:`MalformedConversation` on invalid messages or when an assistant content cannot
     be found in the rendered text.
     """
     messages = validate_messages(messages)
     text = render(tokenizer, messages, **template_kwargs)
-    header, end_marker = template_markers(tokenizer, **template_kwargs)
+    marks = template_markers(tokenizer, **template_kwargs)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, msg in enumerate(messages):
         if msg["role"] == "assistant":
-            limit = None
-            if header:
-                pos = text.find(header, cursor)
+            limit, start = None, None
+            if marks.header:
+                pos = text.find(marks.header, cursor)
                 if pos >= 0:
-                    cursor = pos + len(header)
-                    nxt = text.find(header, cursor)  # the content ends before the next assistant turn
+                    start = cursor = pos + len(marks.header)
+                    if marks.gen_extra and text.startswith(marks.gen_extra, start):
+                        start = cursor = start + len(marks.gen_extra)
+                    nxt = text.find(marks.header, cursor)  # the content ends before the next assistant turn
                     limit = nxt if nxt >= 0 else None
             if not msg["content"].strip():
                 continue
-            span = _locate(text, msg["content"], cursor, end_marker, limit)
+            span = _locate(text, msg["content"], cursor, marks.end, limit)
             if span is None:
                 raise MalformedConversation(
                     f"assistant message {i} is not in the chat-template text (the template rewrote it)"
                 )
-            spans.append(span)
+            spans.append((span[0] if start is None else start, span[1]))
             cursor = span[1]
         elif msg["content"].strip():
             span = _locate(text, msg["content"], cursor, None)
@@ -261,9 +298,15 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return messages[:last]
 
 
+def generation_prompt_ids(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
+    """Chat-template ids of all of ``messages`` followed by the generation prompt: what a server
+    that applies the template feeds the model to write the next assistant turn."""
+    text = render(tokenizer, validate_messages(messages), add_generation_prompt=True, **template_kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def prompt_ids(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
     """Chat-template ids of the conversation up to (excluding) the last assistant message, with
     ``add_generation_prompt=True``: what a server sees as the prompt (used by eval and the
-    regeneration of responses). ``template_kwargs`` go to ``apply_chat_template``."""
-    text = render(tokenizer, prompt_messages(messages), add_generation_prompt=True, **template_kwargs)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    embedded corpus). ``template_kwargs`` go to ``apply_chat_template``."""
+    return generation_prompt_ids(tokenizer, prompt_messages(messages), **template_kwargs)

@@ -2,8 +2,8 @@
 
 Real DFlash data is made by regenerating the assistant responses with the target, so that the
 training labels follow the target's own (greedy) distribution. This module does the same offline:
-prompts are snippets cut from CPython's standard-library sources (``stdlib_text_files``) wrapped
-in a few instruction templates, and the target answers them with batched greedy ``generate``.
+prompts are snippets cut from CPython's standard-library sources (``dflash.data.stdlib.code_snippets``)
+wrapped in a few instruction templates, and the target answers them with batched greedy ``generate``.
 The result is a chat JSONL (``{"messages": [user, assistant]}`` per line) that also carries the
 exact token ids (``input_ids``: prompt + generated response, + eos when generation stopped there;
 ``loss_mask``: 1 on the response), so every training label is the target's own greedy token.
@@ -23,29 +23,23 @@ import hashlib
 import json
 import logging
 import os
-import random
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash.data.chat import prompt_ids
-from dflash.data.stdlib import stdlib_text_files
+from dflash.data.regenerate.hf_backend import generate
+from dflash.data.stdlib import code_snippets
 from dflash.files import atomic_file, atomic_write, file_lock
 
 log = logging.getLogger(__name__)
 
-CORPUS_VERSION = 2
-PROMPT_TEMPLATES = (
-    "Continue this code:\n{code}",
-    "Complete the following Python code:\n{code}",
-    "What comes next in {name}?\n{code}",
-    "Here is a snippet from {name}. Continue it.\n{code}",
-    "Explain and then continue:\n{code}",
-)
+CORPUS_VERSION = 4
 _TARGET_FILES = (
     "config.json",
     "generation_config.json",
@@ -79,77 +73,25 @@ def target_fingerprint(target_dir: Path) -> str:
 
 
 def embedded_corpus_path(
-    cache_root: Path, target_dir: str | os.PathLike, num_prompts: int, max_new_tokens: int, seed: int
+    cache_root: Path,
+    target_dir: str | os.PathLike,
+    num_prompts: int,
+    max_new_tokens: int,
+    seed: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Path:
     """Where the corpus for these parameters lives under the data cache."""
-    key = json.dumps([str(Path(target_dir).resolve()), num_prompts, max_new_tokens, seed])
+    params: list[Any] = [str(Path(target_dir).resolve()), num_prompts, max_new_tokens, seed]
+    if chat_template_kwargs:
+        params.append(chat_template_kwargs)
+    key = json.dumps(params, sort_keys=True)
     return Path(cache_root) / "embedded" / f"corpus-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
 
 
 def make_prompts(num_prompts: int, seed: int) -> list[str]:
-    """num_prompts user messages: 1-12 consecutive non-blank-ended lines of a stdlib file in a
-    random template. Deterministic for a seed and a Python installation."""
-    rng = random.Random(seed)
-    files = stdlib_text_files()
-    lines_of: dict[Path, list[str]] = {}
-    prompts: list[str] = []
-    while len(prompts) < num_prompts:
-        f = rng.choice(files)
-        if f not in lines_of:
-            lines_of[f] = f.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-        lines = lines_of[f]
-        k = rng.randint(1, 12)
-        start = rng.randrange(max(1, len(lines) - k))
-        code = "".join(lines[start : start + k]).strip("\n")
-        if len(code.strip()) < 8:
-            continue
-        template = rng.choice(PROMPT_TEMPLATES)
-        prompts.append(template.format(code=code, name=f.name))
-    return prompts
-
-
-@torch.inference_mode()
-def generate_greedy(
-    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 64
-) -> tuple[list[list[int]], list[bool]]:
-    """Greedy responses to token-id prompts: (ids without the eos, finished-with-eos flags).
-
-    Prompts are sorted by length and batched with left padding (fewer pad tokens); the result is in
-    the input order. Generation stops at ``tokenizer.eos_token_id`` (``<|im_end|>`` for ChatML).
-    """
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    if eos is None:
-        raise ValueError("the target tokenizer has no eos_token: greedy regeneration cannot stop")
-    pad = eos if pad is None else pad
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[list[int]] = [[] for _ in prompts]
-    done: list[bool] = [False] * len(prompts)
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        input_ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            p = prompts[i]
-            input_ids[row, width - len(p) :] = torch.tensor(p)
-            attention[row, width - len(p) :] = 1
-        gen = model.generate(
-            input_ids=input_ids.to(model.device),
-            attention_mask=attention.to(model.device),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-        )[:, width:]
-        for row, i in enumerate(idx):
-            ids = gen[row].cpu().tolist()
-            if eos in ids:
-                ids, done[i] = ids[: ids.index(eos)], True
-            out[i] = ids
-    return out, done
+    """num_prompts user messages: a few lines of a stdlib file of ``corpus_files`` in a random
+    template (``code_snippets``). Deterministic for a seed and a Python installation."""
+    return [user for user, _ in code_snippets(num_prompts, seed)]
 
 
 @contextmanager
@@ -170,13 +112,15 @@ def build_embedded_corpus(
     num_prompts: int,
     max_new_tokens: int,
     seed: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
     device: str | None = None,
 ) -> Path:
     """Build (or reuse) the embedded chat JSONL at ``out_path`` with the target at ``target_dir``.
 
     Each line is ``{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}``; the
     assistant content is the target's greedy response (fp32, batched, left-padded, stop at eos,
-    at most max_new_tokens), decoded with special tokens kept. Safe to call from every rank: one
+    at most max_new_tokens), decoded with special tokens kept; the prompts are rendered with
+    ``chat_template_kwargs`` (recorded in the sidecar). Safe to call from every rank: one
     builds under a file lock, the others wait and reuse. ``device``: None = cuda when available,
     else cpu. On CPU generation runs on one thread: these small decode steps gain nothing from
     more, and with the cores shared (other ranks, other jobs) 2 threads measured 5-8x slower.
@@ -189,6 +133,7 @@ def build_embedded_corpus(
             f"{max_new_tokens} must be >= 1"
         )
     meta_path = out_path.with_name(out_path.name + ".meta.json")
+    kwargs = dict(chat_template_kwargs or {})
     want = {
         "version": CORPUS_VERSION,
         "num_prompts": num_prompts,
@@ -197,6 +142,7 @@ def build_embedded_corpus(
         "python": sys.version.split()[0],
         "device": torch.device(device).type,
         "target": target_fingerprint(target_dir),
+        "chat_template_kwargs": kwargs,
     }
 
     def ready() -> bool:
@@ -214,14 +160,14 @@ def build_embedded_corpus(
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(device)
         users = make_prompts(num_prompts, seed)
         convs = [[{"role": "user", "content": u}] for u in users]
-        prompts = [prompt_ids(tokenizer, c) for c in convs]
+        prompts = [prompt_ids(tokenizer, c, **kwargs) for c in convs]
         with _torch_threads(1 if torch.device(device).type == "cpu" else torch.get_num_threads()):
-            responses, finished = generate_greedy(model, tokenizer, prompts, max_new_tokens)
+            responses, stops = generate(model, tokenizer, prompts, max_new_tokens)
         del model
         with atomic_file(out_path) as fh:
-            for conv, prompt, ids, done in zip(convs, prompts, responses, finished, strict=True):
+            for conv, prompt, ids, stop in zip(convs, prompts, responses, stops, strict=True):
                 text = tokenizer.decode(ids, skip_special_tokens=False)
-                response = ids + [tokenizer.eos_token_id] if done else ids
+                response = ids if stop is None else ids + [stop]
                 fh.write(
                     json.dumps(
                         {
@@ -237,7 +183,7 @@ def build_embedded_corpus(
             "embedded corpus: %d prompts x <=%d tokens (%d finished with eos) in %.1fs -> %s",
             num_prompts,
             max_new_tokens,
-            sum(finished),
+            sum(s is not None for s in stops),
             time.perf_counter() - t0,
             out_path,
         )

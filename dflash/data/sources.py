@@ -10,8 +10,15 @@ Layout of the source, by record index (blank JSONL lines are not records):
 ``[total - E, total)`` (E = ``num_eval_prompts``) is the held-out eval tail, never trained on
 (:func:`split_ranges`; :func:`load_eval_conversations` reads the tail as message lists).
 
-Unparseable records come out as :class:`BadRecord` and unusable ones raise
-``MalformedConversation`` from :func:`parse_messages`: the caller counts them, nothing here aborts.
+Unparseable records (invalid JSON or UTF-8, nesting too deep for the parser) come out as
+:class:`BadRecord` and unusable ones raise ``MalformedConversation`` from :func:`parse_messages`:
+the caller counts them, nothing here aborts on one record. Only a problem of the whole source (a
+missing or unreadable file, no record at all) raises ``ValueError``, naming the config field and
+the file.
+
+A source may carry a sidecar ``<file>.meta.json`` (written by ``dflash.data.regenerate`` and by the
+embedded corpus) recording the ``chat_template_kwargs`` its responses were generated with;
+:func:`check_template_kwargs` refuses to tokenize it with different ones.
 """
 
 from __future__ import annotations
@@ -50,37 +57,71 @@ class BadRecord:
 
 
 class Source:
-    """An opened conversation source: a content fingerprint, the record count and the records."""
+    """An opened conversation source: a content fingerprint, the record count and the records.
 
-    def __init__(self, path: str, split: str = "train") -> None:
-        self.path, self.split = path, split
+    ``field`` names the config field that gave ``path`` (``data.path``, ``input``, ``prompts``), so
+    that every error about the source names what to change.
+    """
+
+    def __init__(self, path: str, split: str = "train", *, field: str = "data.path") -> None:
+        self.path, self.split, self.field = path, split, field
         p = Path(path)
-        self._ds = None
+        self._ds: Any = None
         if p.suffix in (".jsonl", ".json") and not p.exists():
-            raise ValueError(f"data.path={path!r} does not exist; set data.path to a JSONL file or a dataset")
+            raise ValueError(f"{field}={path!r} does not exist; set {field} to a JSONL file or a dataset")
         if p.is_file():
             self.kind = "jsonl"
-            self.fingerprint, self.num_records = _scan_jsonl(p)
+            self.fingerprint, self.num_records = self._guard(lambda: _scan_jsonl(p))
         else:
             self.kind = "datasets"
-            self._ds = _load_hf_dataset(path, split)
+            self._ds = _load_hf_dataset(path, split, field)
             self.num_records = len(self._ds)
             fp = getattr(self._ds, "_fingerprint", None)
             self.fingerprint = f"datasets:{fp}" if fp else _content_hash(self._ds)
+        if self.num_records == 0:
+            raise ValueError(
+                f"{field}={path!r} has no records (an empty file, or only blank lines); set {field} to a "
+                'JSONL with one {"messages": [...]} object per line (or a non-empty dataset)'
+            )
+
+    def _guard(self, read: Any) -> Any:
+        try:
+            return read()
+        except OSError as exc:
+            raise ValueError(f"{self.field}={self.path!r} cannot be read ({exc}); check the file") from exc
+
+    def numbered(self) -> Iterator[tuple[int, str, Any]]:
+        """``(record index, where, record)`` in order; ``where`` is ``<file>:<line>`` (JSONL) or
+        ``<path>[<row>]`` (``datasets``), for messages that point at the record."""
+        if self.kind == "datasets":
+            for i, row in enumerate(self._ds):
+                yield i, f"{self.path}[{i}]", row
+            return
+        try:
+            with open(self.path, "rb") as fh:
+                idx = 0
+                for lineno, raw in enumerate(fh, 1):
+                    if not raw.strip():
+                        continue
+                    yield idx, f"{self.path}:{lineno}", _parse_line(raw)
+                    idx += 1
+        except OSError as exc:
+            raise ValueError(f"{self.field}={self.path!r} cannot be read ({exc}); check the file") from exc
 
     def records(self) -> Iterator[Any]:
         """Every record in order: a parsed JSON value, a ``datasets`` row dict, or a BadRecord."""
-        if self.kind == "datasets":
-            yield from self._ds
-            return
-        with open(self.path, "rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    yield json.loads(raw)
-                except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-                    yield BadRecord(f"line {lineno}: invalid JSON ({exc})")
+        for _, _, record in self.numbered():
+            yield record
+
+
+def _parse_line(raw: bytes) -> Any:
+    """One JSONL line as a JSON value, or a :class:`BadRecord` saying why it is not one."""
+    try:
+        return json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        return BadRecord(f"invalid JSON ({exc})")
+    except RecursionError:  # e.g. a line of 200,000 '['
+        return BadRecord("invalid JSON (nested too deeply for the parser)")
 
 
 def _scan_jsonl(path: Path) -> tuple[str, int]:
@@ -94,12 +135,12 @@ def _scan_jsonl(path: Path) -> tuple[str, int]:
     return f"jsonl:{h.hexdigest()}", n
 
 
-def _load_hf_dataset(path: str, split: str):
+def _load_hf_dataset(path: str, split: str, field: str = "data.path") -> Any:
     try:
         import datasets
     except ImportError as exc:
         raise ValueError(
-            f"data.path={path!r} is not a file, so it must be a `datasets` dataset, but `datasets` is "
+            f"{field}={path!r} is not a file, so it must be a `datasets` dataset, but `datasets` is "
             "not installed: pip install 'dflash[data]' (or datasets), or convert it to JSONL"
         ) from exc
     p = Path(path)
@@ -109,27 +150,28 @@ def _load_hf_dataset(path: str, split: str):
         ds = datasets.load_dataset(path, split=split)
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
+            split_field = "data.split" if field == "data.path" else "split"
             raise ValueError(
-                f"data.split={split!r} is not in {path!r} (splits: {sorted(ds)}); set data.split"
+                f"{split_field}={split!r} is not in {path!r} (splits: {sorted(ds)}); set {split_field}"
             )
         ds = ds[split]
     return ds
 
 
-def _content_hash(ds) -> str:
+def _content_hash(ds: Any) -> str:
     h = hashlib.sha256()
     for row in ds:
         h.update(json.dumps(row, sort_keys=True, default=str).encode())
     return f"rows:{h.hexdigest()}"
 
 
-def load_conversations(path: str, split: str = "train") -> Iterator[Any]:
+def load_conversations(path: str, split: str = "train", *, field: str = "data.path") -> Iterator[Any]:
     """Raw records of a JSONL file or a ``datasets`` path, in order (see :class:`Source`).
 
     JSONL lines that fail to parse come out as :class:`BadRecord` (counted, never raised); use
     :func:`parse_messages` to turn a record into a validated message list.
     """
-    return Source(path, split).records()
+    return Source(path, split, field=field).records()
 
 
 def parse_messages(record: Any) -> list[dict]:
@@ -171,8 +213,9 @@ def resolve_source(cfg: Any, target_dir: str | os.PathLike | None = None) -> str
         return str(cfg.path)
     if target_dir is None:
         raise ValueError("data.path=embedded needs the target directory: pass target_dir=cfg.target.path")
+    kwargs = dict(cfg.chat_template_kwargs)
     out = embedded_corpus_path(
-        cache_root(cfg), target_dir, cfg.embedded_num_prompts, cfg.embedded_max_new_tokens, cfg.seed
+        cache_root(cfg), target_dir, cfg.embedded_num_prompts, cfg.embedded_max_new_tokens, cfg.seed, kwargs
     )
     build_embedded_corpus(
         Path(target_dir),
@@ -180,8 +223,38 @@ def resolve_source(cfg: Any, target_dir: str | os.PathLike | None = None) -> str
         num_prompts=cfg.embedded_num_prompts,
         max_new_tokens=cfg.embedded_max_new_tokens,
         seed=cfg.seed,
+        chat_template_kwargs=kwargs,
     )
     return str(out)
+
+
+def sidecar_meta_path(path: str | os.PathLike) -> Path:
+    """``<file>.meta.json``: how a generated JSONL was made (regenerate, embedded corpus)."""
+    p = Path(path)
+    return p.with_name(p.name + ".meta.json")
+
+
+def check_template_kwargs(source_path: str, template_kwargs: dict[str, Any]) -> None:
+    """Raise ValueError when the source's sidecar records other ``chat_template_kwargs`` than
+    ``template_kwargs`` (``data.chat_template_kwargs``): responses generated with thinking off
+    and trained with thinking on (or the reverse) teach the drafter text the served target does
+    not write."""
+    meta_path = sidecar_meta_path(source_path)
+    if not meta_path.is_file():
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return
+    generated = meta.get("chat_template_kwargs") if isinstance(meta, dict) else None
+    if generated is None or dict(generated) == dict(template_kwargs):
+        return
+    fix = ",".join(f"{k}:{json.dumps(v)}" for k, v in sorted(generated.items()))
+    raise ValueError(
+        f"data.chat_template_kwargs={dict(template_kwargs)} but data.path={source_path!r} was generated "
+        f"with chat_template_kwargs={dict(generated)} ({meta_path}); the training text must be rendered "
+        f"as the target is served: set data.chat_template_kwargs={{{fix}}} (and serve with the same)"
+    )
 
 
 def split_ranges(num_records: int, num_samples: int | None, num_eval: int | None) -> tuple[range, range]:
@@ -190,6 +263,8 @@ def split_ranges(num_records: int, num_samples: int | None, num_eval: int | None
     num_eval = num_eval or 0
     if num_eval < 0:
         raise ValueError(f"data.num_eval_prompts={num_eval} must be >= 0")
+    if num_records == 0:
+        raise ValueError("data.path has no records; set data.path to a non-empty JSONL or dataset")
     if num_eval >= num_records:
         raise ValueError(
             f"data.num_eval_prompts={num_eval} leaves no training conversation in a source of "

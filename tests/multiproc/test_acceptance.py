@@ -33,7 +33,9 @@ def test_eval_tau_tracks_tau_hat_after_training(tmp_path, run_cache):
         f"tau_hat={last['eval/tau_hat']:.3f} (arithmetic mean {last['eval/tau_hat_arith']:.3f})"
     )
     assert first["eval/tau"] == pytest.approx(1.0, abs=0.05)  # an untrained drafter accepts (almost) nothing
-    assert last["eval/tau"] > 1.5  # it learned
+    # it learned; the tiny target is a (weak) code model, whose answers are much harder to draft than
+    # the repeated tokens of the random-weight target this test started with (then 2.15 here)
+    assert last["eval/tau"] > 1.15
     assert abs(last["eval/tau"] - last["eval/tau_hat"]) <= 0.15 * last["eval/tau_hat"]
     hist = [last[f"eval/accept_len_hist/{k}"] for k in range(1, 9)]
     assert sum(hist) == last["eval/num_steps"]

@@ -129,6 +129,9 @@ def test_malformed_raises(tok, messages):
 
 
 def test_qwen3_template_with_thinking(tok):
+    """The mask starts where the generation prompt ends, with the same template kwargs: with
+    thinking off the empty think block is part of the prompt; with thinking on the model writes
+    it, so it is supervised. Either way prompt + supervised tokens = the training sample."""
     tok.chat_template = QWEN3_TEMPLATE
     msgs = conv(
         ("system", "sys"),
@@ -139,16 +142,35 @@ def test_qwen3_template_with_thinking(tok):
     )
     text = tok.apply_chat_template(msgs, tokenize=False)
     assert "reason one" not in text  # the template dropped the earlier turn's reasoning
-    assert masked_text(tok, msgs) == ["answer one<|im_end|>", "think<|im_end|>"]
-    ids, mask = tokenize_conversation(tok, msgs, train_only_last_turn=True)
-    # the empty think block of the last turn is template boilerplate, not supervised; it is part
-    # of the non-thinking generation prompt, so prompt + response reproduces the training sample
-    p = prompt_ids(tok, msgs, enable_thinking=False)
-    assert tok.decode(p).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert ids[: len(p)] == p and not any(mask[: len(p)]) and all(mask[len(p) : -1])
-    # the last turn keeps its reasoning and it is supervised
+    off = {"enable_thinking": False}
+    assert masked_text(tok, msgs, **off) == ["answer one<|im_end|>", "think<|im_end|>"]
+    assert masked_text(tok, msgs) == ["answer one<|im_end|>", "<think>\n\n</think>\n\nthink<|im_end|>"]
+    for kwargs in (off, {}):
+        ids, mask = tokenize_conversation(tok, msgs, train_only_last_turn=True, **kwargs)
+        p = prompt_ids(tok, msgs, **kwargs)
+        assert ids[: len(p)] == p and not any(mask[: len(p)]) and all(mask[len(p) : -1]) and mask[-1] == 0
+    assert tok.decode(prompt_ids(tok, msgs, **off)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # reasoning in the last turn, inline or as reasoning_content, is written by the model: supervised
     msgs[-1]["content"] = "<think>\nstep\n</think>\n\nfinal"
-    assert masked_text(tok, msgs) == ["answer one<|im_end|>", "<think>\nstep\n</think>\n\nfinal<|im_end|>"]
+    want = ["answer one<|im_end|>", "<think>\nstep\n</think>\n\nfinal<|im_end|>"]
+    assert masked_text(tok, msgs) == masked_text(tok, msgs, **off) == want
+    msgs[-1]["content"] = "<think>step</think>final"  # the template normalises the whitespace
+    assert masked_text(tok, msgs) == want
+    msgs[-1] = {"role": "assistant", "content": "final", "reasoning_content": "step"}
+    tok.chat_template = QWEN3_TEMPLATE.replace(
+        "{%- set reasoning_content = '' %}",
+        "{%- set reasoning_content = message.reasoning_content if message.reasoning_content is string else '' %}",
+    )
+    assert masked_text(tok, msgs) == want
+
+
+def test_multi_turn_with_thinking_off_keeps_every_turn(tok):
+    """Earlier turns have no think block, the last one has it: the header search must not skip
+    from the first assistant turn to the last one."""
+    tok.chat_template = QWEN3_TEMPLATE
+    msgs = conv(("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"), ("user", "q3"))
+    msgs.append({"role": "assistant", "content": "a3"})
+    assert masked_text(tok, msgs, enable_thinking=False) == ["a1<|im_end|>", "a2<|im_end|>", "a3<|im_end|>"]
 
 
 def test_llama3_style_template(tok):

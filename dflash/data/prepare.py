@@ -1,0 +1,78 @@
+"""``python -m dflash.data.prepare``: build the training set's cache once, before training.
+
+    python -m dflash.data.prepare experiment=qwen3_8b_7x1 data.path=/data/regen.jsonl data.num_workers=16
+    python -m dflash.data.prepare data.path=/data/regen.jsonl show=3      # 3 samples, supervised text marked
+
+It composes the training config (``conf/config.yaml``: the same groups and overrides), so the
+dataset fingerprint, and therefore the cache directory, is the one ``torchrun -m dflash.train``
+computes with the same overrides: training then loads the cache instead of tokenizing on every
+rank's first launch. It runs what every rank runs before the process group
+(``dflash.setup.prepare``: config checks, the tiny target and embedded corpus if asked for,
+tokenization with ``data.num_workers`` processes and a progress bar), then prints the statistics
+and, with ``show=N``, the first N samples with their supervised tokens marked (colour on a
+terminal, brackets otherwise): exactly the loss mask training uses.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.config import FREE, Config
+
+
+@dataclass
+class PrepareConfig(Config):
+    """The training schema plus what only ``prepare`` reads."""
+
+    show: int = field(default=0, metadata=FREE)
+    """Print the first N samples with the supervised tokens marked."""
+
+
+def register_prepare_schema() -> None:
+    """Register :class:`PrepareConfig` under the training schema's name, so that
+    ``conf/config.yaml`` (which ``conf/prepare.yaml`` includes) composes into it."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="dflash_schema", node=PrepareConfig)
+
+
+def run(cfg: PrepareConfig) -> str:
+    """Build (or find) the cache of ``cfg.data``, print the statistics and ``cfg.show`` samples;
+    returns the cache directory. Raises ValueError on a config or data problem."""
+    from dflash.data.report import dataset_summary, show_samples
+    from dflash.setup import prepare
+
+    if cfg.show < 0:
+        raise ValueError(f"show={cfg.show}: must be >= 0 (the number of samples to print)")
+    setup = prepare(cfg, cfg.topology.num_targets + cfg.topology.num_drafters, progress=True)
+    ds = setup.dataset
+    cache = f"{setup.cfg.data.cache_dir}/{ds.fingerprint}"
+    where = "found in the cache" if ds.loaded_from_cache else "built"
+    print(f"dataset {ds.fingerprint[:12]} {where}: {cache}", flush=True)
+    print(dataset_summary(ds, cfg.data.max_length), flush=True)
+    print(
+        f"data plan: {setup.plan.num_packets} packets, {setup.num_steps} optimizer steps; training with the "
+        "same overrides loads this cache",
+        flush=True,
+    )
+    if cfg.show:
+        print(show_samples(ds, setup.tokenizer, cfg.show, color=sys.stdout.isatty()), flush=True)
+    return cache
+
+
+register_prepare_schema()
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="prepare")
+def main(dcfg: DictConfig) -> None:
+    cfg = OmegaConf.to_object(dcfg)
+    assert isinstance(cfg, PrepareConfig)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
