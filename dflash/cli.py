@@ -24,7 +24,8 @@ import secrets as stdlib_secrets
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -115,6 +116,18 @@ def report_user_error(err: UserError, rank: int) -> None:
     speaks = err.scope == "here" or (err.scope == "all" and rank == 0)
     if speaks:
         print(f"dflash: error: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def value_errors_are_user_errors() -> Iterator[None]:
+    """Inside: a ``ValueError`` (the project's convention for a config or data mistake, raised before
+    anything runs) becomes a ``UserError``: one readable message, no traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _check_config(dcfg: DictConfig, schema: type) -> None:

@@ -251,6 +251,16 @@ class DataConfig:
 
 
 @dataclass
+class ChatTemplateConfig:
+    """The ``data`` section of the apps that render chat prompts besides training (``dflash.eval``,
+    ``dflash.data.regenerate``): the same key as training's, so one override fits every app."""
+
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata=FREE)
+    """Passed to apply_chat_template (e.g. {enable_thinking: false}); must match training's
+    data.chat_template_kwargs and the serving setting."""
+
+
+@dataclass
 class LossConfig:
     ce: float = field(default=1.0, metadata=CONTRACT)
     kl: float = field(default=0.0, metadata=CONTRACT)
@@ -468,6 +478,12 @@ _CHOICES = {
     "train.on_nonfinite": ("error", "skip"),
     "logging.mode": ("online", "offline", "disabled"),
 }
+
+
+def planned_world_size(t: TopologyConfig) -> int:
+    """The world size the topology describes, for tools that run outside torchrun (``prepare``):
+    targets + drafters; a co-located or open-ended topology counts one drafter."""
+    return t.num_targets + (t.num_drafters if t.num_drafters is not None else 1)
 
 
 def device_kind(device: str) -> str:

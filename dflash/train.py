@@ -18,7 +18,7 @@ from typing import Protocol
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.checkpoint import LoadedCheckpoint
-from dflash.cli import global_rank, quiet_console, run_app
+from dflash.cli import global_rank, quiet_console, run_app, value_errors_are_user_errors
 from dflash.config import Config, UserError, register_configs, to_config, validate
 from dflash.distributed.topology import Topology
 from dflash.files import atomic_write
@@ -75,16 +75,12 @@ def _setup_phase(cfg: Config, world_size: int, topology: Topology, rank: int, ru
     from dflash.run_dir import resume_checkpoint
     from dflash.setup import prepare, resolve_path
 
-    try:
+    with value_errors_are_user_errors():
         setup = prepare(cfg, world_size)
         resume = None
         if topology.role_of(rank) == "drafter":
             is_leader = rank == topology.leader_rank
             resume = resume_checkpoint(run_dir, cfg.train, setup.contract, resolve_path, is_leader=is_leader)
-    except UserError:
-        raise
-    except ValueError as e:
-        raise UserError(str(e)) from None
     return setup, resume
 
 

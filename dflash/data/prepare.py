@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from dflash.config import FREE, Config
+from dflash.cli import run_app, value_errors_are_user_errors
+from dflash.config import FREE, Config, planned_world_size, to_config
 
 
 @dataclass
@@ -48,7 +49,7 @@ def run(cfg: PrepareConfig) -> str:
 
     if cfg.show < 0:
         raise ValueError(f"show={cfg.show}: must be >= 0 (the number of samples to print)")
-    setup = prepare(cfg, cfg.topology.num_targets + cfg.topology.num_drafters, progress=True)
+    setup = prepare(cfg, planned_world_size(cfg.topology), progress=True)
     ds = setup.dataset
     cache = f"{setup.cfg.data.cache_dir}/{ds.fingerprint}"
     where = "found in the cache" if ds.loaded_from_cache else "built"
@@ -67,11 +68,17 @@ def run(cfg: PrepareConfig) -> str:
 register_prepare_schema()
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="prepare")
-def main(dcfg: DictConfig) -> None:
-    cfg = OmegaConf.to_object(dcfg)
+def prepare_task(dcfg: DictConfig, _run_dir: Path) -> int:
+    """What ``python -m dflash.data.prepare`` does (typed exactly as training types its config)."""
+    cfg = to_config(dcfg)
     assert isinstance(cfg, PrepareConfig)
-    run(cfg)
+    with value_errors_are_user_errors():
+        run(cfg)
+    return 0
+
+
+def main() -> None:
+    run_app("prepare", PrepareConfig, prepare_task)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python -m dflash.eval target=tiny drafter_path=/path/to/drafter prompts=/path/to/prompts.jsonl
     python -m dflash.eval target=qwen3_8b drafter_path=out/drafter prompts=gsm8k.jsonl \
-        num_prompts=128 max_new_tokens=2048 chat_template_kwargs.enable_thinking=false
+        num_prompts=128 max_new_tokens=2048 data.chat_template_kwargs.enable_thinking=false
 
 Prints the table (tau, acceptance histogram, TPOT, speedup, lossless), writes ``report.json`` and
 ``config.yaml`` to the run dir and logs ``eval/*`` to W&B (``logging.mode``). Config:

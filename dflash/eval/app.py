@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from dflash.config import LoggingConfig, PathsConfig, TargetConfig, plain_dict
+from dflash.config import ChatTemplateConfig, LoggingConfig, PathsConfig, TargetConfig, plain_dict
 from dflash.eval.loading import load_for_eval
 from dflash.eval.report import EvalReport, evaluate, report_metrics, report_table
 from dflash.files import atomic_write
@@ -51,8 +51,9 @@ class EvalAppConfig:
     """One short untimed generation of each kind before timing."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Passed to apply_chat_template, e.g. {enable_thinking: false} for Qwen3."""
+    data: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
+    """``data.chat_template_kwargs``: how prompts are rendered (e.g. {enable_thinking: false} for Qwen3, as in
+    the z-lab benchmark); the same key as training's, and it must match it."""
     eos_token_ids: list[int] | None = None
     """None = the tokenizer's eos + the target's generation_config eos."""
     step: int = 0

@@ -276,7 +276,7 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
         tokenizer,
         split=cfg.split,
         num_prompts=cfg.num_prompts,
-        template_kwargs=dict(cfg.chat_template_kwargs),
+        template_kwargs=dict(cfg.data.chat_template_kwargs),
     )
     too_long = [
         i

@@ -11,7 +11,7 @@ import pytest
 from openai_stub import OpenAIStub, stub_reply
 from transformers import AutoTokenizer
 
-from dflash.config import DataConfig
+from dflash.config import ChatTemplateConfig, DataConfig
 from dflash.data.cache import build_or_load_dataset
 from dflash.data.regenerate.app import run
 from dflash.data.regenerate.config import RegenerateConfig
@@ -47,6 +47,8 @@ def write_input(path: Path) -> list[str]:
 
 def regen_cfg(tmp_path: Path, url: str, **kw) -> RegenerateConfig:
     kw.setdefault("concurrency", 3)
+    if "chat_template_kwargs" in kw:
+        kw["data"] = ChatTemplateConfig(chat_template_kwargs=kw.pop("chat_template_kwargs"))
     kw.setdefault("retry_backoff_s", 0.01)
     return RegenerateConfig(
         input=str(tmp_path / "in.jsonl"),

@@ -1,7 +1,7 @@
 """``python -m dflash.data.regenerate``: regenerate every assistant turn with the target.
 
     python -m dflash.data.regenerate input=chat.jsonl output=regen.jsonl \
-        endpoint=http://127.0.0.1:8000/v1 model=Qwen/Qwen3-8B chat_template_kwargs.enable_thinking=false
+        endpoint=http://127.0.0.1:8000/v1 model=Qwen/Qwen3-8B data.chat_template_kwargs.enable_thinking=false
     python -m dflash.data.regenerate input=chat.jsonl output=regen.jsonl backend=hf model=/path/to/target
 
 Config: ``conf/regenerate.yaml``, schema ``dflash.data.regenerate.config.RegenerateConfig``.
@@ -10,22 +10,28 @@ Re-running the same command resumes the output; the exit status is 0 once every 
 
 from __future__ import annotations
 
-import hydra
+from pathlib import Path
+
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.cli import run_app, value_errors_are_user_errors
 from dflash.data.regenerate.config import RegenerateConfig, register_regenerate_schema
 
 register_regenerate_schema()
 
 
-@hydra.main(version_base="1.3", config_path="../../../conf", config_name="regenerate")
-def main(dcfg: DictConfig) -> None:
+def regenerate_task(dcfg: DictConfig, _run_dir: Path) -> int:
+    """Regenerate; exit 0 once every record is in the output (1: some failed, re-run to retry them)."""
     from dflash.data.regenerate.app import run
 
     cfg = OmegaConf.to_object(dcfg)
     assert isinstance(cfg, RegenerateConfig)
-    if not run(cfg).complete:
-        raise SystemExit(1)
+    with value_errors_are_user_errors():
+        return 0 if run(cfg).complete else 1
+
+
+def main() -> None:
+    run_app("regenerate", RegenerateConfig, regenerate_task)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from dflash.config import ChatTemplateConfig
+
 SCHEMA_NAME = "dflash_regenerate_schema"
 BACKENDS = ("openai", "hf")
 
@@ -50,9 +52,10 @@ class RegenerateConfig:
     """Per assistant turn; a turn cut there keeps its text (finish reason ``length``, counted)."""
     seed: int | None = None
     """Sampling seed sent with each request (temperature > 0)."""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Passed to the chat template (e.g. {enable_thinking: false}); recorded in meta.json, and training
-    refuses the output unless data.chat_template_kwargs is the same (it must match serving too)."""
+    data: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
+    """``data.chat_template_kwargs``: passed to the chat template (e.g. {enable_thinking: false});
+    recorded in meta.json, and training refuses the output unless its data.chat_template_kwargs is
+    the same (it must match serving too)."""
     keep_reasoning: bool = True
     """Keep the reasoning a server returns separately (``reasoning_content``/``reasoning``) as the
     message's ``reasoning_content`` (Qwen3-style templates render it), or drop it."""
