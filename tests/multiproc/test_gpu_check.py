@@ -53,7 +53,7 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and r["first_step_s"] > 0
         assert r["packet"]["seqs"] == 4 and r["packet"]["blocks"] > 0
         assert r["split_s"]["drafter_forward_backward_s"] > 0 and r["split_s"]["loss_s"] > 0
-        assert len(r["peak_mem_gib"]) == nranks
+        assert len(r["peak_mem_gib"]) == nranks and r["recompiles"] == 0
         p = r["planner"]
         assert p["target_tflop_per_packet"] > 0 and p["drafter_tflop_per_packet"] > 0
         assert p["target_mfu"] > 0 and p["drafter_mfu"] > 0 and p["planner_samples_per_s"] > 0

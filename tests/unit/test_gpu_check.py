@@ -170,9 +170,24 @@ def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
             "cases": [],
         },
         "c": {
+            **gc.step_figures([_row(1, 50.0), *(_row(s, 2.0) for s in range(2, 31))], 5, 1),
             "status": "passed",
             "mode": "co-located, 1 rank",
-            "planner": {"drafter_mfu": 0.35, "capacity_gib": 127.3},
+            "backend": "nccl",
+            "wall_s": 150.0,
+            "steps_requested": 30,
+            "recompiles": 0,
+            "planner": {
+                "gpu_spec": "h200",
+                "target_tflop_per_packet": 385.9,
+                "drafter_tflop_per_packet": 318.2,
+                "target_mfu": 0.43,
+                "drafter_mfu": 0.35,
+                "memory_gib": {"target": 20.2, "drafter": 75.4, "colocated": 89.9},
+                "capacity_gib": 127.3,
+                "planner_s_per_packet": {"target": 0.976, "drafter": 0.804, "mfu": 0.4},
+                "planner_samples_per_s": 8.99,
+            },
             "peak_mem_gib_by_role": {"colocated": 91.2},
             "target_probe": probe,
         },
@@ -186,6 +201,7 @@ def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
     assert out["passed"] is True  # a missed performance target is reported, not a failure
     table = gc.render(chk, out)
     assert "NOT MET" in table and "vocab-sized tensors 0" in table and "gpu check PASSED" in table
+    assert "30/30 steps (steady 6-30)" in table and "compile ~48 s, 0 recompiles" in table
     chk.results["c"]["status"] = "failed"
     assert chk.summary(done=True)["passed"] is False
 
