@@ -80,9 +80,13 @@ def test_loss_figures_fraction_of_peak_best_chunk_and_naive_oom():
     assert res["best_chunked"]["chunk"] == 8192 and res["best_chunked"]["peak_frac"] == pytest.approx(
         0.6471, abs=1e-4
     )
-    recs.append({"case": "torch_lce", "chunk": 2048, "error": "rc=1: TypeError: bad option"})
+    lce = "rc=1: ImportError: cannot import name 'LinearCrossEntropyOptions' from 'torch.nn'"
+    recs.append({"case": "torch_lce", "chunk": 2048, "error": lce})  # a baseline this torch lacks
     res = gc.loss_figures(recs, 989.0)
-    assert res["status"] == "failed" and res["errors"] == ["torch_lce@2048: rc=1: TypeError: bad option"]
+    assert res["status"] == "passed" and res["baseline_errors"] == [f"torch_lce@2048: {lce}"]
+    recs.append({"case": "chunked_ce", "chunk": 8192, "error": "rc=1: RuntimeError: CUDA error"})
+    res = gc.loss_figures(recs, 989.0)
+    assert res["status"] == "failed" and res["errors"] == ["chunked_ce@8192: rc=1: RuntimeError: CUDA error"]
     assert gc.loss_figures(recs[:1], 989.0)["status"] == "failed"  # no chunked case ran
 
 
