@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # the CUDA build from PyPI on a GPU host (docker/Dockerfile installs the same version).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast lint bench-loss clean
+.PHONY: setup demo test test-fast lint bench-loss gpu-check clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,12 @@ lint: $(BIN)/.installed
 
 bench-loss: $(BIN)/.installed
 	$(BIN)/python scripts/bench_loss.py
+
+# On a GPU host: everything that needs a GPU, in one go (README "GPU check"; under 8 minutes on one
+# H200). The JSON summary goes to $(GPU_CHECK_OUT); `python scripts/gpu_check.py --dry-run` is the CPU rehearsal.
+GPU_CHECK_OUT ?= gpu_check.json
+gpu-check: $(BIN)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) outputs .cache

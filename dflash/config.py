@@ -317,6 +317,10 @@ class TrainConfig:
     """With several drafters: every N steps compare a checksum of every replica's weights (0 = never)."""
     ledger: bool = field(default=True, metadata=FREE)
     """Write ledger.jsonl in the run dir: per step, the packets and source sample ids trained on."""
+    save_weights: bool = field(default=True, metadata=FREE)
+    """Write checkpoints and export the final drafter. false: neither (throughput checks such as
+    scripts/gpu_check.py, which at real size would write ~17 GB for nothing); a stopped run then
+    cannot resume."""
 
 
 @dataclass

@@ -73,6 +73,7 @@ def summary_table(
     checkpoint: Path | None,
     wandb_mode: str,
     extra: dict[str, str] | None = None,
+    not_exported: str = "the run did not finish",
 ) -> str:
     """A short two-column table (``status`` first) for the console and the log."""
     rows: list[tuple[str, str]] = [("run", str(run_dir)), ("status", status)]
@@ -96,9 +97,7 @@ def summary_table(
     rows.append(
         (
             "drafter",
-            f"{drafter_dir} (serve it: see README)"
-            if drafter_dir
-            else "not exported (the run did not finish)",
+            f"{drafter_dir} (serve it: see README)" if drafter_dir else f"not exported ({not_exported})",
         )
     )
     if checkpoint is not None:

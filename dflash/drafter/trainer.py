@@ -430,7 +430,7 @@ class DrafterTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        if not self.is_leader:
+        if not self.is_leader or not self.cfg.train.save_weights:
             return
         save_checkpoint(
             self.run_dir / "checkpoints",
@@ -522,7 +522,7 @@ class DrafterTrainer:
                     )
                     break
         finished = self.state.step == self.setup.num_steps
-        if self.is_leader and finished:
+        if self.is_leader and finished and cfg.train.save_weights:
             out = export_drafter(
                 self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
             )
@@ -545,10 +545,11 @@ class DrafterTrainer:
             self.summary,
             run_dir=self.run_dir,
             status=status_line(self.state.step, self.setup.num_steps, by),
-            drafter_dir=self.run_dir / "drafter" if finished else None,
+            drafter_dir=self.run_dir / "drafter" if finished and self.cfg.train.save_weights else None,
             checkpoint=latest_checkpoint(self.run_dir / "checkpoints"),
             wandb_mode=self.cfg.logging.mode,
             extra={"balance": b} if (b := self.balance()) else None,
+            not_exported="the run did not finish" if not finished else "train.save_weights=false",
         )
         log_to_files(logging.INFO, "\n" + table)
         print(table, flush=True)

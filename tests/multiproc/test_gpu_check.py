@@ -1,0 +1,74 @@
+"""``python scripts/gpu_check.py --dry-run``: every part of the GPU check runs on CPU at tiny sizes
+(pytest -m gpu, the loss benchmark, the target probe and a co-located run, 1 target + 1 drafter over
+gloo) and ends with one JSON line, so the GPU script cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from runner import env_for
+from testpaths import REPO
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cache):
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env_for(run_cache), capture_output=True, text=True, timeout=400)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary == json.loads(out.read_text())
+    assert summary["dry_run"] is True and summary["passed"] is True
+    assert "copied from" in summary["setup"]["tokenizer"]  # the cached tiny target's: nothing rebuilt
+    parts = summary["parts"]
+    assert list(parts) == ["a", "b", "c", "d"] and all(p["ran"] for p in parts.values())
+
+    a = parts["a"]  # every CUDA test collected and skipped
+    assert a["status"] == "skipped" and a["counts"]["skipped"] >= 10 and a["counts"]["failed"] == 0
+
+    b = parts["b"]
+    assert b["status"] == "passed"
+    assert {(c["case"], c["chunk"]) for c in b["cases"]} == {
+        *(
+            (case, chunk)
+            for case in ("limit", "limit_ce", "chunked", "chunked_ce", "torch_lce")
+            for chunk in (64, 256)
+        ),
+        ("naive", None),
+        ("naive_ce", None),
+    }
+    assert all(c["time_s"] > 0 and c["tflops"] is not None for c in b["cases"])
+    assert b["best_chunked"]["time_vs_naive"] > 0 and b["best_chunked_ce"]["time_vs_torch_lce"] > 0
+
+    for name, nranks in (("c", 1), ("d", 2)):
+        r = parts[name]
+        assert r["status"] == "passed" and r["steps"] == r["steps_requested"] == 4, (name, r)
+        assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and r["first_step_s"] > 0
+        assert r["packet"]["seqs"] == 4 and r["packet"]["blocks"] > 0
+        assert r["split_s"]["drafter_forward_backward_s"] > 0 and r["split_s"]["loss_s"] > 0
+        assert len(r["peak_mem_gib"]) == nranks and r["recompiles"] == 0
+        p = r["planner"]
+        assert p["target_tflop_per_packet"] > 0 and p["drafter_tflop_per_packet"] > 0
+        assert p["target_mfu"] > 0 and p["drafter_mfu"] > 0 and p["planner_samples_per_s"] > 0
+    assert "target_forward" in parts["c"]["phases_s"] and "recv_wait" in parts["d"]["phases_s"]
+    assert set(parts["d"]["peak_mem_gib_by_role"]) == {"target", "drafter"}
+
+    probe = parts["c"]["target_probe"]  # the headless forward makes no logits; model(...) does
+    assert probe["status"] == "passed" and probe["headless"]["vocab_tensors"] == 0
+    assert probe["full"]["vocab_tensor_shapes"] == [[1, 640, 2112]]
+
+    targets = summary["targets"]
+    assert targets["target_logits_gib"] == {**targets["target_logits_gib"], "value": 0.0, "met": True}
+    assert [t["met"] for k, t in targets.items() if k != "target_logits_gib"] == [None, None, None]
+    table = proc.stdout
+    assert "gpu check PASSED" in table and "1 target + 1 drafter (gloo)" in table
+    print(
+        f"FIGURE gpu_check dry run: {seconds:.1f} s wall, parts {[(k, v['part_s']) for k, v in parts.items()]}"
+    )
