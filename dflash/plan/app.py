@@ -2,18 +2,20 @@
 
     python -m dflash.plan experiment=qwen3_8b_8gpu plan.world_size=8 plan.gpu=h200
     python -m dflash.plan experiment=qwen3_6_27b_8gpu plan.gpu=h100 plan.mfu_drafter=0.3
+    python -m dflash.plan experiment=qwen3_8b_8gpu plan.world_size=1 plan.gpu=h100   # one GPU: co-located
 
 The training config and its overrides (``conf/plan_app.yaml`` composes ``conf/config.yaml``) plus
 ``plan.*``. Prints the table of :mod:`dflash.plan.report` and ends with one JSON line. Needs no
-GPU and no network, builds nothing and writes nothing; ``data.path`` may stay unset.
+GPU and no network, builds nothing and writes nothing; ``data.path`` may stay unset. A bad value
+is one short message (exit status 2), as in every dflash app.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import Config, PlanConfig, raise_problems, register_configs, to_config
@@ -28,8 +30,8 @@ def plan_problems(p: PlanConfig) -> list[str]:
     """Every invalid ``plan.*`` value, each with the override that fixes it."""
     checks = [
         (
-            p.world_size >= 2,
-            f"plan.world_size={p.world_size}: need at least 2 GPUs to split; set plan.world_size=8",
+            p.world_size >= 1,
+            f"plan.world_size={p.world_size}: need at least 1 GPU; e.g. plan.world_size=8",
         ),
         (
             0 < p.mfu_target <= 1,
@@ -54,7 +56,7 @@ def plan_problems(p: PlanConfig) -> list[str]:
 
 def plan_config(dcfg: DictConfig) -> Config:
     """The typed config to plan; ``data.path`` may be unset (then the data statistics come from
-    ``plan.*`` or the defaults). Raises ValueError naming every bad ``plan.*`` value."""
+    ``plan.*`` or the defaults). Raises UserError naming every bad ``plan.*`` value."""
     if OmegaConf.is_missing(dcfg.data, "path"):
         dcfg.data.path = ""
     cfg = to_config(dcfg)
@@ -72,6 +74,12 @@ def run(dcfg: DictConfig) -> dict[str, Any]:
     return out
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="plan_app")
-def main(dcfg: DictConfig) -> None:
+def plan_task(dcfg: DictConfig, _run_dir: Path) -> int:
     run(dcfg)
+    return 0
+
+
+def main() -> None:
+    from dflash.cli import run_app
+
+    run_app("plan_app", Config, plan_task)

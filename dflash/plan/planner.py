@@ -15,7 +15,7 @@ FIT_HINTS = {
     "target": "lower data.token_budget (activations and a dense mask grow with it) or use a larger GPU",
     "drafter": "lower drafter.max_anchors_per_packet (activations grow with the blocks per packet) or "
     "data.token_budget",
-    "colocated": "run disaggregated, or lower drafter.max_anchors_per_packet",
+    "colocated": "lower drafter.max_anchors_per_packet, or (2+ GPUs) run disaggregated",
 }
 
 
@@ -34,7 +34,7 @@ class Plan:
     """Every N:M of the world, N = 1 .. W-1."""
     colocated: Split
     best: Split
-    """The fastest disaggregated split (that fits, when any does)."""
+    """The fastest disaggregated split (that fits, when any does); on one GPU the co-located mode."""
     configured: Split | None
     """The config's own topology, when it uses the whole world."""
     world_size: int
@@ -42,7 +42,10 @@ class Plan:
 
     @property
     def mode(self) -> str:
-        """``colocated`` when it fits and beats the best split (or no split fits), else ``disaggregated``."""
+        """``colocated`` when it fits and beats the best split (or no split fits), or on one GPU; else
+        ``disaggregated``."""
+        if self.best is self.colocated:
+            return "colocated"
         if self.colocated.fits and (
             not self.best.fits or self.colocated.packets_per_s > self.best.packets_per_s
         ):
@@ -91,11 +94,15 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     splits = [disaggregated(times, costs.payload_bytes, gpu, world, n, both) for n in range(1, world)]
     co = colocated(times, gpu, world, fits["colocated"])
     t = cfg.topology
-    configured = next(
-        (s for s in splits if (s.num_targets, s.num_drafters) == (t.num_targets, t.num_drafters)), None
+    configured = (
+        co
+        if t.colocated
+        else next(
+            (s for s in splits if (s.num_targets, s.num_drafters) == (t.num_targets, t.num_drafters)), None
+        )
     )
     warnings = list(inputs.target.problems)
-    for role in ROLES:
+    for role in ROLES if world > 1 else ("colocated",):
         if not fits[role]:
             need = sum(memory[role].values())
             warnings.append(
@@ -111,7 +118,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         times=times,
         splits=splits,
         colocated=co,
-        best=best_split(splits),
+        best=best_split(splits) if splits else co,
         configured=configured,
         world_size=world,
         warnings=warnings,

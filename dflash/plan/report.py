@@ -27,8 +27,9 @@ def summary(plan: Plan, name: str, gpu: str) -> dict[str, Any]:
         "gpu": gpu,
         "world_size": plan.world_size,
         "mode": plan.mode,
-        "num_targets": best.num_targets,
-        "num_drafters": best.num_drafters,
+        # As topology.colocated reads them: no target-only ranks, a drafter replica on every GPU.
+        "num_targets": 0 if best is co else best.num_targets,
+        "num_drafters": plan.world_size if best is co else best.num_drafters,
         "expected_packets_per_s": round(best.packets_per_s, 4),
         "expected_samples_per_s": round(best.packets_per_s * spp, 3),
         "colocated_samples_per_s": round(co.packets_per_s * spp, 3) if co.fits else 0.0,
@@ -108,6 +109,13 @@ def render(plan: Plan, name: str) -> str:
         )
     lines.append("")
     b = plan.best
+    if b is plan.colocated and not plan.splits:
+        lines.append(
+            f"One GPU: co-located only (topology=colocated): {b.packets_per_s * plan.samples_per_packet:.2f} "
+            f"samples/s{'' if b.fits else ' (does not fit: see the warnings)'}"
+        )
+        lines += [f"WARNING: {w}" for w in plan.warnings]
+        return "\n".join(lines)
     lines.append(
         f"Recommended split: {b.label} (topology.num_targets={b.num_targets} topology.num_drafters="
         f"{b.num_drafters}): {b.packets_per_s * plan.samples_per_packet:.2f} samples/s"

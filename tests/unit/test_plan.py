@@ -439,8 +439,25 @@ def test_the_tiny_default_plans_from_its_yaml_shape_before_it_is_built(capsys, t
 
 def test_bad_plan_values_name_the_field():
     with pytest.raises(ValueError) as err:
-        run(_compose(["plan.mfu_target=1.5", "plan.world_size=1"]))
-    assert "plan.mfu_target=1.5" in str(err.value) and "plan.world_size=1" in str(err.value)
+        run(_compose(["plan.mfu_target=1.5", "plan.world_size=0"]))
+    assert "plan.mfu_target=1.5" in str(err.value) and "plan.world_size=0" in str(err.value)
+
+
+def test_one_gpu_plans_the_colocated_mode(capsys):
+    """One GPU cannot split: the plan is the co-located mode, and says whether it fits."""
+    for gpu, fits in (("h200", True), ("h100", False)):
+        out = run(
+            _compose(
+                ["experiment=qwen3_8b_8gpu", "topology=colocated", "plan.world_size=1", f"plan.gpu={gpu}"]
+            )
+        )
+        text = capsys.readouterr().out
+        assert out["mode"] == "colocated" and (out["num_targets"], out["num_drafters"]) == (0, 1), out
+        assert (
+            out["fits"]["colocated"] is fits
+            and out["configured_samples_per_s"] == out["expected_samples_per_s"] > 0
+        )
+        assert "One GPU: co-located only" in text and ("does not fit" in text) is not fits, text
 
 
 def test_the_app_prints_a_table_and_ends_with_one_json_line():
@@ -469,3 +486,18 @@ def test_the_app_prints_a_table_and_ends_with_one_json_line():
     assert out["num_targets"] + out["num_drafters"] == 8 and out["expected_samples_per_s"] > 0
     assert out["mode"] in ("disaggregated", "colocated")
     assert any("Recommended split" in ln for ln in lines) and any("Memory per GPU" in ln for ln in lines)
+
+
+def test_the_app_reports_a_bad_value_in_one_line():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.plan", "plan.world_size=0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "plan.world_size=0" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
