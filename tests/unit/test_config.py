@@ -24,6 +24,7 @@ from dflash.config import (
     to_config,
     validate,
 )
+from dflash.distributed.topology import Topology
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
@@ -244,3 +245,26 @@ def test_user_data_with_eval_holds_out_conversations_by_default():
     assert cfg.eval.every > 0 and cfg.data.num_eval_prompts == cfg.eval.num_prompts
     validate(cfg, 3)
     assert _compose(["data=chat_jsonl", "data.path=/d.jsonl", "eval.every=0"]).data.num_eval_prompts == 0
+
+
+def test_drafter_nodes_give_the_last_nodes_to_the_drafters(monkeypatch):
+    """Two nodes of 8: ``drafter_nodes=1`` makes ranks 0-7 targets and ranks 8-15 drafters, whatever
+    num_targets the experiment had; one node or a fixed num_drafters is refused with the fix."""
+    cfg = _compose(
+        [
+            "experiment=qwen3_8b_8gpu",
+            "data.path=/d.jsonl",
+            "topology.drafter_nodes=1",
+            "topology.num_drafters=null",
+        ]
+    )
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    validate(cfg, 16)
+    topo = Topology.from_config(cfg.topology, 16)
+    assert (topo.num_targets, topo.num_drafters) == (8, 8)
+    assert (topo.role_of(7), topo.role_of(8), topo.leader_rank) == ("target", "drafter", 8)
+    with pytest.raises(ValueError, match="needs at least one node of targets"):
+        validate(cfg, 8)
+    fixed = _compose(["experiment=qwen3_8b_8gpu", "data.path=/d.jsonl", "topology.drafter_nodes=1"])
+    with pytest.raises(ValueError, match="topology.num_drafters=null"):
+        validate(fixed, 16)

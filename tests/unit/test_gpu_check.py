@@ -1,5 +1,5 @@
 """scripts/gpu_check.py: the parts of it only a GPU run would reach (the CPU dry run, in
-tests/multiproc/test_gpu_check.py, runs everything else): pytest and bench parsing, the steady-state
+tests/multiproc/test_gpu_check_dry_run.py, runs everything else): pytest and bench parsing, the steady-state
 figures, the time budget, the judged targets and their table, and the hang guard."""
 
 from __future__ import annotations
