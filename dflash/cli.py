@@ -34,7 +34,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from dflash.config import EXIT_USER_ERROR, UserError, check_known_keys
+from dflash.config import EXIT_USER_ERROR, UserError
+from dflash.config_checks import check_known_keys
 from dflash.secrets import config_secret_problems, install_log_redaction, redact
 
 log = logging.getLogger("dflash")

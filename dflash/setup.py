@@ -23,9 +23,8 @@ from dflash.config import (
     SLIDING_ATTENTION,
     Config,
     contract_values,
-    raise_problems,
-    validate,
 )
+from dflash.config_checks import raise_problems, validate
 from dflash.data.cache import build_or_load_dataset
 from dflash.data.plan import DataPlan
 from dflash.data.sources import EMBEDDED, resolve_source

@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.checkpoint import LoadedCheckpoint
 from dflash.cli import global_rank, quiet_console, run_app, value_errors_are_user_errors
-from dflash.config import Config, UserError, register_configs, to_config, validate
+from dflash.config import Config, UserError, register_configs, to_config
+from dflash.config_checks import validate
 from dflash.distributed.topology import Topology
 from dflash.files import atomic_write
 

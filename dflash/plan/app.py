@@ -18,7 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config import Config, PlanConfig, raise_problems, register_configs, to_config
+from dflash.config import Config, PlanConfig, register_configs, to_config
+from dflash.config_checks import raise_problems
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.planner import make_plan
 from dflash.plan.report import render, summary

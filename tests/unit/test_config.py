@@ -16,14 +16,13 @@ from dflash.config import (
     Config,
     DataConfig,
     UserError,
-    check_known_keys,
     contract_values,
     dataset_settings,
     register_configs,
     schema_leaves,
     to_config,
-    validate,
 )
+from dflash.config_checks import check_known_keys, validate
 from dflash.distributed.topology import Topology
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

@@ -15,7 +15,8 @@ import torch
 from testpaths import REPO
 from transformers import AutoTokenizer
 
-from dflash.config import DataConfig, config_problems, register_configs, to_config
+from dflash.config import DataConfig, register_configs, to_config
+from dflash.config_checks import config_problems
 from dflash.data.cache import build_or_load_dataset
 from dflash.data.sources import Source
 from dflash.data.tokenize import TokenizeSettings, tokenize_records

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from dflash.config import raise_problems
+from dflash.config_checks import raise_problems
 from dflash.data.chat import MalformedConversation
 from dflash.data.regenerate.config import RegenerateConfig, config_problems, endpoints_of
 from dflash.data.regenerate.conversation import Regeneration, Reply
