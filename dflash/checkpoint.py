@@ -1,4 +1,4 @@
-"""Drafter checkpoints: atomic save, verified load, resume selection, contract check, RNG state.
+"""Drafter checkpoints: atomic save, verified load, resume selection, retention.
 
 Only the drafter leader calls ``save_checkpoint``. Target ranks hold no training state; they
 restart from ``TrainState.next_packet``.
@@ -10,8 +10,8 @@ Layout of one checkpoint::
         optimizer.pt        torch.save of tensors and primitives (loads with weights_only=True)
         scheduler.json      LR scheduler state (scheduler.pt with weights_only=True if not JSON)
         train_state.json    TrainState
-        rng.pt              python / numpy / torch CPU / CUDA generator states (weights_only)
-        contract.json       what must not change across a resume (checked by check_contract)
+        rng.pt              python / numpy / torch CPU / CUDA generator states (dflash.rng_state)
+        contract.json       what must not change across a resume (dflash.run_dir.check_contract)
         config.yaml         the resolved config of the run that wrote it
         COMPLETE            JSON {"files": {name: {"size", "sha256"}}, ...}, written last
 
@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import pickle  # only for pickle.UnpicklingError; nothing is unpickled outside weights_only
-import random
 import re
 import shutil
 import time
@@ -47,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dflash.files import atomic_directory, fsync_path
@@ -233,18 +231,18 @@ def _json_roundtrips(obj: Any) -> str | None:
     except (TypeError, ValueError):
         return None
     try:
-        if json.loads(text) == _tuples_to_lists(obj):
+        if json.loads(text) == tuples_to_lists(obj):
             return text
     except Exception:
         pass
     return None
 
 
-def _tuples_to_lists(obj: Any) -> Any:
+def tuples_to_lists(obj: Any) -> Any:
     if isinstance(obj, Mapping):
-        return {k: _tuples_to_lists(v) for k, v in obj.items()}
+        return {k: tuples_to_lists(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_tuples_to_lists(v) for v in obj]
+        return [tuples_to_lists(v) for v in obj]
     return obj
 
 
@@ -553,115 +551,3 @@ def find_resume_checkpoint(root: Path, *, map_location: Any = "cpu") -> LoadedCh
             + "\n".join(failures)
         )
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# Contract
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING = _Missing()
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, Mapping) and d:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: d}
-
-
-def _show(v: Any) -> str:
-    if v is _MISSING:
-        return "<missing>"
-    try:
-        return json.dumps(v, sort_keys=True)
-    except (TypeError, ValueError):
-        return repr(v)
-
-
-def check_contract(saved: dict, current: dict, *, allow_change: bool) -> list[str]:
-    """Differences between the contract saved in a checkpoint and the current run's, as
-    ``"field: saved=X current=Y"`` (nested fields dotted). Raises ``ValueError`` naming every
-    changed field unless ``allow_change``; then returns the list for the caller to log."""
-    a = _flatten(_tuples_to_lists(saved))
-    b = _flatten(_tuples_to_lists(current))
-    diffs = []
-    for key in sorted(set(a) | set(b)):
-        va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
-        if va is _MISSING or vb is _MISSING or va != vb:
-            diffs.append(f"{key}: saved={_show(va)} current={_show(vb)}")
-    if diffs and not allow_change:
-        raise ValueError(
-            "the checkpoint was written by a run with a different contract:\n  "
-            + "\n  ".join(diffs)
-            + "\nResuming would mix incompatible state. To accept the change on purpose, set "
-            "train.allow_contract_change=true (the differences are then logged)."
-        )
-    return diffs
-
-
-# --------------------------------------------------------------------------------------------
-# RNG state
-
-
-def capture_rng_state() -> dict:
-    """Python, numpy, torch CPU and (if CUDA is initialised) every CUDA generator, as tensors and
-    primitives only, so that ``rng.pt`` loads with ``weights_only=True``."""
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "python": {
-            "version": version,
-            "internal": torch.tensor(internal, dtype=torch.int64),
-            "gauss_next": gauss_next,
-        },
-        "torch": torch.get_rng_state(),
-    }
-    s = np.random.get_state(legacy=False)
-    state["numpy"] = {
-        "bit_generator": s["bit_generator"],
-        "key": torch.from_numpy(s["state"]["key"].astype(np.int64)),
-        "pos": int(s["state"]["pos"]),
-        "has_gauss": int(s["has_gauss"]),
-        "gauss": float(s["gauss"]),
-    }
-    # Only when CUDA is already initialised: touching the generators would create a context on
-    # every visible GPU.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-    return state
-
-
-def restore_rng_state(state: dict) -> None:
-    """Inverse of ``capture_rng_state``."""
-    py = state["python"]
-    internal = py["internal"]
-    internal = tuple(int(x) for x in (internal.tolist() if isinstance(internal, torch.Tensor) else internal))
-    random.setstate((int(py["version"]), internal, py["gauss_next"]))
-    torch.set_rng_state(state["torch"].cpu())
-    if "numpy" in state:
-        s = state["numpy"]
-        key = s["key"].numpy() if isinstance(s["key"], torch.Tensor) else np.asarray(s["key"])
-        np.random.set_state(
-            {
-                "bit_generator": s["bit_generator"],
-                "state": {"key": key.astype(np.uint32), "pos": int(s["pos"])},
-                "has_gauss": int(s["has_gauss"]),
-                "gauss": float(s["gauss"]),
-            }
-        )
-    cuda = state.get("cuda")
-    if cuda:
-        if not torch.cuda.is_available():
-            logger.warning("checkpoint has CUDA RNG states but CUDA is not available; not restored")
-            return
-        n = torch.cuda.device_count()
-        if len(cuda) != n:
-            logger.warning("checkpoint has %d CUDA RNG states, %d devices visible", len(cuda), n)
-        for i, s in enumerate(cuda[:n]):
-            torch.cuda.set_rng_state(s.cpu(), i)

@@ -8,7 +8,8 @@
   a path takes that checkpoint, ``never`` starts from scratch but refuses a directory that holds
   another run's results unless ``train.overwrite=true``, which moves them aside to
   ``replaced/<time>/`` (nothing is deleted). The checkpoint's run contract is compared with this
-  run's: a different contract is refused unless ``train.allow_contract_change=true``.
+  run's (``check_contract``): a different contract is refused unless
+  ``train.allow_contract_change=true``.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from dflash.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
-    check_contract,
     find_resume_checkpoint,
     load_checkpoint,
+    tuples_to_lists,
 )
 from dflash.config import TrainConfig, UserError
 
@@ -154,3 +156,54 @@ def resume_checkpoint(
         for c in changes:
             log.warning("resuming with a changed contract (train.allow_contract_change=true): %s", c)
     return loaded
+
+
+# --------------------------------------------------------------------------------------------
+# The run contract
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, Mapping) and d:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def _show(v: Any) -> str:
+    if v is _MISSING:
+        return "<missing>"
+    try:
+        return json.dumps(v, sort_keys=True)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+def check_contract(saved: dict, current: dict, *, allow_change: bool) -> list[str]:
+    """Differences between the contract saved in a checkpoint and the current run's, as
+    ``"field: saved=X current=Y"`` (nested fields dotted). Raises ``ValueError`` naming every
+    changed field unless ``allow_change``; then returns the list for the caller to log."""
+    a = _flatten(tuples_to_lists(saved))
+    b = _flatten(tuples_to_lists(current))
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
+        if va is _MISSING or vb is _MISSING or va != vb:
+            diffs.append(f"{key}: saved={_show(va)} current={_show(vb)}")
+    if diffs and not allow_change:
+        raise ValueError(
+            "the checkpoint was written by a run with a different contract:\n  "
+            + "\n  ".join(diffs)
+            + "\nResuming would mix incompatible state. To accept the change on purpose, set "
+            "train.allow_contract_change=true (the differences are then logged)."
+        )
+    return diffs

@@ -20,14 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dflash import faults
-from dflash.checkpoint import (
-    LoadedCheckpoint,
-    TrainState,
-    capture_rng_state,
-    latest_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
+from dflash.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
 from dflash.cli import log_to_files
 from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, drafter_attention, plain_dict
 from dflash.distributed.collectives import (
@@ -61,6 +54,7 @@ from dflash.metrics import (
 )
 from dflash.plan import AttentionKind, PacketCosts, PacketShape, packet_costs
 from dflash.plan.inputs import attention_kinds, shape_from_meta
+from dflash.rng_state import capture_rng_state, restore_rng_state
 from dflash.setup import RunSetup, resolve_path, torch_dtype
 from dflash.steplog import StepLog
 from dflash.summary import (

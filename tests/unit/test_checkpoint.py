@@ -20,14 +20,13 @@ from dflash.checkpoint import (
     MARKER,
     CheckpointError,
     TrainState,
-    capture_rng_state,
-    check_contract,
     find_resume_checkpoint,
     latest_checkpoint,
     load_checkpoint,
-    restore_rng_state,
     save_checkpoint,
 )
+from dflash.rng_state import capture_rng_state, restore_rng_state
+from dflash.run_dir import check_contract
 
 CONTRACT = {"hidden_size": 128, "layer_ids": [1, 3], "num_targets": 2, "data": {"fingerprint": "abc"}}
 
