@@ -22,14 +22,16 @@ import logging
 import os
 import secrets as stdlib_secrets
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -159,6 +161,18 @@ def _recorded(task: Task, dcfg: DictConfig, run_dir: Path) -> int | None:
             clean.dflash_logged = getattr(e, "dflash_logged", False)  # type: ignore[attr-defined]
             raise clean from None
         raise
+
+
+_COMPOSE_LOCK = threading.Lock()
+
+
+def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
+    """``conf/<config_name>.yaml`` composed with ``overrides`` as that app's command line would, but
+    outside the app (no run directory, no logging set-up): for tools that plan or launch runs and for
+    tests. The schema the config names must be registered first (``register_configs()``, ...).
+    Thread-safe: Hydra's global state is held for the call."""
+    with _COMPOSE_LOCK, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
 
 
 class _Swallow(io.StringIO):

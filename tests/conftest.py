@@ -13,8 +13,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from testpaths import REPO
-
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -76,9 +74,9 @@ def tiny_target_dir(session_cache: Path) -> Path:
 def run_cache(session_cache: Path, tiny_target_dir: Path) -> Path:
     """A DFLASH_CACHE_DIR holding what the fast torchrun jobs of tests/runner.py need, built once
     in-process (tiny target, regenerated corpus, tokenized data) so the ranks only load it."""
-    from hydra import compose, initialize_config_dir
     from runner import FAST
 
+    from dflash.cli import compose_config
     from dflash.config import TinyTargetConfig, register_configs, to_config
     from dflash.setup import prepare
 
@@ -86,13 +84,10 @@ def run_cache(session_cache: Path, tiny_target_dir: Path) -> Path:
     os.environ["DFLASH_CACHE_DIR"] = str(session_cache)
     try:
         register_configs()
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            cfg = to_config(compose(config_name="config", overrides=FAST))
-            # the same spec as the fixture's, or prepare would train the tiny target a second time
-            assert cfg.target.tiny == TinyTargetConfig(), (
-                "conf/target/tiny.yaml differs from TinyTargetConfig()"
-            )
-            setup = prepare(cfg, 3)
+        cfg = to_config(compose_config("config", FAST))
+        # the same spec as the fixture's, or prepare would train the tiny target a second time
+        assert cfg.target.tiny == TinyTargetConfig(), "conf/target/tiny.yaml differs from TinyTargetConfig()"
+        setup = prepare(cfg, 3)
     finally:
         if old is None:
             os.environ.pop("DFLASH_CACHE_DIR")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from faultkit import figure
-from runner import FAST, REPO, launch, no_leftover_processes
+from runner import FAST, launch, no_leftover_processes
 from wandb_reader import read_history
 
 from dflash.config import EXIT_USER_ERROR
@@ -70,8 +70,7 @@ def corpus(tmp_path_factory, run_cache):
     ]
 
     # The data plan, as every rank computes it (this also builds the dataset cache the ranks load).
-    from hydra import compose, initialize_config_dir
-
+    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
     from dflash.setup import prepare
 
@@ -79,8 +78,7 @@ def corpus(tmp_path_factory, run_cache):
     os.environ["DFLASH_CACHE_DIR"] = str(run_cache)
     try:
         register_configs()
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            setup = prepare(to_config(compose(config_name="config", overrides=[*FAST, *overrides])), 3)
+        setup = prepare(to_config(compose_config("config", [*FAST, *overrides])), 3)
     finally:
         if old is None:
             os.environ.pop("DFLASH_CACHE_DIR")

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 from faultkit import figure
-from hydra import compose, initialize_config_dir
 from runner import FAST, launch, no_leftover_processes
-from testpaths import REPO
 
+from dflash.cli import compose_config
 from dflash.config import EXIT_USER_ERROR, UserError, register_configs
 
 pytestmark = pytest.mark.faults
@@ -121,8 +120,7 @@ def test_mistake_is_a_user_error_of_the_entry_point(
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        dcfg = compose(config_name="config", overrides=[*FAST, *overrides])
+    dcfg = compose_config("config", [*FAST, *overrides])
     with pytest.raises(UserError) as err:
         train(dcfg, tmp_path / "run")
     assert needle in str(err.value) and err.value.scope == "all"

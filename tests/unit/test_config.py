@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 from testpaths import REPO
 
+from dflash.cli import compose_config
 from dflash.config import (
     RESOLVED_CONTRACT_KEYS,
     RESUME_KINDS,
@@ -30,8 +30,7 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml
 
 def _compose(overrides: list[str]) -> Config:
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return to_config(compose(config_name="config", overrides=overrides))
+    return to_config(compose_config("config", overrides))
 
 
 def test_required_experiments_exist():
@@ -228,8 +227,7 @@ def test_world_size_fix_is_one_validation_accepts():
 
 def test_unknown_keys_are_refused_with_the_closest_known_key():
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        dcfg = compose(config_name="config", overrides=["+train.max_step=5", "+logging.api_key=abc"])
+    dcfg = compose_config("config", ["+train.max_step=5", "+logging.api_key=abc"])
     with pytest.raises(UserError) as err:
         check_known_keys(dcfg, Config)
     assert "train.max_step (did you mean train.max_steps?)" in str(err.value) and "logging.api_key" in str(

@@ -15,6 +15,7 @@ import torch
 from testpaths import REPO
 from transformers import AutoTokenizer
 
+from dflash.cli import compose_config
 from dflash.config import DataConfig, register_configs, to_config
 from dflash.config_checks import config_problems
 from dflash.data.cache import build_or_load_dataset
@@ -185,12 +186,8 @@ def test_empty_source_names_the_file_not_num_eval_prompts(tok, tmp_path):
 
 
 def _compose_ok(overrides: list[str]) -> list[str]:
-    from hydra import compose, initialize_config_dir
-
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=overrides))
-    return config_problems(cfg, 3)
+    return config_problems(to_config(compose_config("config", overrides)), 3)
 
 
 def test_skip_messages_name_the_cause_and_a_valid_fix(tok, tmp_path):

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from testpaths import REPO
 from wandb_reader import read_wandb_run
 
+from dflash.cli import compose_config
 from dflash.drafter.export import export_drafter
 from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
 from dflash.eval.app import EvalAppConfig, register_eval_schema
@@ -76,13 +76,10 @@ def files(tiny_target_dir, tmp_path_factory):
 
 
 def _compose(overrides: list[str]) -> EvalAppConfig:
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     register_eval_schema()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        dcfg = compose(config_name="eval_app", overrides=overrides)
-    return OmegaConf.to_object(dcfg)
+    return OmegaConf.to_object(compose_config("eval_app", overrides))
 
 
 def _overrides(target_dir, drafter, prompts, *extra) -> list[str]:
@@ -212,8 +209,6 @@ def test_prompts_from_a_datasets_directory(tmp_path, tiny_target_dir):
 def test_eval_and_periodic_eval_on_a_hybrid_target(files, tiny_hybrid_target_dir, tmp_path):
     """A Qwen3.5 text target (linear + full attention): ``dflash.eval``'s loading and evaluate, and the
     periodic eval of a training run, decode losslessly with a sliding-window drafter and report tau."""
-    from hydra import compose, initialize_config_dir
-
     from dflash.config import register_configs, to_config
     from dflash.eval.periodic import PeriodicEval, eval_metrics
     from dflash.setup import prepare
@@ -245,27 +240,22 @@ def test_eval_and_periodic_eval_on_a_hybrid_target(files, tiny_hybrid_target_dir
             msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": f"{q} pass"}]
             f.write(json.dumps({"messages": msgs}) + "\n")
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = to_config(
-            compose(
-                config_name="config",
-                overrides=[
-                    f"target.path={tiny_hybrid_target_dir}",
-                    "target.tiny=null",
-                    "target.pack=false",
-                    f"data.path={conversations}",
-                    f"paths.cache_dir={tmp_path / 'cache'}",
-                    "data.num_eval_prompts=2",
-                    "data.max_length=64",
-                    "data.token_budget=256",
-                    "drafter.layer_types=[sliding_attention,full_attention]",
-                    "drafter.sliding_window=8",
-                    "eval.every=1",
-                    "eval.num_prompts=2",
-                    "eval.max_new_tokens=8",
-                ],
-            )
-        )
+    overrides = [
+        f"target.path={tiny_hybrid_target_dir}",
+        "target.tiny=null",
+        "target.pack=false",
+        f"data.path={conversations}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+        "data.num_eval_prompts=2",
+        "data.max_length=64",
+        "data.token_budget=256",
+        "drafter.layer_types=[sliding_attention,full_attention]",
+        "drafter.sliding_window=8",
+        "eval.every=1",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=8",
+    ]
+    cfg = to_config(compose_config("config", overrides))
     run = prepare(cfg, 3)
     drafter = DFlashDraftModel(run.arch)
     embed, head = load_embed_and_head(run.target_path)

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from testpaths import REPO
 
+from dflash.cli import compose_config
 from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs
 from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks, sample_anchors
 from dflash.drafter.model import DFlashDraftModel, DrafterArch
@@ -44,8 +44,7 @@ TERA = 1e12
 
 def _compose(overrides: list[str]):
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="plan_app", overrides=overrides)
+    return compose_config("plan_app", overrides)
 
 
 def _config(overrides: list[str]) -> Config:

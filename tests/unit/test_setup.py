@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from testpaths import REPO
 from transformers import AutoTokenizer
 
+from dflash.cli import compose_config
 from dflash.config import register_configs, to_config
 from dflash.drafter.export import export_config, warm_start_problems
 from dflash.setup import build_arch, prepare, resolve_mask_token_id
@@ -32,19 +31,12 @@ def weightless_target(tiny_target_dir, tmp_path_factory) -> Path:
 
 def _cfg(target: Path, overrides: list[str]):
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = to_config(
-            compose(
-                config_name="config",
-                overrides=[
-                    f"target.path={target}",
-                    "target.tiny=null",
-                    "data.path=/nonexistent.jsonl",
-                    *overrides,
-                ],
-            )
+    return to_config(
+        compose_config(
+            "config",
+            [f"target.path={target}", "target.tiny=null", "data.path=/nonexistent.jsonl", *overrides],
         )
-    return cfg
+    )
 
 
 @pytest.mark.parametrize(
@@ -139,10 +131,7 @@ def test_qwen3_6_27b_experiment_builds_the_published_drafter(tmp_path):
     )
     Qwen3_5Config(text_config=text, vision_config={"depth": 1}).save_pretrained(tmp_path)
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = to_config(
-            compose(config_name="config", overrides=["experiment=qwen3_6_27b_7x1", "data.path=/d"])
-        )
+    cfg = to_config(compose_config("config", ["experiment=qwen3_6_27b_7x1", "data.path=/d"]))
     meta = read_target_meta(str(tmp_path))
     arch = build_arch(cfg, meta, list(cfg.target.layer_ids), cfg.drafter.mask_token_id)
     exported = export_config(arch, meta.num_layers, torch.bfloat16)
