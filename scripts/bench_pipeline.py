@@ -25,6 +25,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from dflash.distributed.launch import torchrun_command  # noqa: E402
+
 KEYS = (
     "perf/samples_per_s",
     "perf/tokens_per_s",
@@ -52,23 +57,19 @@ def run_split(split: str, steps: int, overrides: list[str], timeout: float) -> d
     nproc, topo = split_overrides(split)
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "dflash.train",
-            f"hydra.run.dir={run_dir}",
-            f"train.max_steps={steps}",
-            "logging.mode=disabled",
-            "logging.progress_bar=false",
-            "eval.every=0",
-            f"train.save_every={10 * steps}",
-            *topo,
-            *overrides,
-        ]
+        cmd = torchrun_command(
+            nproc,
+            [
+                f"hydra.run.dir={run_dir}",
+                f"train.max_steps={steps}",
+                "logging.mode=disabled",
+                "logging.progress_bar=false",
+                "eval.every=0",
+                f"train.save_every={10 * steps}",
+                *topo,
+                *overrides,
+            ],
+        )
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=os.environ)
         wall = time.perf_counter() - t0

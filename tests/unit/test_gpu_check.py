@@ -1,30 +1,22 @@
-"""scripts/gpu_check.py: the parts of it only a GPU run would reach (the CPU dry run, in
-tests/multiproc/test_gpu_check_dry_run.py, runs everything else): pytest and bench parsing, the steady-state
-figures, the time budget, the judged targets and their table, and the hang guard."""
+"""dflash.gpu_check (scripts/gpu_check.py): the parts of it only a GPU run would reach (the CPU dry
+run, in tests/multiproc/test_gpu_check_dry_run.py, runs everything else): pytest and bench parsing, the
+steady-state figures, the time budget, the judged targets and their table, and the hang guard."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from testpaths import REPO
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+from dflash.gpu_check.check import Check
+from dflash.gpu_check.figures import loss_figures, pytest_counts, step_figures
+from dflash.gpu_check.planner import find_gpu_spec
+from dflash.gpu_check.procs import run_proc
+from dflash.gpu_check.report import render
 
 
 def _check(tmp_path: Path, *, dry_run: bool = False, parts: str = "a,b,c,d", count: int = 1):
@@ -38,26 +30,26 @@ def _check(tmp_path: Path, *, dry_run: bool = False, parts: str = "a,b,c,d", cou
         keep=False,
         serial=False,
     )
-    chk = gc.Check(args)
+    chk = Check(args)
     chk.device = {"cuda": not dry_run, "count": count, "name": "NVIDIA H200", "torch": "2.13.0"}
-    chk.gpu, chk.spec = gc.find_gpu_spec("NVIDIA H200", None)
+    chk.gpu, chk.spec = find_gpu_spec("NVIDIA H200", None)
     chk.plan_budget()
     return chk
 
 
 def test_pytest_counts_from_the_summary_line():
     out = "....s.\nFAILED tests/gpu/test_cuda.py::test_x - boom\n1 failed, 9 passed, 2 skipped, 1 error in 41.20s\n"
-    assert gc.pytest_counts(out) == {"passed": 9, "failed": 1, "skipped": 2, "errors": 1}
-    assert gc.pytest_counts("sssss\n11 skipped in 6.21s\n")["skipped"] == 11
-    assert gc.pytest_counts("") == {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    assert pytest_counts(out) == {"passed": 9, "failed": 1, "skipped": 2, "errors": 1}
+    assert pytest_counts("sssss\n11 skipped in 6.21s\n")["skipped"] == 11
+    assert pytest_counts("") == {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
 
 
 def test_find_gpu_spec_from_the_device_name():
-    assert gc.find_gpu_spec("NVIDIA H200", None)[0] == "h200"
-    name, spec = gc.find_gpu_spec("NVIDIA H100 80GB HBM3", None)
+    assert find_gpu_spec("NVIDIA H200", None)[0] == "h200"
+    name, spec = find_gpu_spec("NVIDIA H100 80GB HBM3", None)
     assert name == "h100" and spec.bf16_tflops == 989
-    assert gc.find_gpu_spec("NVIDIA GeForce RTX 4090", None) == (None, None)
-    assert gc.find_gpu_spec("NVIDIA GeForce RTX 4090", "b200")[0] == "b200"
+    assert find_gpu_spec("NVIDIA GeForce RTX 4090", None) == (None, None)
+    assert find_gpu_spec("NVIDIA GeForce RTX 4090", "b200")[0] == "b200"
 
 
 def _case(case, chunk, t, tflops, **kw):
@@ -80,7 +72,7 @@ def test_loss_figures_fraction_of_peak_best_chunk_and_naive_oom():
         {"case": "naive", "chunk": None, "error": oom},
         _case("naive_ce", None, 1.1, 75.0),
     ]
-    res = gc.loss_figures(recs, 989.0)
+    res = loss_figures(recs, 989.0)
     assert res["status"] == "passed" and res["naive_oom"] == ["naive"]
     assert res["cases"][4]["error"].startswith("torch.OutOfMemoryError: CUDA out of memory.")
     assert res["best_chunked"]["chunk"] == 8192 and res["best_chunked"]["peak_frac"] == pytest.approx(
@@ -88,12 +80,12 @@ def test_loss_figures_fraction_of_peak_best_chunk_and_naive_oom():
     )
     lce = "rc=1: ImportError: cannot import name 'LinearCrossEntropyOptions' from 'torch.nn'"
     recs.append({"case": "torch_lce", "chunk": 2048, "error": lce})  # a baseline this torch lacks
-    res = gc.loss_figures(recs, 989.0)
+    res = loss_figures(recs, 989.0)
     assert res["status"] == "passed" and res["baseline_errors"] == [f"torch_lce@2048: {lce}"]
     recs.append({"case": "chunked_ce", "chunk": 8192, "error": "rc=1: RuntimeError: CUDA error"})
-    res = gc.loss_figures(recs, 989.0)
+    res = loss_figures(recs, 989.0)
     assert res["status"] == "failed" and res["errors"] == ["chunked_ce@8192: rc=1: RuntimeError: CUDA error"]
-    assert gc.loss_figures(recs[:1], 989.0)["status"] == "failed"  # no chunked case ran
+    assert loss_figures(recs[:1], 989.0)["status"] == "failed"  # no chunked case ran
 
 
 def _row(step, step_s, **kw):
@@ -122,7 +114,7 @@ def _row(step, step_s, **kw):
 
 def test_step_figures_steady_medians_compile_time_and_packet():
     rows = [_row(1, 50.0), _row(2, 2.2), _row(3, 2.0), _row(4, 1.9), _row(5, 2.0), _row(6, 2.1)]
-    f = gc.step_figures(rows, warmup=2, packets_per_step=1)
+    f = step_figures(rows, warmup=2, packets_per_step=1)
     assert f["steps"] == 6 and f["steady_steps"] == "3-6"
     assert f["step_s"] == pytest.approx(2.0) and f["compile_s"] == pytest.approx(48.0)
     assert f["samples_per_s"] == pytest.approx(8.0) and f["packet"]["tokens"] == pytest.approx(16000.0)
@@ -180,7 +172,7 @@ def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
             "cases": [],
         },
         "c": {
-            **gc.step_figures([_row(1, 50.0), *(_row(s, 2.0) for s in range(2, 31))], 5, 1),
+            **step_figures([_row(1, 50.0), *(_row(s, 2.0) for s in range(2, 31))], 5, 1),
             "status": "passed",
             "mode": "co-located, 1 rank",
             "backend": "nccl",
@@ -209,7 +201,7 @@ def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
     assert t["target_logits_gib"]["value"] == 0.0 and t["target_logits_gib"]["met"] is True
     assert t["colocated_memory_fits"]["met"] is True
     assert out["passed"] is True  # a missed performance target is reported, not a failure
-    table = gc.render(chk, out)
+    table = render(chk, out)
     assert "NOT MET" in table and "vocab-sized tensors 0" in table and "gpu check PASSED" in table
     assert "30/30 steps (steady 6-30)" in table and "compile ~48 s, 0 recompiles" in table
     chk.results["c"]["status"] = "failed"
@@ -224,7 +216,7 @@ def test_a_part_past_its_budget_is_killed_with_its_children(tmp_path):
         "time.sleep(120)\n"
     )
     t0 = time.perf_counter()
-    proc = gc.run_proc([sys.executable, "-c", code], 3.0, tmp_path, "hang", dict(os.environ))
+    proc = run_proc([sys.executable, "-c", code], 3.0, tmp_path, "hang", dict(os.environ))
     assert proc.timed_out and time.perf_counter() - t0 < 30
     grandchild = int(proc.stdout.split()[0])
     for _ in range(50):  # reaped by init once killed

@@ -1,0 +1,394 @@
+"""The check's orchestrator: detects the device, plans the time budgets, runs parts a-d (one method
+each, a crash or hang in one reported while the others still run) and writes the JSON summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dflash.distributed.launch import torchrun_command
+from dflash.gpu_check.figures import loss_figures, metrics_rows, pytest_counts, step_figures
+from dflash.gpu_check.inputs import Inputs, write_chat_data, write_target_dir
+from dflash.gpu_check.planner import compose_config, find_gpu_spec, planner_figures, probe_planner_activations
+from dflash.gpu_check.probe import probe_target
+from dflash.gpu_check.procs import Proc, child_env, run_proc
+from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO
+from dflash.gpu_check.report import header, render
+from dflash.gpu_check.targets import judged_targets
+
+
+class Check:
+    """One run of the check, from the command line's ``args`` (see ``dflash.gpu_check.cli``)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.dry = args.dry_run
+        self.profile = DRY if self.dry else GPU
+        self.env = child_env(self.dry)
+        self.parts = [p for p in PARTS if p in args.parts.split(",")]
+        self.results: dict[str, dict[str, Any]] = {}
+        self.device: dict[str, Any] = {}
+        self.gpu: str | None = None
+        self.spec: Any = None
+        self.inputs: Inputs | None = None
+        self.setup_info: dict[str, Any] = {}
+        self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="dflash-gpu-check-")).resolve()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.logs = self.work / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.started = self.t0 = time.perf_counter()
+        self.plan: list[str] = []
+        self.total_s = 0.0
+        self.lock, self.setup_lock = threading.Lock(), threading.Lock()
+        self.concurrent = self.dry and not args.serial
+        """A dry run runs the parts side by side (its figures mean nothing, its wall time is CI's);
+        on a GPU each part runs alone, so that it measures alone."""
+
+    # ------------------------------------------------------------- budgets
+    def plan_budget(self) -> None:
+        """The steps that will run (in order) and the total time they get."""
+        b = self.profile.budgets
+        steps = []
+        if "a" in self.parts:
+            steps.append("a")
+        if "b" in self.parts:
+            steps.append("b")
+        if {"c", "d"} & set(self.parts):
+            steps.append("setup")
+        if "c" in self.parts:
+            steps += ["c_probe", "c"]
+        if "d" in self.parts and self.multi_gpu:
+            steps.append("d")
+        self.plan = steps
+        self.total_s = self.args.total_budget or sum(b[s] for s in steps)
+
+    @property
+    def multi_gpu(self) -> bool:
+        """Whether part d can run: 2+ GPUs, or a dry run (gloo on CPU)."""
+        return self.dry or self.device.get("count", 0) >= 2
+
+    def timeout(self, step: str) -> float:
+        """This step's budget plus what the earlier steps left unused (never the later steps' share);
+        side by side (a dry run) its own budget."""
+        if self.concurrent:
+            return self.profile.budgets[step]
+        later = self.plan[self.plan.index(step) + 1 :]
+        left = self.total_s - (time.perf_counter() - self.t0)
+        return max(0.0, left - sum(self.profile.budgets[s] for s in later))
+
+    def run(self, step: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+        """``cmd`` as ``step``'s subprocess, within its budget, logged to ``logs/<step>.{out,err}``."""
+        return run_proc(cmd, self.timeout(step), self.logs, step, env or self.env)
+
+    # ------------------------------------------------------------- device
+    def detect_device(self) -> None:
+        """torch's view of the GPUs, in this process (reading device properties makes no allocation)."""
+        import torch
+
+        d: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+        d["count"] = torch.cuda.device_count() if d["cuda"] else 0
+        if d["cuda"]:
+            p = torch.cuda.get_device_properties(0)
+            d.update(
+                name=p.name,
+                capability=f"{p.major}.{p.minor}",
+                memory_gib=round(p.total_memory / 2**30, 1),
+                cuda_version=torch.version.cuda,
+            )
+            try:
+                d["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+            except Exception:  # a build without NCCL: part d will say so
+                pass
+        self.device = d
+        if not self.dry and not d["cuda"]:
+            raise SystemExit(
+                f"gpu_check: no CUDA device visible to torch {d['torch']}; on a CPU machine run: "
+                "python scripts/gpu_check.py --dry-run"
+            )
+        if self.dry:
+            d["name"] = "cpu (dry run)"
+        self.gpu, self.spec = find_gpu_spec(
+            None if self.dry else d.get("name"), self.args.gpu or ("h200" if self.dry else None)
+        )
+
+    # ------------------------------------------------------------- part a
+    def part_a(self) -> dict[str, Any]:
+        """``pytest -m gpu tests/gpu``: counts and status (every test skipped on CPU is not a failure)."""
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/gpu"]
+        proc = self.run("a", cmd)
+        counts = pytest_counts(proc.stdout)
+        res: dict[str, Any] = {"counts": counts, "seconds": round(proc.seconds, 1)}
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
+        if failed:
+            res["failed_tests"] = failed[:10]
+        if proc.timed_out:
+            return {**res, "status": "timeout", "tail": proc.tail()}
+        if counts["failed"] or counts["errors"] or proc.rc not in (0, 5):
+            return {**res, "status": "failed", "tail": proc.tail()}
+        if self.device["cuda"] and not self.dry:
+            if counts["passed"] == 0:
+                return {
+                    **res,
+                    "status": "failed",
+                    "note": "no CUDA test ran on a CUDA host",
+                    "tail": proc.tail(),
+                }
+            return {**res, "status": "passed"}
+        if counts["skipped"] == 0:
+            return {**res, "status": "failed", "note": "no test collected", "tail": proc.tail()}
+        return {**res, "status": "skipped", "note": "no CUDA: every test skipped (expected on CPU)"}
+
+    # ------------------------------------------------------------- part b
+    def part_b(self) -> dict[str, Any]:
+        """``scripts/bench_loss.py`` at the profile's sizes: its cases against the GPU's bf16 peak."""
+        per_case = max(30.0, self.profile.budgets["b"] / 2)
+        cmd = [sys.executable, "scripts/bench_loss.py", *self.profile.bench, "--timeout", str(per_case)]
+        proc = self.run("b", cmd)
+        recs = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if not recs:  # killed at the budget: the cases finished so far (without the ratios)
+            for ln in proc.stderr.splitlines():
+                if ln.startswith('{"progress"'):
+                    recs.append(json.loads(ln)["progress"])
+        res = loss_figures(recs, self.spec.bf16_tflops if self.spec is not None else None)
+        res.update(args=" ".join(self.profile.bench), seconds=round(proc.seconds, 1))
+        if proc.timed_out:
+            return {**res, "status": "timeout", "tail": proc.tail()}
+        if proc.rc != 0 and res["status"] == "passed":
+            return {**res, "status": "failed", "tail": proc.tail()}
+        return res
+
+    # ------------------------------------------------------------- parts c and d
+    def base_overrides(self, inputs: Inputs) -> list[str]:
+        """The training overrides of parts c and d before their topology and step count."""
+        return [
+            f"experiment={EXPERIMENT}",
+            f"target.path={inputs.target_dir}",
+            "target.tiny=null",
+            "target.random_weights=true",
+            f"data.path={inputs.data_path}",
+            f"data.cache_dir={self.work / 'data_cache'}",
+            "train.time_phases=true",
+            "train.save_weights=false",
+            "logging=disabled",
+            "logging.progress_bar=false",
+            "eval.every=0",
+            *self.profile.overrides,
+        ]
+
+    def setup(self) -> Inputs:
+        """The target directory and the chat data, shared by parts c and d (in-process)."""
+        t0 = time.perf_counter()
+        target_dir, data_path = self.work / "target", self.work / "chat.jsonl"
+        shape, how = write_target_dir(target_dir, self.profile)
+        probe_cfg = compose_config(self.base_overrides(Inputs(target_dir, data_path, 0, shape, 0)))
+        sample = self.profile.prompt_tokens + self.profile.response_tokens + 12  # + chat template
+        per_packet = max(1, probe_cfg.data.token_budget // sample)
+        steps = max(self.profile.steps.values())
+        num_samples = int(steps * per_packet * 1.25) + per_packet
+        vocab_used = write_chat_data(
+            data_path, target_dir, num_samples, self.profile.prompt_tokens, self.profile.response_tokens
+        )
+        d = probe_cfg.drafter
+        self.setup_info = {
+            "seconds": round(time.perf_counter() - t0, 1),
+            "target_dir": str(target_dir),
+            "target_shape": shape,
+            "tokenizer": how,
+            "data": f"{num_samples} conversations of ~{sample} tokens ({per_packet} per packet)",
+            "experiment": EXPERIMENT,
+            "token_budget": probe_cfg.data.token_budget,
+            "drafter": {
+                "num_layers": d.num_layers,
+                "block_size": d.block_size,
+                "num_anchors": d.num_anchors,
+                "max_anchors_per_packet": d.max_anchors_per_packet,
+            },
+            "target_dtype": probe_cfg.target.dtype,
+        }
+        return Inputs(target_dir, data_path, num_samples, shape, vocab_used)
+
+    def part_c_probe(self, inputs: Inputs) -> dict[str, Any]:
+        """The target probe on one packet of part c's config (in this process in a dry run, else
+        ``scripts/gpu_check.py --probe-target``), beside the planner's activations; it fails when the
+        headless forward makes a vocabulary-sized tensor or ``model(...)`` makes none."""
+        overrides = [*self.base_overrides(inputs), "topology=colocated"]
+        cfg = compose_config(overrides)
+        tokens = cfg.data.token_budget
+        docs = self.profile.probe_docs
+        spec = {"overrides": overrides, "tokens": tokens, "docs": docs, "vocab_used": inputs.vocab_used}
+        t0 = time.perf_counter()
+        if self.profile.inline_probe:
+            res = json.loads(json.dumps(probe_target(spec)))
+        else:
+            entry = REPO / "scripts" / "gpu_check.py"
+            proc = self.run("c_probe", [sys.executable, str(entry), "--probe-target", json.dumps(spec)])
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            if proc.rc != 0 or not lines:
+                status = "timeout" if proc.timed_out else "failed"
+                return {"status": status, "seconds": round(proc.seconds, 1), "tail": proc.tail()}
+            res = json.loads(lines[-1])
+        res["planner_activations_gib"] = probe_planner_activations(overrides, tokens, docs, res["num_taps"])
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        ok = res["headless"]["vocab_tensors"] == 0 and res["full"]["vocab_tensors"] >= 1
+        res["status"] = "passed" if ok else "failed"
+        if not ok:
+            res["note"] = (
+                "the headless forward made a vocabulary-sized tensor"
+                if res["headless"]["vocab_tensors"]
+                else "model(...) made no vocabulary-sized tensor: the probe sees nothing"
+            )
+        return res
+
+    def train_part(self, part: str, inputs: Inputs) -> dict[str, Any]:
+        """A torchrun training run of part c (co-located, 1 rank) or d (1 target + 1 drafter): its
+        steady-state figures, the planner's figures on it, and on failure the ranks' logs."""
+        colocated = part == "c"
+        nproc = 1 if colocated else 2
+        topo = ["topology=colocated"] if colocated else ["topology.num_targets=1", "topology.num_drafters=1"]
+        steps = self.profile.steps[part]
+        run_dir = self.work / f"run_{part}"
+        overrides = [*self.base_overrides(inputs), *topo, f"train.max_steps={steps}"]
+        cmd = torchrun_command(nproc, [f"hydra.run.dir={run_dir}", *overrides])
+        # Dynamo logs every recompilation (flex_attention and its block mask must compile once).
+        proc = self.run(part, cmd, env={**self.env, "TORCH_LOGS": self.env.get("TORCH_LOGS", "recompiles")})
+        rows = metrics_rows(run_dir)
+        res: dict[str, Any] = {
+            "mode": "co-located, 1 rank" if colocated else "1 target + 1 drafter",
+            "backend": "gloo" if self.dry else "nccl",
+            "command": "torchrun --standalone --nproc_per_node "
+            + f"{nproc} -m dflash.train "
+            + " ".join(
+                o for o in overrides if not o.startswith(("target.path=", "data.path=", "data.cache_dir="))
+            ),
+            "wall_s": round(proc.seconds, 1),
+            "steps_requested": steps,
+            "recompiles": (proc.stdout + proc.stderr).count("Recompiling function"),
+            "recompile_limit_hit": "torch._dynamo hit config." in proc.stdout + proc.stderr,
+        }
+        if rows:
+            try:
+                res.update(step_figures(rows, self.profile.warmup_steps, packets_per_step=1))
+                res["planner"] = planner_figures(
+                    overrides,
+                    self.gpu,
+                    res["packet"],
+                    res["target_s_per_packet"] or 0.0,
+                    res["drafter_s_per_packet"] or 0.0,
+                )
+            except Exception as e:  # the figures must not hide the run's own outcome
+                res["figures_error"] = f"{type(e).__name__}: {e}"
+            peaks = res.get("peak_mem_gib", {})
+            res["peak_mem_gib_by_role"] = (
+                {"colocated": peaks.get("0")}
+                if colocated
+                else {"target": peaks.get("0"), "drafter": peaks.get("1")}
+            )
+        if proc.timed_out or proc.rc != 0 or len(rows) != steps or "figures_error" in res:
+            if proc.out_of_memory():
+                res["note"] = "out of memory: lower drafter.max_anchors_per_packet or data.token_budget"
+            res["rank_logs"] = {  # a worker's own traceback: torchrun's output ends with its summary
+                p.stem: [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()][-25:]
+                for p in sorted(run_dir.glob("rank*.log"))
+            }
+            status = "timeout" if proc.timed_out else "failed"
+            return {**res, "status": status, "rc": proc.rc, "tail": proc.tail(20)}
+        return {**res, "status": "passed"}
+
+    def part_c(self) -> dict[str, Any]:
+        """The target probe, then the co-located training run; the probe's failure fails the part."""
+        inputs = self.ensure_inputs()
+        probe = self.part_c_probe(inputs)
+        res = self.train_part("c", inputs)
+        res["target_probe"] = probe
+        if "headless" in probe:  # the target role alone: its weights and one headless forward
+            role = res.setdefault("peak_mem_gib_by_role", {})
+            role["target_alone"] = round(probe["weights_gib"] + probe["headless"]["extra_gib"], 3)
+        if probe["status"] != "passed" and res["status"] == "passed":
+            res["status"] = probe["status"]
+        return res
+
+    def part_d(self) -> dict[str, Any]:
+        """The 1 target + 1 drafter training run; skipped with fewer than 2 GPUs."""
+        if not self.multi_gpu:
+            return {"status": "skipped", "note": f"{self.device.get('count', 0)} GPU: needs 2+", "ran": False}
+        return self.train_part("d", self.ensure_inputs())
+
+    # ------------------------------------------------------------- output
+    def summary(self, done: bool) -> dict[str, Any]:
+        """The JSON summary; ``passed`` is null until ``done``."""
+        ok = {p: r.get("status") in ("passed", "skipped") for p, r in self.results.items()}
+        return {
+            "parts": self.results,
+            "targets": judged_targets(self.results, judged=not self.dry),
+            "device": {
+                **self.device,
+                "gpu_spec": self.gpu,
+                "bf16_peak_tflops": getattr(self.spec, "bf16_tflops", None),
+            },
+            "dry_run": self.dry,
+            "setup": self.setup_info,
+            "budget_s": {s: self.profile.budgets[s] for s in self.plan},
+            "total_budget_s": self.total_s,
+            "wall_s": round(time.perf_counter() - self.started, 1),
+            "work_dir": str(self.work),
+            "passed": (all(ok.values()) and len(ok) == len(self.parts)) if done else None,
+        }
+
+    def write(self, done: bool) -> dict[str, Any]:
+        """The summary, also written (atomically) to ``--out`` when given."""
+        out = self.summary(done)
+        if self.args.out:
+            path = Path(self.args.out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(json.dumps(out, indent=1) + "\n")
+            tmp.replace(path)
+        return out
+
+    def ensure_inputs(self) -> Inputs:
+        """The inputs of parts c and d, set up by the first part that asks."""
+        with self.setup_lock:  # parts c and d share one target directory and data file
+            if self.inputs is None:
+                self.inputs = self.setup()
+            return self.inputs
+
+    def run_part(self, part: str) -> None:
+        """Run one part and record its result (a crash becomes status ``error``)."""
+        t0 = time.perf_counter()
+        try:
+            res = getattr(self, f"part_{part}")()
+        except Exception as e:  # one part's crash is reported; the others still run
+            res = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+        res.setdefault("ran", True)
+        res["part_s"] = round(time.perf_counter() - t0, 1)
+        with self.lock:
+            self.results[part] = res
+            print(f"  part {part}: {res['status']} ({res['part_s']} s)", file=sys.stderr, flush=True)
+            self.write(done=False)
+
+    def main(self) -> int:
+        """Every part (side by side in a dry run), then the table and the JSON line; the exit code:
+        0 when every part passed or was skipped, else 1."""
+        self.detect_device()
+        self.plan_budget()
+        print(header(self), flush=True)
+        self.t0 = time.perf_counter()  # the budgets start with the first part
+        if self.concurrent:
+            with ThreadPoolExecutor(max_workers=len(self.parts)) as pool:
+                list(pool.map(self.run_part, self.parts))
+        else:
+            for part in self.parts:
+                self.run_part(part)
+        self.results = {p: self.results[p] for p in self.parts}
+        out = self.write(done=True)
+        print(render(self, out), flush=True)
+        print(json.dumps(out), flush=True)
+        return 0 if out["passed"] else 1

@@ -1,0 +1,119 @@
+"""The run's training config and what the planner says of it: the GPU spec, FLOP, MFU and memory per
+role (in-process: pure Python, no CUDA)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash.gpu_check.figures import round_sig
+from dflash.gpu_check.profiles import REPO
+
+if TYPE_CHECKING:
+    from dflash.config import Config, GpuSpec
+
+_COMPOSE_LOCK = threading.Lock()
+
+
+def compose_config(overrides: list[str]) -> Config:
+    """The training config of ``overrides`` (``hydra.*`` ones dropped), typed."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config import register_configs, to_config
+
+    register_configs()
+    with _COMPOSE_LOCK, initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        dcfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    return to_config(dcfg)
+
+
+def find_gpu_spec(device_name: str | None, override: str | None) -> tuple[str | None, GpuSpec | None]:
+    """``(name, GpuSpec)`` of ``--gpu`` or of the conf/gpu file whose stem is in the device name;
+    ``(None, None)`` when none matches."""
+    from dflash.plan.inputs import GPU_DIR, load_gpu
+
+    if override:
+        return Path(override).stem, load_gpu(override)
+    low = (device_name or "").lower()
+    for path in sorted(GPU_DIR.glob("*.yaml")):
+        if path.stem.lower() in low:
+            return path.stem, load_gpu(path.stem)
+    return None, None
+
+
+def planner_figures(
+    overrides: list[str], gpu: str | None, packet: dict[str, float], t_s: float, d_s: float
+) -> dict[str, Any]:
+    """The planner on the run's config: FLOP per role for the measured packet, TFLOP/s and MFU from
+    the measured seconds per packet, and the memory per role it predicts."""
+    from dflash.plan.costs import packet_costs
+    from dflash.plan.inputs import VERIFIER_METRICS, attention_kinds, resolve_inputs
+    from dflash.plan.planner import make_plan
+
+    cfg = compose_config([*overrides, *([f"plan.gpu={gpu}"] if gpu else [])])
+    inputs = resolve_inputs(cfg)
+    plan = make_plan(cfg, inputs)
+    tokens = max(1, round(packet["tokens"]))
+    shape = dataclasses.replace(
+        inputs.packet,
+        tokens=tokens,
+        num_seqs=max(1, round(packet["seqs"])),
+        num_anchors=round(packet["blocks"]),
+        loss_rows=round(packet["supervised_slots"]),
+        target_tokens=tokens,
+        target_row_tokens=tokens if cfg.target.pack else inputs.packet.target_row_tokens,
+    )
+    t_kind, d_kind = attention_kinds(cfg, shape.num_seqs)
+    costs = packet_costs(
+        inputs.target.shape,
+        inputs.arch,
+        shape,
+        cfg.loss,
+        target_attention=t_kind,
+        drafter_attention=d_kind,
+        verifier_metrics=VERIFIER_METRICS,
+        hidden_dtype_bytes=inputs.dtypes.target_bytes,
+    )
+    peak = inputs.gpu.bf16_tflops
+    out: dict[str, Any] = {
+        "gpu_spec": cfg.plan.gpu,
+        "bf16_peak_tflops": peak,
+        "target_tflop_per_packet": round(costs.target_flop / 1e12, 4),
+        "drafter_tflop_per_packet": round(costs.drafter_flop / 1e12, 4),
+        "attention": {"target": t_kind, "drafter": d_kind},
+        "memory_gib": {role: round(sum(items.values()), 2) for role, items in plan.memory.items()},
+        "capacity_gib": round(plan.capacity_gib, 1),
+    }
+    for role, flop, sec in (("target", costs.target_flop, t_s), ("drafter", costs.drafter_flop, d_s)):
+        tflops = flop / sec / 1e12 if sec > 0 else 0.0
+        out[f"{role}_tflops"] = round_sig(tflops)
+        out[f"{role}_mfu"] = round_sig(tflops / peak)
+    # What the planner expects of this packet at plan.mfu_* (0.4): co-located one GPU does both
+    # roles in turn; 1 target + 1 drafter is bound by the slower role.
+    t_plan = costs.target_flop / (cfg.plan.mfu_target * peak * 1e12)
+    d_plan = costs.drafter_flop / (cfg.plan.mfu_drafter * peak * 1e12)
+    per_packet = t_plan + d_plan if cfg.topology.colocated else max(t_plan, d_plan)
+    out["planner_s_per_packet"] = {
+        "target": round_sig(t_plan),
+        "drafter": round_sig(d_plan),
+        "mfu": cfg.plan.mfu_drafter,
+    }
+    out["planner_samples_per_s"] = round_sig(packet["seqs"] / per_packet)
+    return out
+
+
+def probe_planner_activations(overrides: list[str], tokens: int, docs: int, num_taps: int) -> float:
+    """The memory model's activations of the target's headless forward on the probe's packet (GiB)."""
+    from dflash.plan.costs import PacketShape
+    from dflash.plan.inputs import attention_kinds, resolve_target, run_dtypes
+    from dflash.plan.memory import target_memory
+
+    cfg = compose_config(overrides)
+    packet = PacketShape(tokens=tokens, num_seqs=docs, num_anchors=0)
+    kind = attention_kinds(cfg, docs)[0]
+    mem = target_memory(
+        resolve_target(cfg).shape, packet, num_taps, attention=kind, max_in_flight=0, dtypes=run_dtypes(cfg)
+    )
+    return round(mem["activations"], 3)

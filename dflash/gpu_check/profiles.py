@@ -1,0 +1,89 @@
+"""The sizes and time budgets of the GPU check: one profile for a GPU run, one for the CPU dry run
+(the same code runs both), and the constants every part shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout the check runs from: part a runs its ``tests/gpu``, part b its ``scripts/bench_loss.py``."""
+EXPERIMENT = "qwen3_8b_8gpu"
+PARTS = ("a", "b", "c", "d")
+OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes and budgets of a GPU run or of the CPU dry run (the same code runs both)."""
+
+    name: str
+    target: str
+    """conf/target/<target>.yaml: its ``shape:`` block becomes the random target's config.json."""
+    max_position_embeddings: int
+    overrides: tuple[str, ...]
+    """Training overrides after the experiment's (the dry run shrinks it)."""
+    prompt_tokens: int
+    response_tokens: int
+    steps: dict[str, int]
+    warmup_steps: int
+    """Steps left out of the steady-state figures (step 1 compiles flex_attention)."""
+    probe_docs: int
+    """Documents in the probe's packet (token budget / docs tokens each)."""
+    bench: tuple[str, ...]
+    budgets: dict[str, float]
+    """Seconds per step of the check: a, b, setup (in-process), c_probe, c, d."""
+    inline_probe: bool
+    """Run the target probe in this process (the dry run: one interpreter start less)."""
+
+
+GPU = Profile(
+    name="gpu",
+    target="qwen3_8b",
+    max_position_embeddings=40960,
+    overrides=(),
+    prompt_tokens=290,  # + 700 + the chat template: 16 samples of ~1000 tokens fill a 16,384 budget
+    response_tokens=700,
+    steps={"c": 30, "d": 20},
+    warmup_steps=5,
+    probe_docs=16,
+    bench=(
+        *("--device", "cuda", "--dtype", "bf16"),
+        *("--rows", "32768", "--hidden", "4096", "--vocab", "151936"),
+        *("--chunks", "2048,8192", "--repeats", "3", "--warmup", "1"),
+    ),
+    # One H200: 90 + 110 + 30 + 45 + 200 = 475 s, + ~5 s of this script's own start and end: 8 minutes.
+    # d (2+ GPUs only) adds its own 200 s.
+    budgets={"a": 90, "b": 110, "setup": 30, "c_probe": 45, "c": 200, "d": 200},
+    inline_probe=False,
+)
+DRY = Profile(
+    name="dry-run",
+    target="tiny",
+    max_position_embeddings=4096,
+    overrides=(
+        "target.layer_ids=[1,2,4]",
+        "target.dtype=float32",
+        "drafter.mask_token_id=null",
+        "drafter.num_anchors=8",
+        "drafter.max_anchors_per_packet=64",
+        "data.max_length=160",
+        "data.token_budget=640",
+        "topology.device=cpu",
+        "topology.backend=gloo",
+        "topology.init_timeout_s=120",
+        "topology.step_timeout_s=60",
+    ),
+    prompt_tokens=40,
+    response_tokens=100,
+    steps={"c": 4, "d": 4},
+    warmup_steps=1,
+    probe_docs=4,
+    bench=(
+        *("--device", "cpu", "--dtype", "fp32", "--threads", "1", "--inline"),
+        *("--rows", "256", "--hidden", "32", "--vocab", "2048"),
+        *("--chunks", "64,256", "--repeats", "1", "--warmup", "0"),
+    ),
+    budgets={"a": 120, "b": 120, "setup": 120, "c_probe": 120, "c": 240, "d": 240},
+    inline_probe=True,
+)
