@@ -17,7 +17,12 @@ from typing import Any
 from dflash.distributed.launch import torchrun_command
 from dflash.gpu_check.figures import loss_figures, metrics_rows, pytest_counts, step_figures
 from dflash.gpu_check.inputs import Inputs, write_chat_data, write_target_dir
-from dflash.gpu_check.planner import compose_config, find_gpu_spec, planner_figures, probe_planner_activations
+from dflash.gpu_check.planner import (
+    find_gpu_spec,
+    planner_figures,
+    probe_planner_activations,
+    training_config,
+)
 from dflash.gpu_check.probe import probe_target
 from dflash.gpu_check.procs import Proc, child_env, run_proc
 from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO
@@ -188,7 +193,7 @@ class Check:
         t0 = time.perf_counter()
         target_dir, data_path = self.work / "target", self.work / "chat.jsonl"
         shape, how = write_target_dir(target_dir, self.profile)
-        probe_cfg = compose_config(self.base_overrides(Inputs(target_dir, data_path, 0, shape, 0)))
+        probe_cfg = training_config(self.base_overrides(Inputs(target_dir, data_path, 0, shape, 0)))
         sample = self.profile.prompt_tokens + self.profile.response_tokens + 12  # + chat template
         per_packet = max(1, probe_cfg.data.token_budget // sample)
         steps = max(self.profile.steps.values())
@@ -220,7 +225,7 @@ class Check:
         ``scripts/gpu_check.py --probe-target``), beside the planner's activations; it fails when the
         headless forward makes a vocabulary-sized tensor or ``model(...)`` makes none."""
         overrides = [*self.base_overrides(inputs), "topology=colocated"]
-        cfg = compose_config(overrides)
+        cfg = training_config(overrides)
         tokens = cfg.data.token_budget
         docs = self.profile.probe_docs
         spec = {"overrides": overrides, "tokens": tokens, "docs": docs, "vocab_used": inputs.vocab_used}

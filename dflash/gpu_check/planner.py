@@ -4,29 +4,22 @@ role (in-process: pure Python, no CUDA)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash.gpu_check.figures import round_sig
-from dflash.gpu_check.profiles import REPO
 
 if TYPE_CHECKING:
     from dflash.config import Config, GpuSpec
 
-_COMPOSE_LOCK = threading.Lock()
 
-
-def compose_config(overrides: list[str]) -> Config:
+def training_config(overrides: list[str]) -> Config:
     """The training config of ``overrides`` (``hydra.*`` ones dropped), typed."""
-    from hydra import compose, initialize_config_dir
-
+    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
 
     register_configs()
-    with _COMPOSE_LOCK, initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        dcfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
-    return to_config(dcfg)
+    return to_config(compose_config("config", [o for o in overrides if not o.startswith("hydra.")]))
 
 
 def find_gpu_spec(device_name: str | None, override: str | None) -> tuple[str | None, GpuSpec | None]:
@@ -52,7 +45,7 @@ def planner_figures(
     from dflash.plan.inputs import VERIFIER_METRICS, attention_kinds, resolve_inputs
     from dflash.plan.planner import make_plan
 
-    cfg = compose_config([*overrides, *([f"plan.gpu={gpu}"] if gpu else [])])
+    cfg = training_config([*overrides, *([f"plan.gpu={gpu}"] if gpu else [])])
     inputs = resolve_inputs(cfg)
     plan = make_plan(cfg, inputs)
     tokens = max(1, round(packet["tokens"]))
@@ -110,7 +103,7 @@ def probe_planner_activations(overrides: list[str], tokens: int, docs: int, num_
     from dflash.plan.inputs import attention_kinds, resolve_target, run_dtypes
     from dflash.plan.memory import target_memory
 
-    cfg = compose_config(overrides)
+    cfg = training_config(overrides)
     packet = PacketShape(tokens=tokens, num_seqs=docs, num_anchors=0)
     kind = attention_kinds(cfg, docs)[0]
     mem = target_memory(

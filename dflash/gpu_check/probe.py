@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dflash.gpu_check.planner import compose_config
+from dflash.gpu_check.planner import training_config
 
 
 def _rss(field: str) -> int:
@@ -33,7 +33,7 @@ def probe_target(spec: dict[str, Any]) -> dict[str, Any]:
     from dflash.targets.forward import build_batch, target_forward
     from dflash.targets.loader import load_target, read_target_meta, resolve_layer_ids
 
-    cfg = compose_config(spec["overrides"])
+    cfg = training_config(spec["overrides"])
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch_dtype(cfg.target.dtype, device)
