@@ -74,24 +74,10 @@ def tiny_target_dir(session_cache: Path) -> Path:
 def run_cache(session_cache: Path, tiny_target_dir: Path) -> Path:
     """A DFLASH_CACHE_DIR holding what the fast torchrun jobs of tests/runner.py need, built once
     in-process (tiny target, regenerated corpus, tokenized data) so the ranks only load it."""
-    from runner import FAST
+    from runner import prepare_fast
 
-    from dflash.cli import compose_config
-    from dflash.config import TinyTargetConfig, register_configs, to_config
-    from dflash.setup import prepare
-
-    old = os.environ.get("DFLASH_CACHE_DIR")
-    os.environ["DFLASH_CACHE_DIR"] = str(session_cache)
-    try:
-        register_configs()
-        cfg = to_config(compose_config("config", FAST))
-        # the same spec as the fixture's, or prepare would train the tiny target a second time
-        assert cfg.target.tiny == TinyTargetConfig(), "conf/target/tiny.yaml differs from TinyTargetConfig()"
-        setup = prepare(cfg, 3)
-    finally:
-        if old is None:
-            os.environ.pop("DFLASH_CACHE_DIR")
-        else:
-            os.environ["DFLASH_CACHE_DIR"] = old
-    assert Path(setup.target_path) == tiny_target_dir
+    setup = prepare_fast(session_cache)
+    assert Path(setup.target_path) == tiny_target_dir, (
+        "conf/target/tiny.yaml differs from TinyTargetConfig(): prepare trained a second tiny target"
+    )
     return session_cache

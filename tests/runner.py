@@ -12,8 +12,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from testpaths import REPO
+
+if TYPE_CHECKING:
+    from dflash.setup import RunSetup
 
 # A small, fast variant of the embedded default: every test run shares one cache (tiny target,
 # regenerated corpus, tokenized data), built once per session by the `run_cache` fixture.
@@ -64,6 +68,22 @@ class Launch:
             [json.loads(p.read_text()) for p in sorted(d.glob("rank*.attempt*.json"))] if d.is_dir() else []
         )
         return {(r["rank"], r["attempt"]): r for r in recs}
+
+
+def prepare_fast(cache_dir: Path, overrides: list[str] | None = None) -> RunSetup:
+    """What every rank of a FAST launch with ``overrides`` derives before its process group
+    (``dflash.setup.prepare`` at world size 3), computed in this process with
+    ``DFLASH_CACHE_DIR=cache_dir``: it builds the caches the ranks then only load."""
+    import pytest
+
+    from dflash.cli import compose_config
+    from dflash.config import register_configs, to_config
+    from dflash.setup import prepare
+
+    register_configs()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_CACHE_DIR", str(cache_dir))
+        return prepare(to_config(compose_config("config", [*FAST, *(overrides or [])])), 3)
 
 
 def exits_dir(run_dir: Path) -> Path:

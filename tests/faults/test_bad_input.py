@@ -5,12 +5,11 @@ too many of them abort the run naming data.max_skip_fraction."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 from faultkit import figure
-from runner import FAST, launch, no_leftover_processes
+from runner import launch, no_leftover_processes, prepare_fast
 from wandb_reader import read_history
 
 from dflash.config import EXIT_USER_ERROR
@@ -70,20 +69,7 @@ def corpus(tmp_path_factory, run_cache):
     ]
 
     # The data plan, as every rank computes it (this also builds the dataset cache the ranks load).
-    from dflash.cli import compose_config
-    from dflash.config import register_configs, to_config
-    from dflash.setup import prepare
-
-    old = os.environ.get("DFLASH_CACHE_DIR")
-    os.environ["DFLASH_CACHE_DIR"] = str(run_cache)
-    try:
-        register_configs()
-        setup = prepare(to_config(compose_config("config", [*FAST, *overrides])), 3)
-    finally:
-        if old is None:
-            os.environ.pop("DFLASH_CACHE_DIR")
-        else:
-            os.environ["DFLASH_CACHE_DIR"] = old
+    setup = prepare_fast(run_cache, overrides)
     planned = [setup.dataset.sample_ids[setup.plan.packet(g)].tolist() for g in range(setup.num_steps)]
     assert setup.num_steps >= STOP + 3
     # one non-finite sample trained before the stop, one after it
