@@ -459,23 +459,15 @@ def test_one_gpu_plans_the_colocated_mode(capsys):
         assert "One GPU: co-located only" in text and ("does not fit" in text) is not fits, text
 
 
-def test_the_app_prints_a_table_and_ends_with_one_json_line():
+def _plan_app(*overrides: str) -> subprocess.CompletedProcess:
+    """``python -m dflash.plan <overrides>`` as a user runs it (offline, from the checkout)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash.plan",
-            "experiment=qwen3_8b_8gpu",
-            "plan.world_size=8",
-            "plan.gpu=h200",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cmd = [sys.executable, "-m", "dflash.plan", *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_app_prints_a_table_and_ends_with_one_json_line():
+    proc = _plan_app("experiment=qwen3_8b_8gpu", "plan.world_size=8", "plan.gpu=h200")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     out = json.loads(lines[-1])
@@ -488,15 +480,7 @@ def test_the_app_prints_a_table_and_ends_with_one_json_line():
 
 
 def test_the_app_reports_a_bad_value_in_one_line():
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash.plan", "plan.world_size=0"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _plan_app("plan.world_size=0")
     assert proc.returncode == 2, proc.stderr
     assert "plan.world_size=0" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
