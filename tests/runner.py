@@ -155,6 +155,7 @@ def launch(
     env: dict[str, str] | None = None,
     signal_after: tuple[float, int] | None = None,
     signal_at_step: tuple[int, int] | None = None,
+    signal_at_log: tuple[int, str, int] | None = None,
     record_exits: bool = False,
     forward_signals: bool = True,
 ) -> Launch:
@@ -162,7 +163,8 @@ def launch(
 
     ``signal_after=(seconds, signum)`` sends a signal to the job's process group (torchrun: it starts
     every worker in a session of its own and forwards SIGTERM/SIGINT to them) after a delay;
-    ``signal_at_step=(step, signum)`` does so once the run's ledger reaches ``step``.
+    ``signal_at_step=(step, signum)`` does so once the run's ledger reaches ``step``, and
+    ``signal_at_log=(rank, text, signum)`` once ``text`` appears in that rank's log.
     ``record_exits`` starts the ranks through tests/rank_exit.py (see ``Launch.exits``), which forwards
     signals to them unless ``forward_signals`` is False. ``rdzv`` replaces ``--standalone``; with
     ``run_dir`` None the run picks its own directory under ``cwd/outputs/``.
@@ -194,10 +196,17 @@ def launch(
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signum)
                     signalled_after = time.perf_counter() - t0
+            trigger = None
             if signal_at_step is not None:
                 step, signum = signal_at_step
+                trigger = lambda: ledger_steps(run_dir) >= step  # noqa: E731
+            if signal_at_log is not None:
+                rank, text, signum = signal_at_log
+                rank_log = run_dir / f"rank{rank}.log"
+                trigger = lambda: rank_log.exists() and text in rank_log.read_text()  # noqa: E731
+            if trigger is not None:
                 while proc.poll() is None and time.perf_counter() - t0 < timeout:
-                    if ledger_steps(run_dir) >= step:
+                    if trigger():
                         os.killpg(proc.pid, signum)
                         signalled_after = time.perf_counter() - t0
                         break

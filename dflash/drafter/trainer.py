@@ -453,6 +453,7 @@ class DrafterTrainer:
         """The periodic eval, every drafter on its share of the prompts; no metrics when a stop
         request aborted any share (a checkpoint never waits for an eval)."""
         assert self.evaluator is not None
+        log.info("eval at step %d started: %d prompts on this drafter", step, len(self.evaluator.prompts))
         sums = self.evaluator.run(self.model, self.embed, self.head, should_stop=lambda: self.stop_requested)
         sums = all_reduce_sum(self.ctx, sums.to(self.device)).cpu()
         metrics = eval_metrics(sums, self.setup.arch.block_size)
