@@ -353,4 +353,6 @@ def test_target_forward_peak_memory_skips_logits():
     logits_bytes = vocab * tokens * 4  # 128 MiB of fp32 logits that model(...) builds
     deltas = _peak_deltas(["target_forward", "model"], vocab, tokens)
     headless, full = deltas["target_forward"], deltas["model"]
-    assert full - headless >= logits_bytes, (full, headless, logits_bytes)
+    # model(...) grows memory by at least its logits; the headless forward by less than an eighth of
+    # them. (Not full - headless >= logits: model(...)'s other tensors may reuse freed allocator memory.)
+    assert full >= logits_bytes and 8 * headless < logits_bytes, (full, headless, logits_bytes)
