@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkabl
 import torch
 
 from dflash.config import LoggingConfig
+from dflash.config.secrets import redact_config
 from dflash.files import atomic_write
-from dflash.secrets import redact_config
 
 if TYPE_CHECKING:
     from tqdm import tqdm

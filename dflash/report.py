@@ -21,8 +21,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash.config import UserError
 from dflash.files import atomic_write
-from dflash.steplog import StepLog
-from dflash.summary import METRICS_FILE
+from dflash.train.steplog import StepLog
+from dflash.train.summary import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def report_task(dcfg: DictConfig, _hydra_dir: Path) -> int:
 
 
 def main() -> None:
-    from dflash.cli import run_app
+    from dflash.config.cli import run_app
 
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
         sys.argv[1] = f"run_dir={sys.argv[1]}"  # python -m dflash.report <run dir>

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from testpaths import REPO
 
 if TYPE_CHECKING:
-    from dflash.setup import RunSetup
+    from dflash.train.setup import RunSetup
 
 # A small, fast variant of the embedded default: every test run shares one cache (tiny target,
 # regenerated corpus, tokenized data), built once per session by the `run_cache` fixture.
@@ -72,13 +72,13 @@ class Launch:
 
 def prepare_fast(cache_dir: Path, overrides: list[str] | None = None) -> RunSetup:
     """What every rank of a FAST launch with ``overrides`` derives before its process group
-    (``dflash.setup.prepare`` at world size 3), computed in this process with
+    (``dflash.train.setup.prepare`` at world size 3), computed in this process with
     ``DFLASH_CACHE_DIR=cache_dir``: it builds the caches the ranks then only load."""
     import pytest
 
-    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
-    from dflash.setup import prepare
+    from dflash.config.cli import compose_config
+    from dflash.train.setup import prepare
 
     register_configs()
     with pytest.MonkeyPatch.context() as mp:

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.config import TopologyConfig, device_kind
+from dflash.config import TopologyConfig
+from dflash.config.resolve import resolve_device
 from dflash.distributed.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -65,26 +66,6 @@ class DistContext:
     @property
     def name(self) -> str:
         return self.topology.describe(self.rank) if self.topology else f"rank {self.rank}"
-
-
-def resolve_device(topology_cfg: TopologyConfig, local_rank: int) -> torch.device:
-    """auto: cuda:{local_rank} when CUDA is available, else cpu. Sets the current CUDA device."""
-    kind = device_kind(str(topology_cfg.device))
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind != "cuda":
-        raise ValueError(f"topology.device={topology_cfg.device!r}: use auto, cpu or cuda")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "topology.device=cuda but CUDA is not available here; set topology.device=cpu (or auto)"
-        )
-    count = torch.cuda.device_count()
-    if not 0 <= local_rank < count:
-        raise ValueError(
-            f"LOCAL_RANK={local_rank} but this node has {count} CUDA devices; start at most {count} processes per node"
-        )
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
 
 
 def resolve_backend(topology_cfg: TopologyConfig, device: torch.device) -> str:
@@ -142,7 +123,7 @@ def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = 
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     topology = Topology.from_config(topology_cfg, world_size)
-    device = resolve_device(topology_cfg, local_rank)
+    device = resolve_device(topology_cfg.device, local_rank)
     backend = resolve_backend(topology_cfg, device)
     timeout_s = float(topology_cfg.init_timeout_s)
     kwargs: dict[str, Any] = {}

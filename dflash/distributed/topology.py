@@ -120,10 +120,6 @@ class Topology:
         first = start + (target_rank - start) % self.num_targets
         return list(range(first, stop, self.num_targets))
 
-    def num_steps(self, num_packets: int) -> int:
-        """Full optimizer steps the data plan supports (a partial last step is dropped)."""
-        return num_packets // self.packets_per_step
-
 
 def link_period(topology: Topology) -> int:
     """Distance between consecutive packets of one (target, drafter) link: lcm(N, M)."""

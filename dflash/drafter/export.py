@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
-from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
+from dflash.drafter.arch import DrafterArch, rope_from_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.files import atomic_directory
 
 ARCHITECTURE = "DFlashDraftModel"

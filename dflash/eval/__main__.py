@@ -6,13 +6,14 @@
 
 Prints the table (tau, acceptance histogram, TPOT, speedup, lossless), writes ``report.json`` and
 ``config.yaml`` to the run dir and logs ``eval/*`` to W&B (``logging.mode``). Config:
-``conf/eval_app.yaml``, schema ``dflash.eval.app.EvalAppConfig``.
+``conf/eval_app.yaml``, schema ``dflash.eval.config.EvalAppConfig``.
 """
 
 from __future__ import annotations
 
-from dflash.cli import run_app
-from dflash.eval.app import EvalAppConfig, eval_task, register_eval_schema
+from dflash.config.cli import run_app
+from dflash.eval.app import eval_task
+from dflash.eval.config import EvalAppConfig, register_eval_schema
 
 register_eval_schema()
 

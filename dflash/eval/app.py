@@ -1,7 +1,6 @@
-"""``python -m dflash.eval``: the config schema and the app.
+"""``python -m dflash.eval``: the app (its schema is :class:`~dflash.eval.config.EvalAppConfig`).
 
-:class:`EvalAppConfig` is the schema of ``conf/eval_app.yaml`` (registered with Hydra as
-:data:`SCHEMA_NAME` by :func:`register_eval_schema`). :func:`eval_task` loads everything with
+:func:`eval_task` loads everything with
 :func:`~dflash.eval.loading.load_for_eval`, runs :func:`~dflash.eval.report.evaluate`, prints the
 table, writes ``report.json`` and ``config.yaml`` to the run dir and logs ``eval/*`` to W&B.
 """
@@ -10,60 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING
-
-from dflash.config import ChatTemplateConfig, LoggingConfig, PathsConfig, TargetConfig, plain_dict
+from dflash.config import plain_dict
+from dflash.eval.config import EvalAppConfig
 from dflash.eval.loading import load_for_eval
 from dflash.eval.report import EvalReport, evaluate, report_metrics, report_table
 from dflash.files import atomic_write
 
 log = logging.getLogger(__name__)
-
-SCHEMA_NAME = "dflash_eval_schema"
-
-
-@dataclass
-class EvalAppConfig:
-    """Schema of ``conf/eval_app.yaml`` (``python -m dflash.eval``)."""
-
-    name: str = "eval"
-    target: TargetConfig = field(default_factory=TargetConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    paths: PathsConfig = field(default_factory=PathsConfig)
-    drafter_path: str = MISSING
-    """An exported drafter directory (config.json + model.safetensors, see dflash.drafter.export)."""
-    prompts: str = MISSING
-    """JSONL of {"messages": [...]} (prompt = messages before the last assistant one) or a datasets path."""
-    split: str = "train"
-    """Split of a datasets path."""
-    num_prompts: int | None = None
-    """Use only the first N usable prompts (None = all)."""
-    max_new_tokens: int = 256
-    block_size: int | None = None
-    """None = the drafter's block size."""
-    baseline: bool = True
-    """Also run block size 1: needed for speedup, TPOT(AR) and the lossless check."""
-    warmup: bool = True
-    """One short untimed generation of each kind before timing."""
-    device: str = "auto"
-    """auto (cuda when available, else cpu), cpu or cuda."""
-    data: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
-    """``data.chat_template_kwargs``: how prompts are rendered (e.g. {enable_thinking: false} for Qwen3, as in
-    the z-lab benchmark); the same key as training's, and it must match it."""
-    eos_token_ids: list[int] | None = None
-    """None = the tokenizer's eos + the target's generation_config eos."""
-    step: int = 0
-    """train/step the metrics are logged at (e.g. the training step of the evaluated drafter)."""
-
-
-def register_eval_schema() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=EvalAppConfig)
 
 
 def _histogram_object(report: EvalReport):

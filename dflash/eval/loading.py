@@ -1,6 +1,6 @@
 """Loading for the eval: target, exported drafter, embed/head, tokenizer, prompts and eos ids.
 
-:func:`load_for_eval` checks the :class:`~dflash.eval.app.EvalAppConfig` (:func:`eval_config_problems`)
+:func:`load_for_eval` checks the :class:`~dflash.eval.config.EvalAppConfig` (:func:`eval_config_problems`)
 and the exported drafter against the target (:func:`drafter_problems`) before the target's weights
 load, reporting every problem at once, and returns an :class:`EvalSetup`. :func:`load_prompts`,
 :func:`prompt_from_record` and :func:`eos_ids_of` are also used by the periodic eval during training.
@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.config.resolve import resolve_device, resolve_path, torch_dtype
+from dflash.drafter.arch import DrafterArch
+from dflash.drafter.model import DFlashDraftModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from dflash.eval.app import EvalAppConfig
+    from dflash.eval.config import EvalAppConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +42,6 @@ class EvalSetup:
     device: torch.device
     target_path: str
     drafter_path: str
-
-
-def _abs_path(path: str) -> str:
-    """A local path made absolute against the launch directory (Hydra does not chdir); a hub id as is."""
-    from hydra.utils import to_absolute_path
-
-    p = Path(path).expanduser()
-    local = p if p.is_absolute() else Path(to_absolute_path(str(p)))
-    return str(local) if local.exists() or path.startswith((".", "/", "~")) else path
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto -> bfloat16 on GPU, float32 on CPU (as training)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def eval_config_problems(cfg: EvalAppConfig) -> list[str]:
@@ -236,14 +216,14 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
     from dflash.targets.loader import load_embed_and_head, load_target, read_target_meta
 
     _raise(eval_config_problems(cfg))
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.target.dtype, device)
-    target_path = _abs_path(cfg.target.path)
+    device = resolve_device(cfg.device, field="device")
+    dtype = torch_dtype(cfg.target.dtype, device)
+    target_path = resolve_path(cfg.target.path)
     if cfg.target.tiny is not None:
         from dflash.targets.tiny import ensure_tiny_target
 
         target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
-    drafter_dir = Path(_abs_path(cfg.drafter_path))
+    drafter_dir = Path(resolve_path(cfg.drafter_path))
     if not drafter_dir.is_dir():
         raise ValueError(
             f"drafter_path={cfg.drafter_path!r} is not a directory ({drafter_dir}); set "
@@ -266,11 +246,11 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
     _raise(drafter_problems(arch, exported_cfg, meta, cfg))
     block_size = cfg.block_size or arch.block_size
 
-    tok_path = _abs_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
+    tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
     tokenizer = AutoTokenizer.from_pretrained(
         tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
-    prompts_path = _abs_path(cfg.prompts)
+    prompts_path = resolve_path(cfg.prompts)
     prompts = load_prompts(
         prompts_path,
         tokenizer,

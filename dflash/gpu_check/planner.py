@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 def training_config(overrides: list[str]) -> Config:
     """The training config of ``overrides`` (``hydra.*`` ones dropped), typed."""
-    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
+    from dflash.config.cli import compose_config
 
     register_configs()
     return to_config(compose_config("config", [o for o in overrides if not o.startswith("hydra.")]))

@@ -28,8 +28,8 @@ def probe_target(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
+    from dflash.config.resolve import torch_dtype
     from dflash.metrics import reset_peak_memory
-    from dflash.setup import torch_dtype
     from dflash.targets.forward import build_batch, target_forward
     from dflash.targets.loader import load_target, read_target_meta, resolve_layer_ids
 

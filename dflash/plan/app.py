@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import Config, PlanConfig, register_configs, to_config
-from dflash.config_checks import raise_problems
+from dflash.config.checks import raise_problems
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.planner import make_plan
 from dflash.plan.report import render, summary
@@ -81,6 +81,6 @@ def plan_task(dcfg: DictConfig, _run_dir: Path) -> int:
 
 
 def main() -> None:
-    from dflash.cli import run_app
+    from dflash.config.cli import run_app
 
     run_app("plan_app", Config, plan_task)

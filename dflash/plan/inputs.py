@@ -17,14 +17,14 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from dflash.config import Config, GpuSpec, TargetShape, dataset_settings, drafter_attention
+from dflash.config import Config, GpuSpec, TargetShape, dataset_settings
+from dflash.config.resolve import drafter_attention, resolve_path
 from dflash.data.embedded import embedded_corpus_path
 from dflash.data.sources import EMBEDDED
-from dflash.drafter.model import DrafterArch
+from dflash.drafter.arch import DrafterArch, build_arch
 from dflash.loss.verifier import default_chunk_size
 from dflash.plan.costs import AttentionKind, PacketShape
 from dflash.plan.memory import AUTOCAST_ACT_BYTES, RunDtypes
-from dflash.setup import build_arch, resolve_path
 from dflash.targets.loader import TargetMeta, read_target_meta, resolve_layer_ids
 
 GPU_DIR = Path(__file__).resolve().parents[2] / "conf" / "gpu"
@@ -223,7 +223,7 @@ def attention_kinds(cfg: Config, num_seqs: int) -> tuple[AttentionKind, Attentio
 
 
 def run_dtypes(cfg: Config) -> RunDtypes:
-    """Element sizes: ``auto`` is bf16 on GPU and fp32 on CPU (as ``dflash.setup.torch_dtype``)."""
+    """Element sizes: ``auto`` is bf16 on GPU and fp32 on CPU (as ``dflash.train.setup.torch_dtype``)."""
     gpu = plan_device(cfg) == "cuda"
 
     def width(name: str) -> int:

@@ -7,7 +7,7 @@ id only the target's config.json shows, a target path that does not exist. The w
 is captured per rank (``--redirects 3 --log-dir``); torchrun's failure report about the failed
 workers is not ours and is left out of the count. The ranks are left to fail on their own
 (tests/rank_exit.py does not forward torchrun's SIGTERM), so every rank's own rejection is checked.
-Every other misconfiguration goes through the same entry point in-process (``dflash.train.train``
+Every other misconfiguration goes through the same entry point in-process (``dflash.train.job.train``
 as rank 0 of a 3-rank world), which is where the launches above spend their time anyway.
 """
 
@@ -17,8 +17,8 @@ import pytest
 from faultkit import figure
 from runner import FAST, launch, no_leftover_processes
 
-from dflash.cli import compose_config
 from dflash.config import EXIT_USER_ERROR, UserError, register_configs
+from dflash.config.cli import compose_config
 
 pytestmark = pytest.mark.faults
 
@@ -114,7 +114,7 @@ IN_PROCESS = [
 def test_mistake_is_a_user_error_of_the_entry_point(
     tmp_path, run_cache, monkeypatch, case, overrides, needle
 ):
-    from dflash.train import train
+    from dflash.train.job import train
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(run_cache))
     monkeypatch.setenv("RANK", "0")

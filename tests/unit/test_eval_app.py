@@ -14,10 +14,11 @@ import pytest
 import torch
 from wandb_reader import read_wandb_run
 
-from dflash.cli import compose_config
+from dflash.config.cli import compose_config
+from dflash.drafter.arch import DrafterArch, rope_from_config
 from dflash.drafter.export import export_drafter
-from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
-from dflash.eval.app import EvalAppConfig, register_eval_schema
+from dflash.drafter.model import DFlashDraftModel
+from dflash.eval.config import EvalAppConfig, register_eval_schema
 from dflash.eval.loading import load_for_eval, load_prompts
 from dflash.eval.report import build_report, evaluate, report_metrics, report_table
 
@@ -210,9 +211,9 @@ def test_eval_and_periodic_eval_on_a_hybrid_target(files, tiny_hybrid_target_dir
     """A Qwen3.5 text target (linear + full attention): ``dflash.eval``'s loading and evaluate, and the
     periodic eval of a training run, decode losslessly with a sliding-window drafter and report tau."""
     from dflash.config import register_configs, to_config
-    from dflash.eval.periodic import PeriodicEval, eval_metrics
-    from dflash.setup import prepare
     from dflash.targets.loader import load_embed_and_head
+    from dflash.train.periodic_eval import PeriodicEval, eval_metrics
+    from dflash.train.setup import prepare
 
     _, _, prompts_path = files
     layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8, num_layers=2)

@@ -13,6 +13,7 @@ import pytest
 from wandb_reader import find_wandb_files, read_wandb_run
 
 from dflash.config import LoggingConfig
+from dflash.config.secrets import redact_config
 from dflash.metrics import (
     RUN_ID_FILE,
     NullLogger,
@@ -21,7 +22,6 @@ from dflash.metrics import (
     human_count,
     progress_bar,
 )
-from dflash.secrets import redact_config
 
 OFFLINE = LoggingConfig(mode="offline", project="dflash-test", progress_bar=False)
 CONFIG = {"name": "unit", "optim": {"lr": 0.0006}, "target": {"layer_ids": [1, 3]}}

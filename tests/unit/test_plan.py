@@ -15,10 +15,11 @@ import pytest
 import torch
 from testpaths import REPO
 
-from dflash.cli import compose_config
 from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs
+from dflash.config.cli import compose_config
+from dflash.drafter.arch import DrafterArch, build_arch
 from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks, sample_anchors
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.plan.app import plan_config, run
 from dflash.plan.costs import PacketShape, packet_costs
@@ -35,7 +36,6 @@ from dflash.plan.inputs import (
 from dflash.plan.memory import AUTOCAST_ACT_BYTES, GIB, RunDtypes, drafter_memory
 from dflash.plan.planner import make_plan
 from dflash.plan.throughput import RoleTimes, best_split, colocated, disaggregated
-from dflash.setup import build_arch
 from dflash.targets.forward import build_batch, target_forward
 from dflash.targets.loader import load_embed_and_head, load_target, read_target_meta, resolve_layer_ids
 

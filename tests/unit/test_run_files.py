@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from dflash.cli import RUN_ID_KEY, launch_run_id
 from dflash.config import TrainConfig, UserError
-from dflash.run_dir import RunDirLock, move_aside, resume_checkpoint
-from dflash.secrets import REDACTED, SecretFilter, config_secret_problems, redact
-from dflash.steplog import StepLog
-from dflash.summary import balance_line, best_split, status_line, step_line
+from dflash.config.cli import RUN_ID_KEY, launch_run_id
+from dflash.config.secrets import REDACTED, SecretFilter, config_secret_problems, redact
+from dflash.train.run_dir import RunDirLock, move_aside, resume_checkpoint
+from dflash.train.steplog import StepLog
+from dflash.train.summary import balance_line, best_split, status_line, step_line
 
 
 def test_step_log_truncate_drops_later_steps_and_a_torn_tail(tmp_path):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from dflash.config_checks import raise_problems
+from dflash.config.checks import raise_problems
 from dflash.data.chat import MalformedConversation
 from dflash.data.regenerate.config import RegenerateConfig, config_problems, endpoints_of
 from dflash.data.regenerate.conversation import Regeneration, Reply
@@ -231,9 +231,8 @@ def _drive_hf(run: _Run, todo: Iterable[tuple[int, str, Any]]) -> None:
     """``batch_size`` records at a time: turn k of every record of the batch in one ``generate``."""
     import torch
 
-    from dflash.config import device_kind
+    from dflash.config.resolve import device_kind, torch_dtype
     from dflash.data.regenerate.hf_backend import HFBackend
-    from dflash.setup import torch_dtype
 
     cfg = run.cfg
     device = torch.device(device_kind(cfg.device))

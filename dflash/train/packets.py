@@ -17,8 +17,8 @@ from torch import nn
 from dflash.config import Config
 from dflash.distributed.protocol import Packet
 from dflash.metrics import peak_memory_gib, reset_peak_memory
-from dflash.setup import RunSetup
 from dflash.targets.forward import build_batch, target_forward
+from dflash.train.setup import RunSetup
 
 log = logging.getLogger(__name__)
 

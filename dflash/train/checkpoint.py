@@ -10,8 +10,8 @@ Layout of one checkpoint::
         optimizer.pt        torch.save of tensors and primitives (loads with weights_only=True)
         scheduler.json      LR scheduler state (scheduler.pt with weights_only=True if not JSON)
         train_state.json    TrainState
-        rng.pt              python / numpy / torch CPU / CUDA generator states (dflash.rng_state)
-        contract.json       what must not change across a resume (dflash.run_dir.check_contract)
+        rng.pt              python / numpy / torch CPU / CUDA generator states (dflash.train.rng_state)
+        contract.json       what must not change across a resume (dflash.train.run_dir.check_contract)
         config.yaml         the resolved config of the run that wrote it
         COMPLETE            JSON {"files": {name: {"size", "sha256"}}, ...}, written last
 

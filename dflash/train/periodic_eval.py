@@ -22,15 +22,16 @@ from contextlib import nullcontext
 import torch
 
 from dflash.config import Config
+from dflash.config.resolve import torch_dtype
 from dflash.data.tokenize import load_eval_samples
 from dflash.drafter.blocks import doc_ids_from_positions, eligible_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.eval.loading import eos_ids_of
 from dflash.eval.report import evaluate
-from dflash.setup import RunSetup, torch_dtype
 from dflash.targets.forward import target_forward
 from dflash.targets.loader import load_target
+from dflash.train.setup import RunSetup
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class PeriodicEval:
         target: torch.nn.Module | None = None,
     ) -> None:
         self.cfg, self.setup, self.device = cfg, setup, device
-        samples = load_eval_samples(cfg.data, setup.tokenizer, setup.meta.vocab_size)
+        samples = load_eval_samples(setup.data, setup.tokenizer, setup.meta.vocab_size)
         n = min(cfg.eval.num_prompts, len(samples))
         if n == 0:
             raise ValueError(

@@ -9,7 +9,7 @@
 - a ``UserError`` is printed as its message alone (no traceback) by the rank its scope names,
   written to every rank's log, and the process exits with ``EXIT_USER_ERROR``; any other exception
   is logged with its traceback, recorded for torchrun (``error.json``) and exits 1;
-- secret values are redacted from every log record (``dflash.secrets``).
+- secret values are redacted from every log record (``dflash.config.secrets``).
 
 It also registers the ``${dflash.run_id:}`` resolver: the id of this launch, shared by all its
 ranks and by torchrun restarts of it, unique per launch even when torchrun has no rendezvous id.
@@ -37,12 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dflash.config import EXIT_USER_ERROR, UserError
-from dflash.config_checks import check_known_keys
-from dflash.secrets import config_secret_problems, install_log_redaction, redact
+from dflash.config.checks import check_known_keys
+from dflash.config.secrets import config_secret_problems, install_log_redaction, redact
 
 log = logging.getLogger("dflash")
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 RUN_ID_KEY = "dflash/run_id"
 
 Task = Callable[[DictConfig, Path], int | None]

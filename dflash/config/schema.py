@@ -2,7 +2,7 @@
 
 Every YAML group in ``conf/`` is validated against the dataclasses below at compose time (a typo
 or a wrong type fails before anything runs). The checks that need several fields at once are in
-:mod:`dflash.config_checks` (``validate``). Each field's documentation lives beside its type.
+:mod:`dflash.config.checks` (``validate``). Each field's documentation lives beside its type.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ RESOLVED_CONTRACT_KEYS = (
     "train.num_steps",
     "topology.packets_per_step",
 )
-"""Contract entries that ``dflash.setup.prepare`` resolves (beside the CONTRACT-tagged raw values)."""
+"""Contract entries that ``dflash.train.setup.prepare`` resolves (beside the CONTRACT-tagged raw values)."""
 
 
 @dataclass
@@ -474,22 +474,6 @@ def planned_world_size(t: TopologyConfig) -> int:
     """The world size the topology describes, for tools that run outside torchrun (``prepare``):
     targets + drafters; a co-located or open-ended topology counts one drafter."""
     return t.num_targets + (t.num_drafters if t.num_drafters is not None else 1)
-
-
-def device_kind(device: str) -> str:
-    """``topology.device`` resolved to ``cpu`` or ``cuda`` (auto: cuda when torch sees a GPU here)."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def drafter_attention(attention: str, device: str) -> str:
-    """``drafter.attention`` resolved for a ``cpu``/``cuda`` device: auto is flex on CUDA, sdpa on CPU."""
-    if attention == "auto":
-        return "flex" if device == "cuda" else "sdpa"
-    return attention
 
 
 class UserError(ValueError):

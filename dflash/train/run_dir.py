@@ -24,14 +24,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from dflash.checkpoint import (
+from dflash.config import TrainConfig, UserError
+from dflash.train.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
     find_resume_checkpoint,
     load_checkpoint,
     tuples_to_lists,
 )
-from dflash.config import TrainConfig, UserError
 
 log = logging.getLogger(__name__)
 

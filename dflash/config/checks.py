@@ -24,9 +24,8 @@ from dflash.config import (
     Config,
     DrafterConfig,
     UserError,
-    device_kind,
-    drafter_attention,
 )
+from dflash.config.resolve import device_kind, drafter_attention
 
 _CHOICES = {
     "topology.backend": ("auto", "nccl", "gloo"),

@@ -1,7 +1,7 @@
 """What a run says about itself without W&B: a line per logged step and a table at the end.
 
 The drafter leader writes every logged metrics row to ``metrics.jsonl`` in the run directory
-(``dflash.steplog``), one line per ``logging.log_every`` steps to its rank log (``step_line``)
+(``dflash.train.steplog``), one line per ``logging.log_every`` steps to its rank log (``step_line``)
 and, when the run ends, a short table to the console and the log (``summary_table``): where the
 run stands, the final loss and acceptance estimates, the last real eval, throughput, where the
 exported drafter is and how to look at the W&B run offline. ``python -m dflash.report`` draws the

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 -m dflash.train experiment=qwen3_8b_7x1 data.path=/data/chat.jsonl
 
 Everything that can be wrong with the config, the data, the run directory or the checkpoint to
-resume is found before the process group starts, and reported once (``dflash.cli``).
+resume is found before the process group starts, and reported once (``dflash.config.cli``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.checkpoint import LoadedCheckpoint
-from dflash.cli import global_rank, quiet_console, run_app, value_errors_are_user_errors
 from dflash.config import Config, UserError, register_configs, to_config
-from dflash.config_checks import validate
+from dflash.config.checks import validate
+from dflash.config.cli import global_rank, quiet_console, run_app, value_errors_are_user_errors
 from dflash.distributed.topology import Topology
 from dflash.files import atomic_write
+from dflash.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger("dflash")
 register_configs()
@@ -37,10 +37,10 @@ class Role(Protocol):
 def build_role(cfg: Config, setup, ctx, run_dir: Path, resume: LoadedCheckpoint | None) -> Role:
     """The only place that branches on the rank: a TargetWorker or a DrafterTrainer."""
     if setup.topology.role_of(ctx.rank) == "target":
-        from dflash.targets.worker import TargetWorker
+        from dflash.train.target_worker import TargetWorker
 
         return TargetWorker(cfg, setup, ctx)
-    from dflash.drafter.trainer import DrafterTrainer
+    from dflash.train.trainer import DrafterTrainer
 
     return DrafterTrainer(cfg, setup, ctx, run_dir, resume)
 
@@ -73,8 +73,9 @@ def _quiet_transformers() -> None:
 
 def _setup_phase(cfg: Config, world_size: int, topology: Topology, rank: int, run_dir: Path):
     """Everything before the process group; a ``ValueError`` here is a user's mistake."""
-    from dflash.run_dir import resume_checkpoint
-    from dflash.setup import prepare, resolve_path
+    from dflash.config.resolve import resolve_path
+    from dflash.train.run_dir import resume_checkpoint
+    from dflash.train.setup import prepare
 
     with value_errors_are_user_errors():
         setup = prepare(cfg, world_size)
@@ -96,11 +97,12 @@ def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> in
         quiet_console(logging.INFO)
     else:
         quiet_console(
-            logging.INFO if is_leader else logging.WARNING, drop_info_from=("dflash.setup", "dflash.data")
+            logging.INFO if is_leader else logging.WARNING,
+            drop_info_from=("dflash.train.setup", "dflash.data"),
         )
     _quiet_transformers()
     if is_leader:
-        from dflash.run_dir import RunDirLock
+        from dflash.train.run_dir import RunDirLock
 
         cleanup.enter_context(RunDirLock(run_dir))
     setup, resume = _setup_phase(cfg, world_size, topology, rank, run_dir)

@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from dflash import faults
-from dflash.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
-from dflash.cli import log_to_files
-from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, drafter_attention, plain_dict
+from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, plain_dict
+from dflash.config.cli import log_to_files
+from dflash.config.resolve import drafter_attention, resolve_path, torch_dtype
 from dflash.distributed.collectives import (
     agree_on_start,
     all_reduce_max,
@@ -39,9 +38,7 @@ from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
 from dflash.drafter.optim import build_optimizer, build_scheduler
-from dflash.drafter.step_stats import StepSums, step_metrics
 from dflash.eval.loading import target_embed_and_head
-from dflash.eval.periodic import PeriodicEval, eval_metrics
 from dflash.metrics import (
     MetricLogger,
     NullLogger,
@@ -54,10 +51,16 @@ from dflash.metrics import (
 )
 from dflash.plan import AttentionKind, PacketCosts, PacketShape, packet_costs
 from dflash.plan.inputs import attention_kinds, shape_from_meta
-from dflash.rng_state import capture_rng_state, restore_rng_state
-from dflash.setup import RunSetup, resolve_path, torch_dtype
-from dflash.steplog import StepLog
-from dflash.summary import (
+from dflash.targets.loader import load_embed_and_head, load_target
+from dflash.train import faults
+from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
+from dflash.train.packets import LocalPackets, PacketMaker, PacketSource
+from dflash.train.periodic_eval import PeriodicEval, eval_metrics
+from dflash.train.rng_state import capture_rng_state, restore_rng_state
+from dflash.train.setup import RunSetup
+from dflash.train.step_stats import StepSums, step_metrics
+from dflash.train.steplog import StepLog
+from dflash.train.summary import (
     METRICS_FILE,
     RunSummary,
     balance_line,
@@ -67,8 +70,6 @@ from dflash.summary import (
     step_line,
     summary_table,
 )
-from dflash.targets.loader import load_embed_and_head, load_target
-from dflash.targets.packets import LocalPackets, PacketMaker, PacketSource
 
 log = logging.getLogger(__name__)
 

@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 import signal
 
-from dflash import faults
 from dflash.config import STOP_SIGNALS, Config
+from dflash.config.resolve import torch_dtype
 from dflash.distributed.collectives import agree_on_start
 from dflash.distributed.links import TargetLink
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED
 from dflash.distributed.topology import linked_drafters
-from dflash.setup import RunSetup, torch_dtype
 from dflash.targets.loader import load_target
-from dflash.targets.packets import PacketMaker
+from dflash.train import faults
+from dflash.train.packets import PacketMaker
+from dflash.train.setup import RunSetup
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,52 @@
+"""The schema of ``python -m dflash.eval`` (``conf/eval_app.yaml``), registered with Hydra as
+:data:`SCHEMA_NAME` by :func:`register_eval_schema`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from dflash.config import ChatTemplateConfig, LoggingConfig, PathsConfig, TargetConfig
+
+SCHEMA_NAME = "dflash_eval_schema"
+
+
+@dataclass
+class EvalAppConfig:
+    """Schema of ``conf/eval_app.yaml`` (``python -m dflash.eval``)."""
+
+    name: str = "eval"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    drafter_path: str = MISSING
+    """An exported drafter directory (config.json + model.safetensors, see dflash.drafter.export)."""
+    prompts: str = MISSING
+    """JSONL of {"messages": [...]} (prompt = messages before the last assistant one) or a datasets path."""
+    split: str = "train"
+    """Split of a datasets path."""
+    num_prompts: int | None = None
+    """Use only the first N usable prompts (None = all)."""
+    max_new_tokens: int = 256
+    block_size: int | None = None
+    """None = the drafter's block size."""
+    baseline: bool = True
+    """Also run block size 1: needed for speedup, TPOT(AR) and the lossless check."""
+    warmup: bool = True
+    """One short untimed generation of each kind before timing."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    data: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
+    """``data.chat_template_kwargs``: how prompts are rendered (e.g. {enable_thinking: false} for Qwen3, as in
+    the z-lab benchmark); the same key as training's, and it must match it."""
+    eos_token_ids: list[int] | None = None
+    """None = the tokenizer's eos + the target's generation_config eos."""
+    step: int = 0
+    """train/step the metrics are logged at (e.g. the training step of the evaluated drafter)."""
+
+
+def register_eval_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=EvalAppConfig)
