@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny forwards on 2 shared cores: intra-op threads only spin against each other (6x slower)."""
+    """Tiny forwards on shared cores: one intra-op thread, so threads never spin against each other."""
     import torch
 
     n = torch.get_num_threads()

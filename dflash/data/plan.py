@@ -32,8 +32,7 @@ def greedy_pack(lengths: list[int], token_budget: int) -> list[int]:
     """Packet boundaries of in-order greedy packing: ``[0, b1, ..., len(lengths)]``.
 
     Packet k holds positions ``[bounds[k], bounds[k+1])``; each packet's total is <= token_budget
-    (every length must be <= token_budget, checked by the caller). One lean pass (~0.25 s per
-    million samples).
+    (every length must be <= token_budget, checked by the caller). One pass over plain ints.
     """
     bounds = [0]
     cur = 0

@@ -179,7 +179,7 @@ def block_math_exp2(
 ):
     """The ``T = 1`` block on base-2 logits ``z2 = z / ln 2`` (CPU fast path).
 
-    ``exp2`` is ~35% cheaper than ``exp`` on CPU, and the unnormalised ``e = 2^(z2 - shift)``
+    ``exp2`` is cheaper than ``exp`` on CPU, and the unnormalised ``e = 2^(z2 - shift)``
     (``shift`` = 0 when the row maxima allow, else the row max) replaces the softmax (its max and
     normalisation passes): the row sums are folded into the gradient coefficients and the per-row
     ``dh`` scale. On return ``zd`` holds

@@ -14,10 +14,12 @@ import logging
 import math
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from transformers import PreTrainedModel
 
 from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, plain_dict
 from dflash.config.cli import log_to_files
@@ -32,7 +34,7 @@ from dflash.distributed.collectives import (
 from dflash.distributed.grad_reducer import GradReducer
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
-from dflash.distributed.protocol import Packet
+from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet
 from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
@@ -86,6 +88,30 @@ def anchor_generator(seed: int, packet: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + packet)
 
 
+@dataclass
+class _StepLocal:
+    """What one drafter gathered over its packets of a step, before the all-reduces."""
+
+    sums: StepSums
+    target_fwd: torch.Tensor
+    """[num_targets] float64: forward seconds of this drafter's packets, per producing target."""
+    target_mem: torch.Tensor
+    """[num_targets] float64: the largest peak memory (GiB) those packets report, per target."""
+    trained: list[int] = field(default_factory=list)
+    """Per packet: g, its number of samples, their source ids (the ledger's raw material)."""
+    shapes: list[PacketShape] = field(default_factory=list)
+
+
+@dataclass
+class _StepReduced:
+    """The step over every drafter: summed sums, per-target forward time, peak memories."""
+
+    sums: StepSums
+    target_fwd: torch.Tensor
+    target_mem: torch.Tensor
+    drafter_mem: torch.Tensor
+
+
 class DrafterTrainer:
     """The drafter role (rank >= num_targets; every rank when co-located). ``run()`` trains,
     ``close()`` releases everything.
@@ -112,36 +138,9 @@ class DrafterTrainer:
         self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
         self.autocast_dtype = torch_dtype(cfg.drafter.dtype, self.device)
         self.attention = drafter_attention(cfg.drafter.attention, self.device.type)
-
-        target = None
-        if self.topology.colocated:
-            target = load_target(cfg.target, self.device, self.target_dtype)
-            self.source: PacketSource = LocalPackets(
-                PacketMaker(cfg, setup, target, self.device, own_peak=False)
-            )
-            embed, head = target_embed_and_head(target)  # the target's own tensors: no second copy
-        else:
-            self.source = DrafterLink(
-                self.topology,
-                ctx.rank,
-                setup.packet_spec(self.target_dtype, self.device),
-                cfg.topology.init_timeout_s,
-                control_group=ctx.control_group,
-            )
-            embed, head = None, None
-        if (embed is None or head is None) and cfg.target.random_weights:  # the same random target's tensors
-            embed, head = target_embed_and_head(load_target(cfg.target, self.device, self.target_dtype))
-        if embed is None or head is None:
-            embed, head = load_embed_and_head(setup.target_path, revision=cfg.target.revision)
-        self.embed = embed.to(self.device, self.target_dtype)
-        self.head = head.to(self.device, self.target_dtype)
-        self.model = DFlashDraftModel(setup.arch)
-        self.model.reset_parameters(seed=cfg.train.seed)
-        if cfg.drafter.init_from:
-            _, state = load_exported(resolve_path(cfg.drafter.init_from))
-            load_into(self.model, state)
-            log.info("warm start from %s", cfg.drafter.init_from)
-        self.model.to(self.device)
+        target = self._packet_source()
+        self.embed, self.head = self._embed_and_head(target)
+        self.model = self._build_model()
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
         self.grads = (
@@ -154,7 +153,7 @@ class DrafterTrainer:
         if self.attention == "flex":
             cap = cfg.drafter.max_anchors_per_packet
             assert cap is not None, "config validation requires drafter.max_anchors_per_packet with flex"
-            self.static_shape = (cfg.data.token_budget, cap)
+            self.static_shape = (setup.data.token_budget, cap)
         self.evaluator = None
         if cfg.eval.every > 0:
             self.evaluator = PeriodicEval(
@@ -165,20 +164,7 @@ class DrafterTrainer:
                 num_drafters=self.topology.num_drafters,
                 target=target,
             )
-        self.logger: MetricLogger = NullLogger()
-        if self.is_leader:
-            config = plain_dict(OmegaConf.structured(cfg))
-            self.logger = build_logger(
-                cfg.logging, True, run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
-            )
-            self.state.wandb_run_id = self.logger.run_id
-        self.ledger = StepLog(run_dir / "ledger.jsonl")
-        self.metrics_log = StepLog(run_dir / METRICS_FILE, step_key="train/step")
-        if self.is_leader:  # what was written after the resumed checkpoint is trained again
-            if cfg.train.ledger:
-                self.ledger.truncate(self.state.step)
-            self.metrics_log.truncate(self.state.step)
-        self.summary = RunSummary(setup.num_steps)
+        self._open_run_files()
         self.phases = PhaseTimer(self.device, sync=cfg.train.time_phases)
         self.target_shape = shape_from_meta(setup.meta)
         log.info(
@@ -188,6 +174,63 @@ class DrafterTrainer:
             setup.num_steps,
             self.state.step,
         )
+
+    def _packet_source(self) -> PreTrainedModel | None:
+        """``self.source``: a ``DrafterLink`` from the targets, or (co-located) ``LocalPackets`` over
+        this rank's own target, which is returned (else None)."""
+        cfg, setup = self.cfg, self.setup
+        if not self.topology.colocated:
+            self.source: PacketSource = DrafterLink(
+                self.topology,
+                self.ctx.rank,
+                setup.packet_spec(self.target_dtype, self.device),
+                cfg.topology.init_timeout_s,
+                control_group=self.ctx.control_group,
+            )
+            return None
+        target = load_target(cfg.target, self.device, self.target_dtype)
+        self.source = LocalPackets(PacketMaker(cfg, setup, target, self.device, own_peak=False))
+        return target
+
+    def _embed_and_head(self, target: PreTrainedModel | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen embedding and lm_head: the co-located target's own tensors (no second copy),
+        the same random target's (``target.random_weights``), else read by name from the checkpoint."""
+        cfg = self.cfg
+        if target is None and cfg.target.random_weights:
+            target = load_target(cfg.target, self.device, self.target_dtype)
+        embed, head = target_embed_and_head(target) if target is not None else (None, None)
+        if embed is None or head is None:
+            embed, head = load_embed_and_head(self.setup.target_path, revision=cfg.target.revision)
+        return embed.to(self.device, self.target_dtype), head.to(self.device, self.target_dtype)
+
+    def _build_model(self) -> DFlashDraftModel:
+        """The drafter, initialised from ``train.seed`` or warm-started from ``drafter.init_from``."""
+        model = DFlashDraftModel(self.setup.arch)
+        model.reset_parameters(seed=self.cfg.train.seed)
+        if self.cfg.drafter.init_from:
+            _, state = load_exported(resolve_path(self.cfg.drafter.init_from))
+            load_into(model, state)
+            log.info("warm start from %s", self.cfg.drafter.init_from)
+        return model.to(self.device)
+
+    def _open_run_files(self) -> None:
+        """The leader's W&B run and the run's ledger and metrics files (what was written after the
+        resumed checkpoint is trained again, so it is cut off here)."""
+        cfg = self.cfg
+        self.logger: MetricLogger = NullLogger()
+        if self.is_leader:
+            config = plain_dict(OmegaConf.structured(cfg))
+            self.logger = build_logger(
+                cfg.logging, True, self.run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
+            )
+            self.state.wandb_run_id = self.logger.run_id
+        self.ledger = StepLog(self.run_dir / "ledger.jsonl")
+        self.metrics_log = StepLog(self.run_dir / METRICS_FILE, step_key="train/step")
+        if self.is_leader:
+            if cfg.train.ledger:
+                self.ledger.truncate(self.state.step)
+            self.metrics_log.truncate(self.state.step)
+        self.summary = RunSummary(self.setup.num_steps)
 
     # ---------------------------------------------------------------- lifecycle
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -243,6 +286,7 @@ class DrafterTrainer:
                 attention=self.attention,
                 static_shape=self.static_shape,
                 on_phase=self.phases.mark,
+                normalizer=1.0,
             )
 
     def _next_packet(self, step: int, i: int, packets: list[int]) -> None:
@@ -253,69 +297,100 @@ class DrafterTrainer:
             self.source.prefetch(self.topology.packets_of_step(step + 1, self.ctx.rank)[0])
 
     def train_step(self, step: int) -> dict[str, float]:
-        """Optimizer step ``step`` (0-based) over this drafter's packets; returns global metrics."""
-        cfg = self.cfg
+        """Optimizer step ``step`` (0-based) over this drafter's packets; returns global metrics.
+
+        The packets' losses are weighted sums (``normalizer=1``): their gradients are summed over
+        the step's packets and the drafters, then divided once by the global weight sum, so the
+        update follows the global token mean whatever the packing and the split."""
         t0 = time.perf_counter()
-        faults.at_step(cfg.fault, self.ctx.rank, step + 1)
+        faults.at_step(self.cfg.fault, self.ctx.rank, step + 1)
         self.optimizer.zero_grad(set_to_none=False)
+        local = self._accumulate(step)
+        if self.grads is not None:
+            self.grads.finish(self.source_timeout)
+        reduced = self._reduce(step, local, t0)
+        grad_norm, lr = self._apply_update(step, reduced.sums)
+        self._advance(step, reduced.sums, local.trained)
+        return self._metrics(reduced, t0, lr, grad_norm)
+
+    def _accumulate(self, step: int) -> _StepLocal:
+        """Receive, forward and backward this drafter's packets of the step (gradients summed)."""
         packets = self.topology.packets_of_step(step, self.ctx.rank)
-        sums = StepSums(self.setup.arch.block_size)
-        c = sums.counters
         n_targets = max(self.topology.num_targets, 1)
-        target_fwd = torch.zeros(n_targets, dtype=torch.float64)
-        target_mem = torch.zeros(n_targets, dtype=torch.float64)
-        trained: list[int] = []  # per packet: g, number of samples, their source ids
-        phases = self.phases
-        phases.start()
+        local = _StepLocal(
+            sums=StepSums(self.setup.arch.block_size),
+            target_fwd=torch.zeros(n_targets, dtype=torch.float64),
+            target_mem=torch.zeros(n_targets, dtype=torch.float64),
+        )
+        c = local.sums.counters
+        self.phases.start()
         for i, g in enumerate(packets):
             packet = self.source.recv(g)
-            phases.mark("target_forward" if self.topology.colocated else "recv_wait")
+            self.phases.mark("target_forward" if self.topology.colocated else "recv_wait")
             self.source.ack(g)
             self._next_packet(step, i, packets)
-            c["wait_s"] += self.source.last_wait_s
-            c["target_s"] += packet.forward_s
-            slot = 0 if self.topology.colocated else self.topology.producer_of(g)
-            target_fwd[slot] += packet.forward_s
-            target_mem[slot] = max(float(target_mem[slot]), packet.peak_mem_bytes / 2**30)
-            c["stop"] += float(packet.flags & 1)
-            c["nonfinite_samples"] += packet.num_skipped_nonfinite
-            ids = packet.sample_ids.tolist()
-            trained += [g, len(ids), *ids]
-            c["tokens"] += packet.num_tokens
-            c["seqs"] += packet.num_seqs
+            self._count_packet(packet, local)
             if self.grads is not None and i == len(packets) - 1:
                 self.grads.arm()  # the last backward of the step overlaps the gradient all-reduce
             if packet.num_tokens == 0:
                 continue
             out = self._forward_packet(packet)
-            numerator = out.loss * out.weight_sum.to(out.loss.dtype)
-            if faults.nan_loss(cfg.fault, step + 1):
-                numerator = numerator * float("nan")
-            if not torch.isfinite(numerator):
+            loss = out.loss
+            if faults.nan_loss(self.cfg.fault, step + 1):
+                loss = loss * float("nan")
+            if not torch.isfinite(loss):
                 c["nonfinite_loss"] += 1.0
-            numerator.backward()
-            phases.mark("backward")
-            sums.add(out)
-            costs = self._costs(packet, out)
-            c["target_flop"] += costs.target_flop
-            c["drafter_flop"] += costs.drafter_flop
-        if self.grads is not None:
-            self.grads.finish(self.source_timeout)
+            loss.backward()
+            self.phases.mark("backward")
+            local.sums.add(out)
+            local.shapes.append(self._packet_shape(packet, out))
+        return local
+
+    def _count_packet(self, packet: Packet, local: _StepLocal) -> None:
+        """The packet's header figures into the step's counters (times, memory, flags, samples)."""
+        c = local.sums.counters
+        c["wait_s"] += self.source.last_wait_s
+        c["target_s"] += packet.forward_s
+        slot = 0 if self.topology.colocated else self.topology.producer_of(packet.index)
+        local.target_fwd[slot] += packet.forward_s
+        local.target_mem[slot] = max(float(local.target_mem[slot]), packet.peak_mem_bytes / 2**30)
+        c["stop"] += float(bool(packet.flags & FLAG_STOP_REQUESTED))
+        c["nonfinite_samples"] += packet.num_skipped_nonfinite
+        ids = packet.sample_ids.tolist()
+        local.trained += [packet.index, len(ids), *ids]
+        c["tokens"] += packet.num_tokens
+        c["seqs"] += packet.num_seqs
+
+    def _reduce(self, step: int, local: _StepLocal, t0: float) -> _StepReduced:
+        """The step's sums over every drafter (one all-reduce of the sums, one of the per-target
+        forward times, one max of the peak memories) and the stop agreement."""
+        c = local.sums.counters
         c["stop"] += float(self.stop_requested)
         c["busy_s"] = (
             time.perf_counter() - t0 - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
         )
-        flat = all_reduce_sum(self.ctx, sums.flat().to(self.device)).cpu()
-        sums.load(flat)
-        target_fwd = all_reduce_sum(self.ctx, target_fwd.to(self.device)).cpu()
+        if self._logged(step + 1):  # the cost model runs for the rows that are logged, not per packet
+            for shape in local.shapes:
+                costs = self._costs(shape)
+                c["target_flop"] += costs.target_flop
+                c["drafter_flop"] += costs.drafter_flop
+        sums = local.sums
+        sums.load(all_reduce_sum(self.ctx, sums.flat().to(self.device)).cpu())
+        target_fwd = all_reduce_sum(self.ctx, local.target_fwd.to(self.device)).cpu()
         drafter_mem = torch.zeros(self.topology.num_drafters, dtype=torch.float64)
         drafter_mem[self.drafter_index] = peak_memory_gib(self.device)
-        mem = all_reduce_max(self.ctx, torch.cat([target_mem, drafter_mem]).to(self.device)).cpu()
-        target_mem, drafter_mem = mem[:n_targets], mem[n_targets:]
+        mem = all_reduce_max(self.ctx, torch.cat([local.target_mem, drafter_mem]).to(self.device)).cpu()
+        n_targets = local.target_mem.numel()
         self.stop_agreed = self.stop_agreed or sums.counters["stop"] > 0
         if sums.counters["stop"] > 0 and self.stop_signal is None:
             self.stop_signal = "a stop signal of another rank"
-        phases.mark("reduce")
+        self.phases.mark("reduce")
+        return _StepReduced(sums, target_fwd, mem[:n_targets], mem[n_targets:])
+
+    def _apply_update(self, step: int, sums: StepSums) -> tuple[float, float]:
+        """Divide the summed gradients by the global weight sum, clip, and step the optimizer unless
+        the loss or the gradient is not finite (``train.on_nonfinite``); returns (grad norm, lr)."""
+        cfg = self.cfg
         weight_sum = float(sums.objective["weight_sum"])
         scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
         for p in self.model.parameters():
@@ -339,7 +414,12 @@ class DrafterTrainer:
         else:
             self.optimizer.step()
         self.scheduler.step()
-        phases.mark("optimizer")
+        self.phases.mark("optimizer")
+        return grad_norm, lr
+
+    def _advance(self, step: int, sums: StepSums, trained: list[int]) -> None:
+        """The train state after step ``step`` (0-based), the ledger line and the replica check."""
+        cfg = self.cfg
         faults.perturb(cfg.fault, self.ctx.rank, step + 1, self.model)
         self.state.step = step + 1
         self.state.next_packet = (step + 1) * self.topology.packets_per_step
@@ -353,39 +433,45 @@ class DrafterTrainer:
             self._write_ledger(step + 1, trained)
         if cfg.train.check_replicas_every and self.state.step % cfg.train.check_replicas_every == 0:
             check_replicas(self.ctx, self.model, self.state.step)
+
+    def _metrics(self, r: _StepReduced, t0: float, lr: float, grad_norm: float) -> dict[str, float]:
+        """Every metric of the step just taken (the same on every drafter)."""
+        cfg, topo = self.cfg, self.topology
         m = step_metrics(
-            sums,
+            r.sums,
             step=self.state.step,
             step_s=time.perf_counter() - t0,
             lr=lr,
             grad_norm=grad_norm,
             loss_weights={t: getattr(cfg.loss, t) for t in TERMS},
-            num_targets=self.topology.num_targets,
-            num_drafters=self.topology.num_drafters,
-            colocated=self.topology.colocated,
+            num_targets=topo.num_targets,
+            num_drafters=topo.num_drafters,
+            colocated=topo.colocated,
         )
         if cfg.train.time_phases:
-            m.update({f"perf/phase/{name}_s": s for name, s in phases.seconds.items()})
+            m.update({f"perf/phase/{name}_s": s for name, s in self.phases.seconds.items()})
         m["train/tokens_seen"] = float(self.state.tokens_seen)
         m["train/nonfinite_steps"] = float(self.state.nonfinite_steps)
-        packets_in_step = max(self.topology.packets_per_step, 1)
-        m["perf/target_s_per_packet"] = sums.counters["target_s"] / packets_in_step
-        m["perf/drafter_s_per_packet"] = sums.counters["busy_s"] / packets_in_step
-        if not self.topology.colocated:
-            for t in range(self.topology.num_targets):
-                m[f"perf/target_{t}/forward_s"] = float(target_fwd[t])
-                m[f"mem/peak_gib/rank_{t}"] = float(target_mem[t])
-        for d, rank in enumerate(self.topology.drafter_ranks):
-            m[f"mem/peak_gib/rank_{rank}"] = float(drafter_mem[d])
+        packets_in_step = max(topo.packets_per_step, 1)
+        m["perf/target_s_per_packet"] = r.sums.counters["target_s"] / packets_in_step
+        m["perf/drafter_s_per_packet"] = r.sums.counters["busy_s"] / packets_in_step
+        if not topo.colocated:
+            for t in range(topo.num_targets):
+                m[f"perf/target_{t}/forward_s"] = float(r.target_fwd[t])
+                m[f"mem/peak_gib/rank_{t}"] = float(r.target_mem[t])
+        for d, rank in enumerate(topo.drafter_ranks):
+            m[f"mem/peak_gib/rank_{rank}"] = float(r.drafter_mem[d])
         for reason, n in sorted(self.state.skipped.items()):
             m[f"data/skipped/{reason}"] = float(n)
         return m
 
-    def _costs(self, packet: Packet, out: ObjectiveOutput) -> PacketCosts:
-        """The cost model of this packet as trained (its documents, real blocks and loss rows)."""
-        target_attn, _ = attention_kinds(self.cfg, packet.num_seqs)
-        drafter_attn: AttentionKind = "sparse" if self.attention == "flex" else "dense"
-        shape = PacketShape(
+    def _logged(self, step: int) -> bool:
+        """Step ``step`` (1-based) is a row of W&B / metrics.jsonl (every drafter agrees)."""
+        return step % self.cfg.train.log_every == 0 or step == self.setup.num_steps
+
+    def _packet_shape(self, packet: Packet, out: ObjectiveOutput) -> PacketShape:
+        """The packet as trained (its documents, real blocks and loss rows), for the cost model."""
+        return PacketShape(
             tokens=packet.num_tokens,
             num_seqs=packet.num_seqs,
             num_anchors=int(out.num_blocks),
@@ -393,6 +479,11 @@ class DrafterTrainer:
             drafter_context_tokens=self.static_shape[0] if self.static_shape else None,
             drafter_blocks=self.static_shape[1] if self.static_shape else None,
         )
+
+    def _costs(self, shape: PacketShape) -> PacketCosts:
+        """The planner's cost model of one trained packet."""
+        target_attn, _ = attention_kinds(self.cfg, shape.num_seqs)
+        drafter_attn: AttentionKind = "sparse" if self.attention == "flex" else "dense"
         return packet_costs(
             self.target_shape,
             self.setup.arch,
