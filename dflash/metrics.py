@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 STEP_KEY = "train/step"
 RUN_ID_FILE = "wandb_run_id"
-MODES = ("online", "offline", "disabled")
 SUMMARY_METRICS: dict[str, str] = {
     "train/loss": "min,last",
     "train/tau_hat": "max,last",
@@ -83,7 +82,10 @@ class NullLogger:
 
 
 def _wandb_settings(wandb: Any) -> Any:
-    """Settings that keep secrets, argv and the environment out of every W&B file (wandb 0.31).
+    """Settings that keep secrets, argv and the environment out of every W&B file.
+
+    Checked on the wandb version pyproject.toml pins (0.31.x: the secrets test reads every file a
+    run writes); ``x_disable_meta`` is an experimental setting, hence the pin.
 
     ``x_disable_meta`` stops wandb-core from collecting the metadata record. That record holds
     argv, program path, executable, host, OS, git remote/commit, cwd and hardware; without this
@@ -133,12 +135,7 @@ class WandbLogger:
         run_name: str,
         resume_id: str | None = None,
     ) -> None:
-        if cfg.mode not in MODES:
-            raise ValueError(
-                f"logging.mode={cfg.mode!r} is not one of {', '.join(MODES)}; "
-                "set logging.mode=offline (or online, disabled)"
-            )
-        import wandb  # lazy: importing wandb takes about a second
+        import wandb  # lazy: most processes never log
 
         self.mode = cfg.mode
         self.run_dir = Path(run_dir)
@@ -212,7 +209,8 @@ def _flush_wandb_service() -> None:
     is told that the run is finished (fire and forget) and flushes the file later. In pytest, a
     read right after ``finish()`` found only the 7-byte header. ``wandb.teardown()`` waits for
     the service process to exit. It runs only when no other run of this process is active,
-    because teardown would finish those too.
+    because teardown would finish those too (read from ``wandb_setup``'s private state: the pinned
+    wandb 0.31.x has no public way to list active runs).
     """
     import wandb
 
@@ -236,11 +234,6 @@ def build_logger(
     resume_id: str | None = None,
 ) -> MetricLogger:
     """A WandbLogger on the drafter leader (unless ``logging.mode=disabled``), else a NullLogger."""
-    if cfg.mode not in MODES:
-        raise ValueError(
-            f"logging.mode={cfg.mode!r} is not one of {', '.join(MODES)}; "
-            "set logging.mode=offline (or online, disabled)"
-        )
     if not is_leader or cfg.mode == "disabled":
         return NullLogger()
     return WandbLogger(cfg, Path(run_dir), config, run_name, resume_id=resume_id)

@@ -12,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import (
     DEFAULT_NUM_TAPS,
-    DRAFTER_LAYER_TYPES,
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     Config,
@@ -27,43 +25,24 @@ from dflash.config import (
 )
 from dflash.config.resolve import device_kind, drafter_attention
 
-_CHOICES = {
-    "topology.backend": ("auto", "nccl", "gloo"),
-    "topology.device": ("auto", "cpu", "cuda"),
-    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "drafter.dtype": ("auto", "float32", "bfloat16"),
-    "drafter.attention": ("auto", "sdpa", "flex"),
-    "data.overlong": ("truncate", "skip"),
-    "train.on_nonfinite": ("error", "skip"),
-    "logging.mode": ("online", "offline", "disabled"),
-}
 
+class _Problems(list[str]):
+    """Problem messages; ``need(cond, msg)`` adds ``msg`` unless ``cond`` holds."""
 
-def _get(cfg: Config, dotted: str) -> Any:
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def config_problems(cfg: Config, world_size: int) -> list[str]:
-    """Every problem that the config alone shows (no model, no file read); empty when valid."""
-    p: list[str] = []
-
-    def need(cond: bool, msg: str) -> None:
+    def need(self, cond: bool, msg: str) -> None:
         if not cond:
-            p.append(msg)
+            self.append(msg)
 
-    for key, allowed in _CHOICES.items():
-        val = _get(cfg, key)
-        need(val in allowed, f"{key}={val!r} is not one of {list(allowed)}; set {key}=<one of them>")
+
+def _topology_problems(cfg: Config, world_size: int, p: _Problems) -> None:
+    """The rank layout: co-located, drafter nodes, or N targets + M drafters for the launch."""
     t = cfg.topology
     if t.colocated:
-        need(
+        p.need(
             t.num_targets == 0,
             f"topology.colocated=true runs the target on every rank: set topology.num_targets=0 (got {t.num_targets})",
         )
-        need(
+        p.need(
             t.num_drafters is None or t.num_drafters == world_size,
             f"topology.colocated=true makes every rank a drafter: set topology.num_drafters=null "
             f"(got {t.num_drafters}, WORLD_SIZE={world_size})",
@@ -71,11 +50,11 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
     elif t.drafter_nodes is not None:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         nodes = world_size // max(per_node, 1)
-        need(
+        p.need(
             t.num_drafters is None,
             f"topology.drafter_nodes={t.drafter_nodes} sets the number of drafters: set topology.num_drafters=null",
         )
-        need(
+        p.need(
             1 <= t.drafter_nodes < nodes and world_size % per_node == 0,
             f"topology.drafter_nodes={t.drafter_nodes} needs at least one node of targets before it, but the launch "
             f"has {nodes} node(s) of LOCAL_WORLD_SIZE={per_node} (WORLD_SIZE={world_size}); set "
@@ -83,14 +62,14 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
             f"topology.drafter_nodes=null",
         )
     else:
-        need(
+        p.need(
             t.num_targets >= 1,
             f"topology.num_targets={t.num_targets}: need at least 1 target; set topology.num_targets=1 or more, "
             f"or topology=colocated (target and drafter on every rank)",
         )
         drafters = t.num_drafters if t.num_drafters is not None else world_size - t.num_targets
         if t.num_drafters is not None:
-            need(drafters >= 1, f"topology.num_drafters={t.num_drafters}: need at least 1 drafter")
+            p.need(drafters >= 1, f"topology.num_drafters={t.num_drafters}: need at least 1 drafter")
         ranks = t.num_targets + drafters
         if world_size != ranks or drafters < 1:
             fix = f"launch with torchrun --nproc_per_node {max(ranks, t.num_targets + 1)}"
@@ -100,154 +79,187 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
                 f"topology.num_targets={t.num_targets} + topology.num_drafters={t.num_drafters} = {ranks} ranks but "
                 f"the launch has WORLD_SIZE={world_size}; {fix}, or topology=colocated (any world size)"
             )
-    need(t.max_in_flight >= 1, f"topology.max_in_flight={t.max_in_flight}: must be >= 1")
-    need(
+    p.need(t.max_in_flight >= 1, f"topology.max_in_flight={t.max_in_flight}: must be >= 1")
+    p.need(
         t.init_timeout_s > 0 and t.step_timeout_s > 0,
         "topology.init_timeout_s and topology.step_timeout_s must be > 0",
     )
+
+
+def _target_problems(cfg: Config, p: _Problems) -> None:
+    """Tap ids and the remote-code pin."""
     tg = cfg.target
     if tg.layer_ids is not None:
-        need(
+        p.need(
             len(tg.layer_ids) > 0,
             "target.layer_ids=[] is empty; list at least one tapped layer or set target.layer_ids=null",
         )
-        need(
+        p.need(
             min(tg.layer_ids, default=0) >= 0,
             f"target.layer_ids={tg.layer_ids} has a negative id; tap ids are decoder layer indices >= 0",
         )
-        need(
+        p.need(
             len(set(tg.layer_ids)) == len(tg.layer_ids),
             f"target.layer_ids={tg.layer_ids} has duplicates; list each tapped layer once",
         )
         if tg.num_taps is not None:
-            need(
+            p.need(
                 tg.num_taps == len(tg.layer_ids),
                 f"target.num_taps={tg.num_taps} but target.layer_ids lists "
                 f"{len(tg.layer_ids)} layers; set target.num_taps=null (it only matters without layer_ids)",
             )
     elif tg.num_taps is not None:
-        need(
+        p.need(
             tg.num_taps >= 1, f"target.num_taps={tg.num_taps}: must be >= 1 (or null for {DEFAULT_NUM_TAPS})"
         )
     if tg.trust_remote_code:
         rev = tg.revision or ""
-        need(
+        p.need(
             len(rev) == 40 and all(c in "0123456789abcdef" for c in rev.lower()),
             f"target.trust_remote_code=true needs target.revision=<40-hex commit hash> (got {tg.revision!r}) so the code that runs is pinned",
         )
+
+
+def _drafter_problems(cfg: Config, p: _Problems) -> None:
+    """Drafter shape, anchors (a static cap with flex) and the layer layout."""
     d = cfg.drafter
-    need(d.num_layers >= 1, f"drafter.num_layers={d.num_layers}: must be >= 1")
-    need(d.block_size >= 2, f"drafter.block_size={d.block_size}: must be >= 2 (slot 0 is the given token)")
-    need(
+    p.need(d.num_layers >= 1, f"drafter.num_layers={d.num_layers}: must be >= 1")
+    p.need(d.block_size >= 2, f"drafter.block_size={d.block_size}: must be >= 2 (slot 0 is the given token)")
+    p.need(
         d.block_size < cfg.data.max_length,
         f"drafter.block_size={d.block_size} is not below data.max_length={cfg.data.max_length}: a block predicts "
         f"block_size - 1 tokens of one sample; use a block size like the public 16",
     )
-    need(d.num_anchors >= 1, f"drafter.num_anchors={d.num_anchors}: must be >= 1")
+    p.need(d.num_anchors >= 1, f"drafter.num_anchors={d.num_anchors}: must be >= 1")
     if d.max_anchors_per_packet is not None:
-        need(
+        p.need(
             d.max_anchors_per_packet >= 1,
             f"drafter.max_anchors_per_packet={d.max_anchors_per_packet}: must be >= 1 or null",
         )
-    elif t.device in ("auto", "cpu", "cuda") and d.attention in ("auto", "sdpa", "flex"):
-        if drafter_attention(d.attention, device_kind(t.device)) == "flex":
-            p.append(
-                f"drafter.max_anchors_per_packet=null with flex attention (drafter.attention={d.attention} on "
-                f"topology.device={t.device}, here {device_kind(t.device)}): packets are padded to a static number "
-                "of blocks so flex_attention compiles once; set drafter.max_anchors_per_packet (e.g. 2048)"
-            )
+    elif drafter_attention(d.attention, device_kind(cfg.topology.device)) == "flex":
+        p.append(
+            f"drafter.max_anchors_per_packet=null with flex attention (drafter.attention={d.attention} on "
+            f"topology.device={cfg.topology.device}, here {device_kind(cfg.topology.device)}): packets are padded to a static number "
+            "of blocks so flex_attention compiles once; set drafter.max_anchors_per_packet (e.g. 2048)"
+        )
     if d.mask_token_id is not None:
-        need(d.mask_token_id >= 0, f"drafter.mask_token_id={d.mask_token_id}: must be >= 0 or null")
-    p += layout_problems(d)
+        p.need(d.mask_token_id >= 0, f"drafter.mask_token_id={d.mask_token_id}: must be >= 0 or null")
+    p.extend(layout_problems(d))
+
+
+def _data_problems(cfg: Config, p: _Problems) -> None:
+    """Lengths, budgets, epochs and counts of ``data``."""
     dt = cfg.data
-    need(dt.max_length >= 2, f"data.max_length={dt.max_length}: must be >= 2")
-    need(
+    p.need(dt.max_length >= 2, f"data.max_length={dt.max_length}: must be >= 2")
+    p.need(
         dt.token_budget >= dt.max_length,
         f"data.token_budget={dt.token_budget} < data.max_length={dt.max_length}: a packet must hold the longest sample; "
         f"set data.token_budget={dt.max_length} or more",
     )
-    need(dt.num_epochs >= 1, f"data.num_epochs={dt.num_epochs}: must be >= 1")
-    need(
+    p.need(dt.num_epochs >= 1, f"data.num_epochs={dt.num_epochs}: must be >= 1")
+    p.need(
         0.0 <= dt.max_skip_fraction <= 1.0,
         f"data.max_skip_fraction={dt.max_skip_fraction}: must be in [0, 1]",
     )
     if dt.num_samples is not None:
-        need(dt.num_samples >= 1, f"data.num_samples={dt.num_samples}: must be >= 1 or null")
+        p.need(dt.num_samples >= 1, f"data.num_samples={dt.num_samples}: must be >= 1 or null")
     if dt.num_eval_prompts is not None:
-        need(dt.num_eval_prompts >= 0, f"data.num_eval_prompts={dt.num_eval_prompts}: must be >= 0 or null")
+        p.need(dt.num_eval_prompts >= 0, f"data.num_eval_prompts={dt.num_eval_prompts}: must be >= 0 or null")
     if dt.max_record_chars is not None:
-        need(
+        p.need(
             dt.max_record_chars >= 1,
             f"data.max_record_chars={dt.max_record_chars}: must be >= 1 or null (32 x data.max_length)",
         )
-    need(dt.num_workers >= 1, f"data.num_workers={dt.num_workers}: must be >= 1")
+    p.need(dt.num_workers >= 1, f"data.num_workers={dt.num_workers}: must be >= 1")
+
+
+def _loss_problems(cfg: Config, p: _Problems) -> None:
+    """Loss coefficients, temperature, decay and the chunk settings."""
     lo = cfg.loss
-    need(
+    p.need(
         min(lo.ce, lo.kl, lo.verifier_ce) >= 0,
         f"loss.ce/kl/verifier_ce = {lo.ce}/{lo.kl}/{lo.verifier_ce}: must be >= 0",
     )
-    need(
+    p.need(
         lo.ce + lo.kl + lo.verifier_ce > 0,
         "loss.ce, loss.kl and loss.verifier_ce are all 0: nothing to train; set loss.ce=1.0",
     )
-    need(lo.temperature > 0, f"loss.temperature={lo.temperature}: must be > 0")
-    need(lo.gamma > 0, f"loss.gamma={lo.gamma}: must be > 0")
+    p.need(lo.temperature > 0, f"loss.temperature={lo.temperature}: must be > 0")
+    p.need(lo.gamma > 0, f"loss.gamma={lo.gamma}: must be > 0")
     if lo.chunk_size is not None:
-        need(
+        p.need(
             lo.chunk_size >= 1,
             f"loss.chunk_size={lo.chunk_size}: must be >= 1 or null (from loss.mem_budget_gib)",
         )
-    need(lo.mem_budget_gib > 0, f"loss.mem_budget_gib={lo.mem_budget_gib}: must be > 0")
+    p.need(lo.mem_budget_gib > 0, f"loss.mem_budget_gib={lo.mem_budget_gib}: must be > 0")
+
+
+def _optim_and_train_problems(cfg: Config, p: _Problems) -> None:
+    """Optimizer and training-loop settings."""
     o = cfg.optim
-    need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
-    need(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
-    need(0.0 <= o.warmup_ratio < 1.0, f"optim.warmup_ratio={o.warmup_ratio}: must be in [0, 1)")
-    need(o.max_grad_norm > 0, f"optim.max_grad_norm={o.max_grad_norm}: must be > 0")
-    need(o.grad_accum_steps >= 1, f"optim.grad_accum_steps={o.grad_accum_steps}: must be >= 1")
+    p.need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
+    p.need(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+    p.need(0.0 <= o.warmup_ratio < 1.0, f"optim.warmup_ratio={o.warmup_ratio}: must be in [0, 1)")
+    p.need(o.max_grad_norm > 0, f"optim.max_grad_norm={o.max_grad_norm}: must be > 0")
+    p.need(o.grad_accum_steps >= 1, f"optim.grad_accum_steps={o.grad_accum_steps}: must be >= 1")
     tr = cfg.train
     if tr.max_steps is not None:
-        need(tr.max_steps >= 1, f"train.max_steps={tr.max_steps}: must be >= 1 or null (whole data plan)")
-    need(tr.save_every >= 1, f"train.save_every={tr.save_every}: must be >= 1")
-    need(
+        p.need(tr.max_steps >= 1, f"train.max_steps={tr.max_steps}: must be >= 1 or null (whole data plan)")
+    p.need(tr.save_every >= 1, f"train.save_every={tr.save_every}: must be >= 1")
+    p.need(
         tr.keep_checkpoints >= 2,
         f"train.keep_checkpoints={tr.keep_checkpoints}: keep at least 2 so a damaged newest one has a fallback",
     )
-    need(tr.log_every >= 1, f"train.log_every={tr.log_every}: must be >= 1")
+    p.need(tr.log_every >= 1, f"train.log_every={tr.log_every}: must be >= 1")
     if tr.stop_after_steps is not None:
-        need(
+        p.need(
             tr.stop_after_steps >= 1,
             f"train.stop_after_steps={tr.stop_after_steps}: must be >= 1 (a step to stop after) or null",
         )
+
+
+def _eval_problems(cfg: Config, p: _Problems) -> None:
+    """The periodic eval and the held-out conversations it needs."""
     ev = cfg.eval
-    need(ev.every >= 0, f"eval.every={ev.every}: must be >= 0 (0 = off)")
+    p.need(ev.every >= 0, f"eval.every={ev.every}: must be >= 0 (0 = off)")
     if ev.every > 0:
-        need(
+        p.need(
             ev.num_prompts >= 1,
             f"eval.num_prompts={ev.num_prompts}: must be >= 1, or set eval.every=0 (no eval)",
         )
-        need(
+        p.need(
             ev.max_new_tokens >= 1,
             f"eval.max_new_tokens={ev.max_new_tokens}: must be >= 1, or set eval.every=0 (no eval)",
         )
-        if dt.num_eval_prompts is not None and ev.num_prompts >= 1:
-            need(
-                dt.num_eval_prompts >= 1,
+        held_out = cfg.data.num_eval_prompts
+        if held_out is not None and ev.num_prompts >= 1:
+            p.need(
+                held_out >= 1,
                 f"eval.every={ev.every} but data.num_eval_prompts=0 holds out no conversation to evaluate on; "
                 f"set data.num_eval_prompts={ev.num_prompts} (or null: as many as eval.num_prompts), or eval.every=0",
             )
-    return p
+
+
+def config_problems(cfg: Config, world_size: int) -> list[str]:
+    """Every problem that the config alone shows (no model, no file read); empty when valid."""
+    p = _Problems()
+    _topology_problems(cfg, world_size, p)
+    _target_problems(cfg, p)
+    _drafter_problems(cfg, p)
+    _data_problems(cfg, p)
+    _loss_problems(cfg, p)
+    _optim_and_train_problems(cfg, p)
+    _eval_problems(cfg, p)
+    return list(p)
 
 
 def layout_problems(d: DrafterConfig) -> list[str]:
     """Problems of ``drafter.layer_types`` / ``sliding_window`` / ``partial_rotary_factor`` alone."""
     p: list[str] = []
-    types = list(d.layer_types) if d.layer_types is not None else None
+    types = [str(t) for t in d.layer_types] if d.layer_types is not None else None
     if types is None and d.init_from is None:
         types = [FULL_ATTENTION] * d.num_layers
     if types is not None:
-        bad = sorted({t for t in types if t not in DRAFTER_LAYER_TYPES})
-        if bad:
-            p.append(f"drafter.layer_types has {bad}; each entry must be one of {list(DRAFTER_LAYER_TYPES)}")
         if len(types) != d.num_layers:
             p.append(
                 f"drafter.layer_types lists {len(types)} layers but drafter.num_layers={d.num_layers}; "

@@ -12,6 +12,7 @@ import signal
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -57,6 +58,63 @@ RESOLVED_CONTRACT_KEYS = (
 """Contract entries that ``dflash.train.setup.prepare`` resolves (beside the CONTRACT-tagged raw values)."""
 
 
+# ----------------------------------------------------------------------------------------------
+# Choices. A ``StrEnum`` field takes one of its members' names in YAML and on the command line; any
+# other value fails when Hydra composes the config. Members compare equal to their strings.
+
+
+class Backend(StrEnum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class TargetDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class DrafterDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Attention(StrEnum):
+    auto = "auto"
+    sdpa = "sdpa"
+    flex = "flex"
+
+
+class Overlong(StrEnum):
+    truncate = "truncate"
+    skip = "skip"
+
+
+class OnNonfinite(StrEnum):
+    error = "error"
+    skip = "skip"
+
+
+class LoggingMode(StrEnum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class LayerType(StrEnum):
+    full_attention = "full_attention"
+    sliding_attention = "sliding_attention"
+
+
 @dataclass
 class TopologyConfig:
     # Which rank makes a packet does not change what is trained: only how many packets an optimizer
@@ -73,9 +131,9 @@ class TopologyConfig:
     colocated: bool = field(default=False, metadata=FREE)
     """Every rank holds the target and a drafter replica and makes its own packets (no send/recv):
     one GPU, small hosts. Needs num_targets=0; num_drafters=null (the world) or WORLD_SIZE."""
-    backend: str = field(default="auto", metadata=FREE)
+    backend: Backend = field(default=Backend.auto, metadata=FREE)
     """auto (nccl when CUDA is available, else gloo), nccl or gloo."""
-    device: str = field(default="auto", metadata=FREE)
+    device: Device = field(default=Device.auto, metadata=FREE)
     """auto, cpu or cuda."""
     init_timeout_s: float = field(default=600.0, metadata=FREE)
     """Process-group timeout until the first step ends (model loading is slow)."""
@@ -144,7 +202,7 @@ class TargetConfig:
     """Local directory or hub id of the target checkpoint (or the build dir of a tiny target)."""
     tiny: TinyTargetConfig | None = field(default=None, metadata=CONTRACT)
     """When set, the target (and its tokenizer) is built offline at ``path`` if missing."""
-    dtype: str = field(default="auto", metadata=CONTRACT)
+    dtype: TargetDtype = field(default=TargetDtype.auto, metadata=CONTRACT)
     """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16: the hidden states' dtype."""
     layer_ids: list[int] | None = field(default=None, metadata=derived("target.layer_ids"))
     """Tapped decoder layers (tap l = output of layer l); None = round(1 + i*(L-4)/(n-1))."""
@@ -166,9 +224,9 @@ class TargetConfig:
 
 
 DEFAULT_NUM_TAPS = 5
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-DRAFTER_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+FULL_ATTENTION: str = LayerType.full_attention.value
+SLIDING_ATTENTION: str = LayerType.sliding_attention.value
+DRAFTER_LAYER_TYPES: tuple[str, ...] = tuple(t.value for t in LayerType)
 """Attention kinds of a drafter layer; the names are those of ``layer_types`` in the exported config."""
 
 
@@ -190,7 +248,7 @@ class DrafterConfig:
     """None = the target's attention heads (likewise num_kv_heads, head_dim)."""
     num_kv_heads: int | None = field(default=None, metadata=derived("drafter.arch"))
     head_dim: int | None = field(default=None, metadata=derived("drafter.arch"))
-    layer_types: list[str] | None = field(default=None, metadata=derived("drafter.arch"))
+    layer_types: list[LayerType] | None = field(default=None, metadata=derived("drafter.arch"))
     """Per layer 'full_attention' or 'sliding_attention' (num_layers entries); None = those of the
     drafter.init_from checkpoint, else all full. See dflash/drafter/blocks.py for what each one sees."""
     sliding_window: int | None = field(default=None, metadata=derived("drafter.arch"))
@@ -200,9 +258,9 @@ class DrafterConfig:
     partial_rotary_factor: float | None = field(default=None, metadata=derived("drafter.arch"))
     """Share of each head's dims that RoPE rotates; None = the drafter.init_from checkpoint's, else the
     target's. SGLang's DFlash model rotates the whole head whatever the config says: 1.0 to serve there."""
-    attention: str = field(default="auto", metadata=FREE)
+    attention: Attention = field(default=Attention.auto, metadata=FREE)
     """auto (flex on CUDA, sdpa on CPU), flex or sdpa: the same function, two kernels."""
-    dtype: str = field(default="auto", metadata=FREE)
+    dtype: DrafterDtype = field(default=DrafterDtype.auto, metadata=FREE)
     """Compute dtype of the drafter: auto (bfloat16 autocast on GPU, float32 on CPU)."""
     init_from: str | None = field(default=None, metadata=FREE)
     """An exported drafter directory (public DFlash layout) to warm-start from (used at step 0 only)."""
@@ -216,7 +274,9 @@ class DataConfig:
     """JSONL with {"messages": [...]}, a datasets-loadable path, or 'embedded' (built offline)."""
     split: str = field(default="train", metadata=data_field(derived("data.fingerprint"), True))
     max_length: int = field(default=2048, metadata=data_field(derived("data.fingerprint"), True))
-    overlong: str = field(default="truncate", metadata=data_field(derived("data.fingerprint"), True))
+    overlong: Overlong = field(
+        default=Overlong.truncate, metadata=data_field(derived("data.fingerprint"), True)
+    )
     """truncate or skip samples longer than max_length."""
     token_budget: int = field(default=16384, metadata=data_field(derived("data.plan"), False))
     """Tokens per packet (sum of the packed sequence lengths)."""
@@ -301,7 +361,7 @@ class TrainConfig:
     resume: str = field(default="auto", metadata=FREE)
     """auto (newest complete checkpoint of the run dir, if any), never, or a checkpoint path."""
     allow_contract_change: bool = field(default=False, metadata=FREE)
-    on_nonfinite: str = field(default="error", metadata=FREE)
+    on_nonfinite: OnNonfinite = field(default=OnNonfinite.error, metadata=FREE)
     """error (stop naming step and rank) or skip (drop the step and count it)."""
     stop_after_steps: int | None = field(default=None, metadata=FREE)
     """Stop (with a checkpoint) after this step as if preempted; for tests and staged runs."""
@@ -331,7 +391,7 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    mode: str = field(default="offline", metadata=FREE)
+    mode: LoggingMode = field(default=LoggingMode.offline, metadata=FREE)
     """online, offline or disabled (W&B)."""
     project: str = field(default="dflash", metadata=FREE)
     entity: str | None = field(default=None, metadata=FREE)
@@ -501,7 +561,7 @@ step boundary, with a checkpoint."""
 
 def plain_dict(cfg: DictConfig) -> dict[str, Any]:
     """A composed config as plain Python containers, interpolations resolved (for W&B and files)."""
-    out = OmegaConf.to_container(cfg, resolve=True)
+    out = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     assert isinstance(out, dict)
     return {str(k): v for k, v in out.items()}
 

@@ -178,7 +178,7 @@ def build_arch(
     rope, target_partial = rope_from_config(meta.text_config)
     src = saved if saved is not None and saved.num_layers == d.num_layers else None
     if d.layer_types is not None:
-        layer_types = list(d.layer_types)
+        layer_types = [str(t) for t in d.layer_types]
     else:
         layer_types = list(src.layer_types) if src else [FULL_ATTENTION] * d.num_layers
     window = d.sliding_window

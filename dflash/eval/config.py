@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from dflash.config import ChatTemplateConfig, LoggingConfig, PathsConfig, TargetConfig
+from dflash.config import ChatTemplateConfig, Device, LoggingConfig, PathsConfig, TargetConfig
 
 SCHEMA_NAME = "dflash_eval_schema"
 
@@ -35,7 +35,7 @@ class EvalAppConfig:
     """Also run block size 1: needed for speedup, TPOT(AR) and the lossless check."""
     warmup: bool = True
     """One short untimed generation of each kind before timing."""
-    device: str = "auto"
+    device: Device = Device.auto
     """auto (cuda when available, else cpu), cpu or cuda."""
     data: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)
     """``data.chat_template_kwargs``: how prompts are rendered (e.g. {enable_thinking: false} for Qwen3, as in

@@ -81,6 +81,25 @@ def test_typos_and_wrong_types_fail_at_compose_time():
         _compose(["train.max_steps=lots"])
 
 
+@pytest.mark.parametrize(
+    "override,allowed",
+    [
+        ("logging.mode=loud", "[online, offline, disabled]"),
+        ("drafter.attention=fast", "[auto, sdpa, flex]"),
+        ("topology.backend=mpi", "[auto, nccl, gloo]"),
+        ("target.dtype=fp8", "[auto, float32, bfloat16, float16]"),
+        ("drafter.layer_types=[sliding,full_attention]", "[full_attention, sliding_attention]"),
+        ("train.on_nonfinite=ignore", "[error, skip]"),
+        ("data.overlong=cut", "[truncate, skip]"),
+    ],
+)
+def test_a_bad_choice_fails_at_compose_time_naming_the_choices(override, allowed):
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose([override])
+    cause = str(err.value.__cause__)
+    assert override in str(err.value) and allowed in cause and override.split("=")[0] in cause
+
+
 BAD = [
     (["topology.num_targets=3"], 3, "WORLD_SIZE=3", "--nproc_per_node 4"),
     (["target.layer_ids=[]"], 3, "target.layer_ids", "at least one"),
@@ -92,7 +111,6 @@ BAD = [
     (["train.save_every=0"], 3, "train.save_every", ">= 1"),
     (["loss.ce=0", "loss.kl=0", "loss.verifier_ce=0"], 3, "loss.ce", "loss.ce=1.0"),
     (["loss.temperature=0"], 3, "loss.temperature", "> 0"),
-    (["logging.mode=loud"], 3, "logging.mode", "one of"),
     (["drafter.mask_token_id=-1"], 3, "drafter.mask_token_id", ">= 0"),
     (["target.trust_remote_code=true"], 3, "target.revision", "40-hex"),
     (["train.keep_checkpoints=1"], 3, "train.keep_checkpoints", "at least 2"),
@@ -114,7 +132,6 @@ BAD = [
         "drafter.layer_types lists 1 layers",
         "one entry per layer",
     ),
-    (["drafter.layer_types=[sliding,full_attention]"], 3, "drafter.layer_types has ['sliding']", "one of"),
     (
         ["drafter.layer_types=[sliding_attention,full_attention]"],
         3,

@@ -101,11 +101,6 @@ def test_disabled_and_non_leader_write_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bad_mode_is_a_config_error(tmp_path):
-    with pytest.raises(ValueError, match="logging.mode"):
-        build_logger(LoggingConfig(mode="ofline"), is_leader=True, run_dir=tmp_path, config={}, run_name="x")
-
-
 def test_api_key_and_argv_never_written(tmp_path, monkeypatch):
     key = "SENTINELKEY" + "0123456789abcdef" * 2 + "zz"  # 45 chars, like a real key
     argv_secret = "ARGVSENTINEL" + "42" * 8
