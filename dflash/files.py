@@ -200,15 +200,37 @@ def drop_torn_tail(path: str | os.PathLike[str]) -> int:
     return size - keep
 
 
+class LockHeld(BlockingIOError):
+    """A non-blocking ``file_lock`` found the lock taken; ``holder`` is what its holder wrote."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is locked by {holder}")
+        self.path, self.holder = path, holder
+
+
 @contextmanager
-def file_lock(path: str | os.PathLike[str], *, blocking: bool = True) -> Iterator[None]:
-    """Exclusive inter-process lock on ``path`` (created if missing); blocks until it is free, or
-    with ``blocking=False`` raises ``BlockingIOError`` when another process holds it."""
+def file_lock(
+    path: str | os.PathLike[str], *, blocking: bool = True, holder: str | None = None
+) -> Iterator[None]:
+    """Exclusive inter-process ``flock`` on ``path`` (created if missing, never through a symbolic
+    link: ``O_NOFOLLOW``). Blocks until it is free, or with ``blocking=False`` raises ``LockHeld``
+    (a ``BlockingIOError``) carrying the holder's note. ``holder``: a note (who holds it) written
+    into the file while the lock is held. The kernel releases the lock when the process dies."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "r+") as fh:
         try:
+            fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise LockHeld(path, fh.read().strip() or "unknown") from None
+        try:
+            if holder is not None:
+                fh.seek(0)
+                fh.truncate()
+                fh.write(holder)
+                fh.flush()
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)

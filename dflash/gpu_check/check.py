@@ -1,4 +1,4 @@
-"""The check's orchestrator: detects the device, plans the time budgets, runs parts a-d (one method
+"""The check's orchestrator: detects the device, plans the time budgets, runs parts kernels, loss, colocated and split (one method
 each, a crash or hang in one reported while the others still run) and writes the JSON summary."""
 
 from __future__ import annotations
@@ -62,22 +62,22 @@ class Check:
         """The steps that will run (in order) and the total time they get."""
         b = self.profile.budgets
         steps = []
-        if "a" in self.parts:
-            steps.append("a")
-        if "b" in self.parts:
-            steps.append("b")
-        if {"c", "d"} & set(self.parts):
+        if "kernels" in self.parts:
+            steps.append("kernels")
+        if "loss" in self.parts:
+            steps.append("loss")
+        if {"colocated", "split"} & set(self.parts):
             steps.append("setup")
-        if "c" in self.parts:
-            steps += ["c_probe", "c"]
-        if "d" in self.parts and self.multi_gpu:
-            steps.append("d")
+        if "colocated" in self.parts:
+            steps += ["target_probe", "colocated"]
+        if "split" in self.parts and self.multi_gpu:
+            steps.append("split")
         self.plan = steps
         self.total_s = self.args.total_budget or sum(b[s] for s in steps)
 
     @property
     def multi_gpu(self) -> bool:
-        """Whether part d can run: 2+ GPUs, or a dry run (gloo on CPU)."""
+        """Whether part split can run: 2+ GPUs, or a dry run (gloo on CPU)."""
         return self.dry or self.device.get("count", 0) >= 2
 
     def timeout(self, step: str) -> float:
@@ -110,7 +110,7 @@ class Check:
             )
             try:
                 d["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
-            except Exception:  # a build without NCCL: part d will say so
+            except Exception:  # a build without NCCL: part split will say so
                 pass
         self.device = d
         if not self.dry and not d["cuda"]:
@@ -124,11 +124,11 @@ class Check:
             None if self.dry else d.get("name"), self.args.gpu or ("h200" if self.dry else None)
         )
 
-    # ------------------------------------------------------------- part a
-    def part_a(self) -> dict[str, Any]:
+    # ------------------------------------------------------------- part kernels
+    def part_kernels(self) -> dict[str, Any]:
         """``pytest -m gpu tests/gpu``: counts and status (every test skipped on CPU is not a failure)."""
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/gpu"]
-        proc = self.run("a", cmd)
+        proc = self.run("kernels", cmd)
         counts = pytest_counts(proc.stdout)
         res: dict[str, Any] = {"counts": counts, "seconds": round(proc.seconds, 1)}
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
@@ -151,12 +151,12 @@ class Check:
             return {**res, "status": "failed", "note": "no test collected", "tail": proc.tail()}
         return {**res, "status": "skipped", "note": "no CUDA: every test skipped (expected on CPU)"}
 
-    # ------------------------------------------------------------- part b
-    def part_b(self) -> dict[str, Any]:
+    # ------------------------------------------------------------- part loss
+    def part_loss(self) -> dict[str, Any]:
         """``scripts/bench_loss.py`` at the profile's sizes: its cases against the GPU's bf16 peak."""
-        per_case = max(30.0, self.profile.budgets["b"] / 2)
+        per_case = max(30.0, self.profile.budgets["loss"] / 2)
         cmd = [sys.executable, "scripts/bench_loss.py", *self.profile.bench, "--timeout", str(per_case)]
-        proc = self.run("b", cmd)
+        proc = self.run("loss", cmd)
         recs = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if not recs:  # killed at the budget: the cases finished so far (without the ratios)
             for ln in proc.stderr.splitlines():
@@ -170,9 +170,9 @@ class Check:
             return {**res, "status": "failed", "tail": proc.tail()}
         return res
 
-    # ------------------------------------------------------------- parts c and d
+    # ------------------------------------------------------------- the colocated and split parts
     def base_overrides(self, inputs: Inputs) -> list[str]:
-        """The training overrides of parts c and d before their topology and step count."""
+        """The training overrides of the colocated and split parts before their topology and step count."""
         return [
             f"experiment={EXPERIMENT}",
             f"target.path={inputs.target_dir}",
@@ -189,7 +189,7 @@ class Check:
         ]
 
     def setup(self) -> Inputs:
-        """The target directory and the chat data, shared by parts c and d (in-process)."""
+        """The target directory and the chat data, shared by the colocated and split parts (in-process)."""
         t0 = time.perf_counter()
         target_dir, data_path = self.work / "target", self.work / "chat.jsonl"
         shape, how = write_target_dir(target_dir, self.profile)
@@ -220,8 +220,8 @@ class Check:
         }
         return Inputs(target_dir, data_path, num_samples, shape, vocab_used)
 
-    def part_c_probe(self, inputs: Inputs) -> dict[str, Any]:
-        """The target probe on one packet of part c's config (in this process in a dry run, else
+    def part_target_probe(self, inputs: Inputs) -> dict[str, Any]:
+        """The target probe on one packet of part colocated's config (in this process in a dry run, else
         ``scripts/gpu_check.py --probe-target``), beside the planner's activations; it fails when the
         headless forward makes a vocabulary-sized tensor or ``model(...)`` makes none."""
         overrides = [*self.base_overrides(inputs), "topology=colocated"]
@@ -234,7 +234,7 @@ class Check:
             res = json.loads(json.dumps(probe_target(spec)))
         else:
             entry = REPO / "scripts" / "gpu_check.py"
-            proc = self.run("c_probe", [sys.executable, str(entry), "--probe-target", json.dumps(spec)])
+            proc = self.run("target_probe", [sys.executable, str(entry), "--probe-target", json.dumps(spec)])
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.rc != 0 or not lines:
                 status = "timeout" if proc.timed_out else "failed"
@@ -253,9 +253,9 @@ class Check:
         return res
 
     def train_part(self, part: str, inputs: Inputs) -> dict[str, Any]:
-        """A torchrun training run of part c (co-located, 1 rank) or d (1 target + 1 drafter): its
+        """A torchrun training run of part colocated (co-located, 1 rank) or d (1 target + 1 drafter): its
         steady-state figures, the planner's figures on it, and on failure the ranks' logs."""
-        colocated = part == "c"
+        colocated = part == "colocated"
         nproc = 1 if colocated else 2
         topo = ["topology=colocated"] if colocated else ["topology.num_targets=1", "topology.num_drafters=1"]
         steps = self.profile.steps[part]
@@ -307,11 +307,11 @@ class Check:
             return {**res, "status": status, "rc": proc.rc, "tail": proc.tail(20)}
         return {**res, "status": "passed"}
 
-    def part_c(self) -> dict[str, Any]:
+    def part_colocated(self) -> dict[str, Any]:
         """The target probe, then the co-located training run; the probe's failure fails the part."""
         inputs = self.ensure_inputs()
-        probe = self.part_c_probe(inputs)
-        res = self.train_part("c", inputs)
+        probe = self.part_target_probe(inputs)
+        res = self.train_part("colocated", inputs)
         res["target_probe"] = probe
         if "headless" in probe:  # the target role alone: its weights and one headless forward
             role = res.setdefault("peak_mem_gib_by_role", {})
@@ -320,11 +320,11 @@ class Check:
             res["status"] = probe["status"]
         return res
 
-    def part_d(self) -> dict[str, Any]:
+    def part_split(self) -> dict[str, Any]:
         """The 1 target + 1 drafter training run; skipped with fewer than 2 GPUs."""
         if not self.multi_gpu:
             return {"status": "skipped", "note": f"{self.device.get('count', 0)} GPU: needs 2+", "ran": False}
-        return self.train_part("d", self.ensure_inputs())
+        return self.train_part("split", self.ensure_inputs())
 
     # ------------------------------------------------------------- output
     def summary(self, done: bool) -> dict[str, Any]:
@@ -359,8 +359,8 @@ class Check:
         return out
 
     def ensure_inputs(self) -> Inputs:
-        """The inputs of parts c and d, set up by the first part that asks."""
-        with self.setup_lock:  # parts c and d share one target directory and data file
+        """The inputs of the colocated and split parts, set up by the first part that asks."""
+        with self.setup_lock:  # the colocated and split parts share one target directory and data file
             if self.inputs is None:
                 self.inputs = self.setup()
             return self.inputs

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-"""The checkout the check runs from: part a runs its ``tests/gpu``, part b its ``scripts/bench_loss.py``."""
+"""The checkout the check runs from: part kernels runs its ``tests/gpu``, part loss its ``scripts/bench_loss.py``."""
 EXPERIMENT = "qwen3_8b_8gpu"
-PARTS = ("a", "b", "c", "d")
+PARTS = ("kernels", "loss", "colocated", "split")
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
 
@@ -32,7 +32,7 @@ class Profile:
     """Documents in the probe's packet (token budget / docs tokens each)."""
     bench: tuple[str, ...]
     budgets: dict[str, float]
-    """Seconds per step of the check: a, b, setup (in-process), c_probe, c, d."""
+    """Seconds per step of the check: kernels, loss, setup (in-process), target_probe, colocated, split."""
     inline_probe: bool
     """Run the target probe in this process (the dry run: one interpreter start less)."""
 
@@ -44,7 +44,7 @@ GPU = Profile(
     overrides=(),
     prompt_tokens=290,  # + 700 + the chat template: 16 samples of ~1000 tokens fill a 16,384 budget
     response_tokens=700,
-    steps={"c": 30, "d": 20},
+    steps={"colocated": 30, "split": 20},
     warmup_steps=5,
     probe_docs=16,
     bench=(
@@ -54,7 +54,7 @@ GPU = Profile(
     ),
     # One H200: 90 + 110 + 30 + 45 + 200 = 475 s, + ~5 s of this script's own start and end: 8 minutes.
     # d (2+ GPUs only) adds its own 200 s.
-    budgets={"a": 90, "b": 110, "setup": 30, "c_probe": 45, "c": 200, "d": 200},
+    budgets={"kernels": 90, "loss": 110, "setup": 30, "target_probe": 45, "colocated": 200, "split": 200},
     inline_probe=False,
 )
 DRY = Profile(
@@ -76,7 +76,7 @@ DRY = Profile(
     ),
     prompt_tokens=40,
     response_tokens=100,
-    steps={"c": 4, "d": 4},
+    steps={"colocated": 4, "split": 4},
     warmup_steps=1,
     probe_docs=4,
     bench=(
@@ -84,6 +84,6 @@ DRY = Profile(
         *("--rows", "256", "--hidden", "32", "--vocab", "2048"),
         *("--chunks", "64,256", "--repeats", "1", "--warmup", "0"),
     ),
-    budgets={"a": 120, "b": 120, "setup": 120, "c_probe": 120, "c": 240, "d": 240},
+    budgets={"kernels": 120, "loss": 120, "setup": 120, "target_probe": 120, "colocated": 240, "split": 240},
     inline_probe=True,
 )

@@ -25,12 +25,12 @@ def header(chk: Check) -> str:
         )
         where = f"{d.get('name')} x{d.get('count')} ({spec}), torch {d.get('torch')}, CUDA {d.get('cuda_version')}"
     budgets = ", ".join(f"{s} {chk.profile.budgets[s]:g}" for s in chk.plan)
-    skipped = [p for p in chk.parts if p == "d" and not chk.multi_gpu]
+    skipped = [p for p in chk.parts if p == "split" and not chk.multi_gpu]
     return (
         f"dflash GPU check: {where}\n"
         f"budgets (s): {budgets}; total {chk.total_s:g} "
         + ("(parts side by side)" if chk.concurrent else "(unused time passes to the next part)")
-        + (f"; part d skipped: {chk.device.get('count', 0)} GPU" if skipped else "")
+        + (f"; part split skipped: {chk.device.get('count', 0)} GPU" if skipped else "")
         + f"\nwork dir: {chk.work}"
     )
 
@@ -64,11 +64,11 @@ def render(chk: Check, out: dict[str, Any]) -> str:
 
 def _part_lines(part: str, r: dict[str, Any]) -> tuple[str, list[str]]:
     """The first line of a part's row and the lines below it."""
-    if part == "a":
+    if part == "kernels":
         c = r.get("counts", {})
         first = f"pytest -m gpu: {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped, {c.get('errors', 0)} errors"
         return first + (f" ({r['note']})" if "note" in r else ""), r.get("failed_tests", [])
-    if part == "b":
+    if part == "loss":
         more = [
             f"{'case':<12}{'terms':<7}{'chunk':>6}{'time s':>9}{'peak GB':>9}{'TFLOP/s':>9}{'of peak':>9}"
             f"{'t/naive':>9}{'m/naive':>9}{'t/limit':>9}{'t/lce':>8}"
@@ -95,7 +95,7 @@ def _part_lines(part: str, r: dict[str, Any]) -> tuple[str, list[str]]:
                 + first
             )
         return first, more
-    if part in ("c", "d"):
+    if part in ("colocated", "split"):
         if r.get("status") == "skipped":
             return r.get("note", ""), []
         more = []

@@ -14,17 +14,18 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import socket
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from dflash.config import TrainConfig, UserError
+from dflash.files import LockHeld, file_lock
 from dflash.train.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
@@ -41,48 +42,32 @@ RUN_OUTPUTS = ("checkpoints", "drafter", "ledger.jsonl", "metrics.jsonl", "wandb
 
 
 class RunDirLock:
-    """Exclusive, non-blocking lock on a run directory, with who holds it written inside."""
+    """Exclusive, non-blocking lock on a run directory (``dflash.files.file_lock``), with who holds
+    it written inside."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
-        self._fh: IO[str] | None = None
+        self._held = ExitStack()
 
     def acquire(self) -> RunDirLock:
         """Take the lock or raise ``UserError`` naming the directory and the holder."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")
+        holder = json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        )
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "unknown"
-            fh.close()
+            self._held.enter_context(file_lock(self.path, blocking=False, holder=holder))
+        except LockHeld as e:
             raise UserError(
-                f"hydra.run.dir={self.run_dir} is in use by another launch ({holder}); wait for it to end, "
+                f"hydra.run.dir={self.run_dir} is in use by another launch ({e.holder}); wait for it to end, "
                 f"or give this launch its own directory (hydra.run.dir=...)",
                 scope="here",
             ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(
-            json.dumps(
-                {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                }
-            )
-        )
-        fh.flush()
-        self._fh = fh
         return self
 
     def release(self) -> None:
-        if self._fh is not None:
-            fcntl.flock(self._fh, fcntl.LOCK_UN)
-            self._fh.close()
-            self._fh = None
+        self._held.close()
 
     def __enter__(self) -> RunDirLock:
         return self.acquire()

@@ -28,12 +28,12 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     assert summary["dry_run"] is True and summary["passed"] is True
     assert "copied from" in summary["setup"]["tokenizer"]  # the cached tiny target's: nothing rebuilt
     parts = summary["parts"]
-    assert list(parts) == ["a", "b", "c", "d"] and all(p["ran"] for p in parts.values())
+    assert list(parts) == ["kernels", "loss", "colocated", "split"] and all(p["ran"] for p in parts.values())
 
-    a = parts["a"]  # every CUDA test collected and skipped
+    a = parts["kernels"]  # every CUDA test collected and skipped
     assert a["status"] == "skipped" and a["counts"]["skipped"] >= 10 and a["counts"]["failed"] == 0
 
-    b = parts["b"]
+    b = parts["loss"]
     assert b["status"] == "passed"
     assert {(c["case"], c["chunk"]) for c in b["cases"]} == {
         *(
@@ -47,7 +47,7 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     assert all(c["time_s"] > 0 and c["tflops"] is not None for c in b["cases"])
     assert b["best_chunked"]["time_vs_naive"] > 0 and b["best_chunked_ce"]["time_vs_torch_lce"] > 0
 
-    for name, nranks in (("c", 1), ("d", 2)):
+    for name, nranks in (("colocated", 1), ("split", 2)):
         r = parts[name]
         assert r["status"] == "passed" and r["steps"] == r["steps_requested"] == 4, (name, r)
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and r["first_step_s"] > 0
@@ -57,10 +57,10 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
         p = r["planner"]
         assert p["target_tflop_per_packet"] > 0 and p["drafter_tflop_per_packet"] > 0
         assert p["target_mfu"] > 0 and p["drafter_mfu"] > 0 and p["planner_samples_per_s"] > 0
-    assert "target_forward" in parts["c"]["phases_s"] and "recv_wait" in parts["d"]["phases_s"]
-    assert set(parts["d"]["peak_mem_gib_by_role"]) == {"target", "drafter"}
+    assert "target_forward" in parts["colocated"]["phases_s"] and "recv_wait" in parts["split"]["phases_s"]
+    assert set(parts["split"]["peak_mem_gib_by_role"]) == {"target", "drafter"}
 
-    probe = parts["c"]["target_probe"]  # the headless forward makes no logits; model(...) does
+    probe = parts["colocated"]["target_probe"]  # the headless forward makes no logits; model(...) does
     assert probe["status"] == "passed" and probe["headless"]["vocab_tensors"] == 0
     assert probe["full"]["vocab_tensor_shapes"] == [[1, 640, 2112]]
 
