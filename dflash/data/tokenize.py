@@ -35,7 +35,13 @@ import jinja2
 import numpy as np
 import torch
 
-from dflash.data.chat import assistant_spans, encode_with_offsets, mask_from_offsets, special_token_texts
+from dflash.data.chat import (
+    Span,
+    assistant_spans,
+    encode_with_offsets,
+    mask_from_offsets,
+    special_token_texts,
+)
 from dflash.data.sources import BadRecord, Source, parse_messages, resolve_source, split_ranges
 
 log = logging.getLogger(__name__)
@@ -229,7 +235,7 @@ class _Pending:
     idx: int
     where: str
     text: str = ""
-    spans: list[tuple[int, int]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
     cut: bool = False
     cut_inside: bool = False
 

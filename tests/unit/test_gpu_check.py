@@ -19,7 +19,9 @@ from dflash.gpu_check.procs import run_proc
 from dflash.gpu_check.report import render
 
 
-def _check(tmp_path: Path, *, dry_run: bool = False, parts: str = "kernels,loss,colocated,split", count: int = 1):
+def _check(
+    tmp_path: Path, *, dry_run: bool = False, parts: str = "kernels,loss,colocated,split", count: int = 1
+):
     args = argparse.Namespace(
         dry_run=dry_run,
         gpu=None,

@@ -23,7 +23,8 @@ import torch
 from testpaths import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.data.chat import generation_prompt_ids
+from dflash.data.chat import CUT_AT_MAX_TOKENS, generation_prompt_ids
+from dflash.data.regenerate.hf_backend import eos_ids
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +103,9 @@ def greedy_regeneration(model, tok, messages: list[dict]) -> list[dict]:
     """The reference: each assistant turn = the target's greedy continuation (batch 1, fp32) of
     the chat-templated conversation so far, earlier turns already replaced, decoded as the server
     does: special tokens skipped, and stripped (``transformers serve`` parses Qwen3-family output
-    with a response template whose text fields are stripped)."""
+    with a response template whose text fields are stripped); a turn that reached MAX_TOKENS
+    without an eos is marked ``cut_at_max_tokens``."""
+    eos = eos_ids(tok, model)
     conv: list[dict] = []
     for m in messages + ([{"role": "assistant"}] if messages[-1]["role"] == "user" else []):
         if m["role"] != "assistant":
@@ -113,8 +116,11 @@ def greedy_regeneration(model, tok, messages: list[dict]) -> list[dict]:
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS
             )
-        text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        conv.append({"role": "assistant", "content": text.strip()})
+        new = out[0, ids.shape[1] :].tolist()
+        msg = {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()}
+        if len(new) == MAX_TOKENS and new[-1] not in eos:
+            msg[CUT_AT_MAX_TOKENS] = True
+        conv.append(msg)
     return conv
 
 
@@ -171,5 +177,14 @@ def test_transformers_serve_regeneration_equals_greedy_and_survives_a_server_res
         assert r["id"] == src["id"]
         assert r["messages"] == greedy_regeneration(target, tok, src["messages"]), r["source_index"]
     assert len(got[0]["messages"][-1]["content"]) > 0
+    marks = [
+        (m.get(CUT_AT_MAX_TOKENS, False), reason)
+        for r in got
+        for m, reason in zip(
+            [m for m in r["messages"] if m["role"] == "assistant"], r["finish_reasons"], strict=True
+        )
+    ]
+    assert all(cut == (reason == "length") for cut, reason in marks)
+    assert any(cut for cut, _ in marks)  # the tiny target runs most turns to MAX_TOKENS
     meta = json.loads((tmp_path / "regen.jsonl.meta.json").read_text())
     assert meta["complete"] and meta["endpoints"] == [url] and meta["counts"]["skipped"] == done_first
