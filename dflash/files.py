@@ -250,7 +250,7 @@ class NoFollowFileHandler(logging.FileHandler):
 
     refused = False
 
-    def _open(self):  # type: ignore[no-untyped-def]
+    def _open(self):
         try:
             fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         except OSError as e:
