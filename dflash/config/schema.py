@@ -46,6 +46,7 @@ def data_field(resume: dict[str, Any], shapes_dataset: bool) -> dict[str, Any]:
 
 
 RESOLVED_CONTRACT_KEYS = (
+    "target.weights",
     "target.layer_ids",
     "target.hidden_size",
     "target.vocab_size",

@@ -262,7 +262,7 @@ def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> 
 # Embedding and lm_head by tensor name
 
 
-def _resolve_file(path: str, filename: str, revision: str | None) -> str | None:
+def resolve_file(path: str, filename: str, revision: str | None) -> str | None:
     """Local file of ``filename`` in a checkpoint dir or hub repo (cache or download); None if absent."""
     if os.path.isdir(path):
         p = Path(path) / filename
@@ -282,11 +282,11 @@ def _resolve_file(path: str, filename: str, revision: str | None) -> str | None:
 
 def _checkpoint_index(path: str, revision: str | None) -> dict[str, str]:
     """tensor name -> local safetensors file, reading only the index (sharded) or header (single)."""
-    index_file = _resolve_file(path, INDEX_FILE, revision)
+    index_file = resolve_file(path, INDEX_FILE, revision)
     if index_file is not None:
         weight_map = json.loads(Path(index_file).read_text())["weight_map"]
         return {name: f"{os.path.dirname(index_file)}\0{shard}" for name, shard in weight_map.items()}
-    single = _resolve_file(path, SINGLE_FILE, revision)
+    single = resolve_file(path, SINGLE_FILE, revision)
     if single is None:
         raise FileNotFoundError(
             f"target checkpoint {path!r} (revision {revision}): neither {INDEX_FILE} nor {SINGLE_FILE} found"
@@ -304,7 +304,7 @@ def _read_tensor(path: str, revision: str | None, location: str, name: str) -> t
         folder, shard = location.split("\0", 1)
         file: str | None = os.path.join(folder, shard)
         if not os.path.isfile(str(file)):  # hub: shards are fetched on demand
-            file = _resolve_file(path, shard, revision)
+            file = resolve_file(path, shard, revision)
             if file is None:
                 raise FileNotFoundError(
                     f"target checkpoint {path!r}: shard {shard} (holding {name}) not found"

@@ -75,6 +75,9 @@ from dflash.train.summary import (
 
 log = logging.getLogger(__name__)
 
+EMPTY_STEPS_LIMIT = 3
+"""Optimizer steps in a row without a supervised slot that stop the run (it would train on nothing)."""
+
 
 def packet_positions(seq_lens: torch.Tensor) -> torch.Tensor:
     """[S] sequence lengths -> [T] RoPE positions restarting at 0 for every packed sequence."""
@@ -166,6 +169,7 @@ class DrafterTrainer:
             )
         self._open_run_files()
         self.phases = PhaseTimer(self.device, sync=cfg.train.time_phases)
+        self._empty_steps = 0
         self.target_shape = shape_from_meta(setup.meta)
         log.info(
             "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
@@ -392,13 +396,16 @@ class DrafterTrainer:
         the loss or the gradient is not finite (``train.on_nonfinite``); returns (grad norm, lr)."""
         cfg = self.cfg
         weight_sum = float(sums.objective["weight_sum"])
+        self._check_trained_on_something(step, weight_sum)
         scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
         lr = float(self.scheduler.get_last_lr()[0])
-        if sums.counters["nonfinite_loss"] > 0 or not math.isfinite(grad_norm):
+        if weight_sum == 0:
+            log.warning("step %d: no packet of the step held a supervised slot; nothing trained", step + 1)
+        elif sums.counters["nonfinite_loss"] > 0 or not math.isfinite(grad_norm):
             self.state.nonfinite_steps += 1
             if cfg.train.on_nonfinite == "error":
                 raise RuntimeError(
@@ -429,10 +436,38 @@ class DrafterTrainer:
             skipped["nonfinite_hidden"] = skipped.get("nonfinite_hidden", 0) + int(
                 sums.counters["nonfinite_samples"]
             )
+            self._check_nonfinite_samples()
         if cfg.train.ledger:
             self._write_ledger(step + 1, trained)
         if cfg.train.check_replicas_every and self.state.step % cfg.train.check_replicas_every == 0:
             check_replicas(self.ctx, self.model, self.state.step)
+
+    def _check_trained_on_something(self, step: int, weight_sum: float) -> None:
+        """A step without a supervised slot trains nothing; ``EMPTY_STEPS_LIMIT`` in a row stop the run."""
+        self._empty_steps = self._empty_steps + 1 if weight_sum == 0 else 0
+        if self._empty_steps >= EMPTY_STEPS_LIMIT:
+            first = step + 2 - self._empty_steps
+            raise RuntimeError(
+                f"steps {first}-{step + 1} trained on nothing: no packet held a supervised slot (every sample "
+                f"dropped by the targets as non-finite, data/skipped/nonfinite_hidden="
+                f"{self.state.skipped.get('nonfinite_hidden', 0)}, or loss masks without two consecutive "
+                f"supervised tokens); check the target checkpoint and target.dtype, and the data's loss mask "
+                f"(python -m dflash.data.prepare ... show=3)"
+            )
+
+    def _check_nonfinite_samples(self) -> None:
+        """Samples the targets dropped as non-finite count against ``data.max_skip_fraction`` of the
+        samples this run trains: the run stops as soon as that share is certain to be exceeded."""
+        dropped = self.state.skipped.get("nonfinite_hidden", 0)
+        planned = int(self.setup.plan.bounds[self.setup.num_steps * self.topology.packets_per_step])
+        limit = self.cfg.data.max_skip_fraction * planned
+        if dropped > limit:
+            raise RuntimeError(
+                f"the targets dropped {dropped} sample(s) with non-finite hidden states, more than "
+                f"data.max_skip_fraction={self.cfg.data.max_skip_fraction} of the {planned} samples this run trains "
+                f"(data/skipped/nonfinite_hidden); a broken target checkpoint or an overflowing dtype "
+                f"(target.dtype={self.cfg.target.dtype}) is the usual cause"
+            )
 
     def _metrics(self, r: _StepReduced, t0: float, lr: float, grad_norm: float) -> dict[str, float]:
         """Every metric of the step just taken (the same on every drafter)."""
