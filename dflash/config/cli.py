@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -179,9 +180,58 @@ class _Swallow(io.StringIO):
     """stderr of the non-zero ranks while Hydra composes (rank 0 prints the same message)."""
 
 
+class ConsoleStream(io.TextIOBase):
+    """stdout/stderr that survive a reader that went away (``... | tee log`` and Ctrl-C: the pipe
+    closes while the run still has a checkpoint to write). The first write or flush that finds the
+    pipe closed points the stream's file descriptor at /dev/null; every later write is dropped, so a
+    progress bar or a log line never raises ``BrokenPipeError`` in the middle of a stop."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__()
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def _gone(self) -> None:
+        self.closed_by_reader = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass
+
+    def write(self, s: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                return self._stream.write(s)
+            except BrokenPipeError:
+                self._gone()
+        return len(s)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def isatty(self) -> bool:
+        return not self.closed_by_reader and self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+
 def run_app(config_name: str, schema: type, task: Task) -> None:
     """Compose ``conf/<config_name>.yaml`` and run ``task(cfg, run_dir)``; exits with its code."""
     rank = global_rank()
+    for name in ("stdout", "stderr"):
+        if not isinstance(getattr(sys, name), ConsoleStream):
+            setattr(sys, name, ConsoleStream(getattr(sys, name)))
     real_stderr = sys.stderr
     started = False
     if rank != 0:

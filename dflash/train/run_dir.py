@@ -182,6 +182,11 @@ def resume_checkpoint(
 # The run contract
 
 
+SCHEDULE_KEYS = ("optim.lr", "optim.warmup_ratio", "optim.min_lr_ratio", "train.num_steps")
+"""Contract entries that shape the learning-rate schedule: a resume that changes only these (with
+train.allow_contract_change=true) re-plans the rest of the schedule (``DrafterTrainer``)."""
+
+
 class _Missing:
     def __repr__(self) -> str:
         return "<missing>"
@@ -220,10 +225,16 @@ def check_contract(saved: dict, current: dict, *, allow_change: bool) -> list[st
         if va is _MISSING or vb is _MISSING or va != vb:
             diffs.append(f"{key}: saved={_show(va)} current={_show(vb)}")
     if diffs and not allow_change:
-        raise ValueError(
-            "the checkpoint was written by a run with a different contract:\n  "
-            + "\n  ".join(diffs)
-            + "\nResuming would mix incompatible state. To accept the change on purpose, set "
+        only_schedule = all(d.split(":", 1)[0] in SCHEDULE_KEYS for d in diffs)
+        hint = (
+            "\nTo extend (or shorten) the run or change its learning rate, set train.allow_contract_change=true: "
+            "the learning rate then continues from the value the run reached down to the new minimum at "
+            "the new last step."
+            if only_schedule
+            else "\nResuming would mix incompatible state. To accept the change on purpose, set "
             "train.allow_contract_change=true (the differences are then logged)."
+        )
+        raise ValueError(
+            "the checkpoint was written by a run with a different contract:\n  " + "\n  ".join(diffs) + hint
         )
     return diffs

@@ -171,10 +171,16 @@ def balance_line(
 
 
 def status_line(step: int, num_steps: int, stopped_by: str | None) -> str:
-    """``finished: 145 of 145 steps`` or ``stopped at step 51 of 505 (SIGTERM); relaunch ...``."""
+    """``finished: 145 of 145 steps``, ``stopped at step 51 of 505 (SIGTERM); relaunch ...``, or for a
+    requested stop (``stopped_by`` = ``train.stop_after_steps=N``) the command that continues."""
     if step >= num_steps:
         return f"finished: {step} of {num_steps} steps"
     why = f" ({stopped_by})" if stopped_by else ""
+    if stopped_by and stopped_by.startswith("train.stop_after_steps"):
+        return (
+            f"stopped at step {step} of {num_steps}{why}; to continue, launch the same command without "
+            f"train.stop_after_steps (or with a larger value)"
+        )
     return f"stopped at step {step} of {num_steps}{why}; relaunch the same command to resume"
 
 

@@ -39,7 +39,7 @@ from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
-from dflash.drafter.optim import build_optimizer, build_scheduler
+from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
 from dflash.eval.loading import target_embed_and_head
 from dflash.metrics import (
     MetricLogger,
@@ -59,6 +59,7 @@ from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpo
 from dflash.train.packets import LocalPackets, PacketMaker, PacketSource
 from dflash.train.periodic_eval import PeriodicEval, eval_metrics
 from dflash.train.rng_state import capture_rng_state, restore_rng_state
+from dflash.train.run_dir import SCHEDULE_KEYS
 from dflash.train.setup import RunSetup
 from dflash.train.step_stats import StepSums, step_metrics
 from dflash.train.steplog import StepLog
@@ -254,6 +255,39 @@ class DrafterTrainer:
         self.state = loaded.train_state
         log.info(
             "resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet
+        )
+        self._replan_schedule(loaded.contract)
+
+    def _replan_schedule(self, saved: dict) -> None:
+        """A resume whose schedule settings changed (``train.allow_contract_change=true``: optim.lr,
+        warmup_ratio, min_lr_ratio, train.num_steps) applies them from the resumed step on, starting
+        from the learning rate the run had reached (times the new over the old optim.lr)."""
+        now = self.setup.contract
+        changed = [k for k in SCHEDULE_KEYS if saved.get(k) != now.get(k)]
+        if not changed:
+            return
+        cfg, step = self.cfg.optim, self.state.step
+        lr_reached = float(self.scheduler.get_last_lr()[0]) * cfg.lr / float(saved.get("optim.lr") or cfg.lr)
+        schedule = self.scheduler.lr_lambdas[0]
+        assert isinstance(schedule, LrSchedule)
+        schedule.replan(step, lr_reached / cfg.lr, cfg, self.setup.num_steps)
+        self.scheduler.base_lrs = [cfg.lr for _ in self.optimizer.param_groups]
+        lrs: list[float | torch.Tensor] = [cfg.lr * schedule(step) for _ in self.optimizer.param_groups]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["initial_lr"], group["lr"] = cfg.lr, lr
+        self.scheduler._last_lr = lrs
+        low = cfg.lr * cfg.min_lr_ratio
+        log.warning(
+            "resumed with changed %s: the learning rate continues from %.4g at step %d down to %.4g at step %d%s",
+            ", ".join(changed),
+            float(lrs[0]),
+            step,
+            low,
+            self.setup.num_steps,
+            " (the run had reached its minimum: extend a run before its end, or warm-start a new run with "
+            "drafter.init_from=<run>/drafter for a new schedule)"
+            if float(lrs[0]) <= low * (1 + 1e-9)
+            else "",
         )
 
     def close(self, exit_code: int = 0) -> None:
@@ -605,7 +639,8 @@ class DrafterTrainer:
         start = self.state.step
         agree_on_start(self.ctx, self.topology, self.state.next_packet, self.setup.num_steps)
         reset_peak_memory(self.device)
-        if start < self.setup.num_steps:
+        end = self._end_step(start)
+        if start < end:
             self.source.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
         show_bar = self.is_leader and cfg.logging.progress_bar
         with progress_bar(self.setup.num_steps, start, show_bar) as bar:
@@ -613,7 +648,7 @@ class DrafterTrainer:
                 metrics = self._eval(0)
                 if metrics:
                     self._record({"train/step": 0.0, **metrics})
-            for step in range(start, self.setup.num_steps):
+            for step in range(start, end):
                 metrics = self.train_step(step)
                 if step == start:  # loading and compiling are over: from now on a slow peer is a dead peer
                     self.source.set_timeout(cfg.topology.step_timeout_s)
@@ -661,8 +696,23 @@ class DrafterTrainer:
             self._print_summary(finished, stopped_early)
         return EXIT_STOPPED if stopped_early else 0
 
+    def _end_step(self, start: int) -> int:
+        """The step this launch trains up to: the last one, or none when the run already reached
+        ``train.stop_after_steps`` (a relaunch of the command that stopped it)."""
+        asked = self.cfg.train.stop_after_steps
+        if asked is not None and asked <= start < self.setup.num_steps:
+            log.warning(
+                "the run is at step %d, already past train.stop_after_steps=%d: nothing to train; launch the "
+                "same command without train.stop_after_steps (or with a larger value) to continue",
+                start,
+                asked,
+            )
+            return start
+        return self.setup.num_steps
+
     def _print_summary(self, finished: bool, stopped_early: bool) -> None:
-        by = self.stop_signal if stopped_early else ("train.stop_after_steps" if not finished else None)
+        asked = f"train.stop_after_steps={self.cfg.train.stop_after_steps}"
+        by = self.stop_signal if stopped_early else (asked if not finished else None)
         table = summary_table(
             self.summary,
             run_dir=self.run_dir,
