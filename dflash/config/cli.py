@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dflash.config import EXIT_USER_ERROR, UserError
-from dflash.config.checks import check_known_keys
+from dflash.config.checks import check_known_keys, override_key_problems
 from dflash.config.secrets import config_secret_problems, install_log_redaction, redact
 
 log = logging.getLogger("dflash")
@@ -176,6 +176,14 @@ def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
         return compose(config_name=config_name, overrides=list(overrides))
 
 
+def _app_module() -> str:
+    """The ``python -m`` module of this process (``dflash.train`` under torchrun)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None) or "dflash.train"
+    return name.removesuffix(".__main__")
+
+
 class _Swallow(io.StringIO):
     """stderr of the non-zero ranks while Hydra composes (rank 0 prints the same message)."""
 
@@ -234,6 +242,16 @@ def run_app(config_name: str, schema: type, task: Task) -> None:
             setattr(sys, name, ConsoleStream(getattr(sys, name)))
     real_stderr = sys.stderr
     started = False
+    unknown = override_key_problems(sys.argv[1:], schema)
+    if unknown:
+        if rank == 0:
+            print(
+                f"dflash: error: unknown config key(s): {'; '.join(unknown)}; fix the name "
+                f"(python -m {_app_module()} --cfg job prints every key)",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(EXIT_USER_ERROR)
     if rank != 0:
         sys.stderr = _Swallow()
 

@@ -140,23 +140,30 @@ def balance_line(
         values = [r[key] for r in tail if key in r]
         return sum(values) / len(values) if values else math.nan
 
+    def share(key: str) -> float:
+        """A per-step fraction over the whole tail (weighted by step time), at most 1: targets work
+        up to ``max_in_flight`` packets ahead, so one step can hold more than its own forward time."""
+        rows_with = [r for r in tail if key in r and "perf/step_s" in r]
+        wall = sum(r["perf/step_s"] for r in rows_with)
+        return min(1.0, sum(r[key] * r["perf/step_s"] for r in rows_with) / wall) if wall > 0 else math.nan
+
     t_t, t_d = mean("perf/target_s_per_packet"), mean("perf/drafter_s_per_packet")
     if not (t_t > 0 and t_d > 0):
         return None
     if colocated:
         world = num_drafters
-        share = 100 * t_t / (t_t + t_d)
+        pct = 100 * t_t / (t_t + t_d)
         line = (
             f"per packet: target forward {t_t:.3g}s + drafter {t_d:.3g}s on each rank "
-            f"({share:.0f}% / {100 - share:.0f}% of the step)"
+            f"({pct:.0f}% / {100 - pct:.0f}% of the step)"
         )
         if world > 1:
             n, rate = best_split(world, t_t, t_d)
             line += f"; disaggregated {_split(n, world - n)} would be ~{rate * (t_t + t_d) / world:.2f}x this"
         return line
     world = num_targets + num_drafters
-    busy = mean("perf/target_busy_frac")
-    waited = mean("comm/recv_wait_frac")
+    busy = share("perf/target_busy_frac")
+    waited = share("comm/recv_wait_frac")
     now = min(num_targets / t_t, num_drafters / t_d)
     n, rate = best_split(world, t_t, t_d)
     line = (

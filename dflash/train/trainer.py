@@ -101,6 +101,8 @@ class _StepLocal:
     """[num_targets] float64: forward seconds of this drafter's packets, per producing target."""
     target_mem: torch.Tensor
     """[num_targets] float64: the largest peak memory (GiB) those packets report, per target."""
+    target_packets: torch.Tensor
+    """[num_targets] float64: how many of this drafter's packets each target produced."""
     trained: list[int] = field(default_factory=list)
     """Per packet: g, its number of samples, their source ids (the ledger's raw material)."""
     shapes: list[PacketShape] = field(default_factory=list)
@@ -114,6 +116,8 @@ class _StepReduced:
     target_fwd: torch.Tensor
     target_mem: torch.Tensor
     drafter_mem: torch.Tensor
+    target_packets: torch.Tensor
+    """[num_targets]: packets each target produced in the step (a target with none logs nothing)."""
 
 
 class DrafterTrainer:
@@ -359,6 +363,7 @@ class DrafterTrainer:
             sums=StepSums(self.setup.arch.block_size),
             target_fwd=torch.zeros(n_targets, dtype=torch.float64),
             target_mem=torch.zeros(n_targets, dtype=torch.float64),
+            target_packets=torch.zeros(n_targets, dtype=torch.float64),
         )
         c = local.sums.counters
         self.phases.start()
@@ -391,6 +396,7 @@ class DrafterTrainer:
         c["target_s"] += packet.forward_s
         slot = 0 if self.topology.colocated else self.topology.producer_of(packet.index)
         local.target_fwd[slot] += packet.forward_s
+        local.target_packets[slot] += 1
         local.target_mem[slot] = max(float(local.target_mem[slot]), packet.peak_mem_bytes / 2**30)
         c["stop"] += float(bool(packet.flags & FLAG_STOP_REQUESTED))
         c["nonfinite_samples"] += packet.num_skipped_nonfinite
@@ -414,7 +420,8 @@ class DrafterTrainer:
                 c["drafter_flop"] += costs.drafter_flop
         sums = local.sums
         sums.load(all_reduce_sum(self.ctx, sums.flat().to(self.device)).cpu())
-        target_fwd = all_reduce_sum(self.ctx, local.target_fwd.to(self.device)).cpu()
+        per_target = torch.cat([local.target_fwd, local.target_packets])
+        target_fwd, target_packets = all_reduce_sum(self.ctx, per_target.to(self.device)).cpu().chunk(2)
         drafter_mem = torch.zeros(self.topology.num_drafters, dtype=torch.float64)
         drafter_mem[self.drafter_index] = peak_memory_gib(self.device)
         mem = all_reduce_max(self.ctx, torch.cat([local.target_mem, drafter_mem]).to(self.device)).cpu()
@@ -423,7 +430,7 @@ class DrafterTrainer:
         if sums.counters["stop"] > 0 and self.stop_signal is None:
             self.stop_signal = "a stop signal of another rank"
         self.phases.mark("reduce")
-        return _StepReduced(sums, target_fwd, mem[:n_targets], mem[n_targets:])
+        return _StepReduced(sums, target_fwd, mem[:n_targets], mem[n_targets:], target_packets)
 
     def _apply_update(self, step: int, sums: StepSums) -> tuple[float, float]:
         """Divide the summed gradients by the global weight sum, clip, and step the optimizer unless
@@ -524,10 +531,11 @@ class DrafterTrainer:
         packets_in_step = max(topo.packets_per_step, 1)
         m["perf/target_s_per_packet"] = r.sums.counters["target_s"] / packets_in_step
         m["perf/drafter_s_per_packet"] = r.sums.counters["busy_s"] / packets_in_step
-        if not topo.colocated:
+        if not topo.colocated:  # the targets that made a packet of this step (no 0.0 for the others)
             for t in range(topo.num_targets):
-                m[f"perf/target_{t}/forward_s"] = float(r.target_fwd[t])
-                m[f"mem/peak_gib/rank_{t}"] = float(r.target_mem[t])
+                if r.target_packets[t] > 0:
+                    m[f"perf/target_{t}/forward_s"] = float(r.target_fwd[t])
+                    m[f"mem/peak_gib/rank_{t}"] = float(r.target_mem[t])
         for d, rank in enumerate(topo.drafter_ranks):
             m[f"mem/peak_gib/rank_{rank}"] = float(r.drafter_mem[d])
         for reason, n in sorted(self.state.skipped.items()):

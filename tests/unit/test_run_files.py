@@ -183,6 +183,7 @@ def test_summary_lines():
             "perf/drafter_s_per_packet": 1.6,
             "perf/target_busy_frac": 0.2,
             "comm/recv_wait_frac": 0.02,
+            "perf/step_s": 1.6,
         }
     ] * 4
     line = balance_line(rows, 7, 1, colocated=False)
@@ -190,4 +191,9 @@ def test_summary_lines():
         "targets busy 20% (idle 80%), drafters waited 2%: 3 targets + 5 drafters would be ~4.8x faster "
         "(measured 1s per target forward, 1.6s per drafter packet)"
     )
+    # Issue 19 item 12: targets work ahead, so one step's fraction can pass 1; the line never says 118%.
+    ahead = [
+        dict(rows[0], **{"perf/target_busy_frac": b, "perf/step_s": t}) for b, t in ((1.5, 1.0), (1.0, 1.0))
+    ]
+    assert balance_line(ahead, 1, 1, colocated=False).startswith("targets busy 100% (idle 0%)")
     assert "per packet: target forward 1s + drafter 1.6s" in balance_line(rows, 0, 8, colocated=True)
