@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.cli import compose_config
 from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs
+from dflash.config.cli import compose_config
 from dflash.drafter.model import DrafterArch
 from dflash.plan.app import plan_config, run
 from dflash.plan.costs import PacketShape, packet_costs, target_rank_flop, tp_bytes_per_token

@@ -50,8 +50,8 @@ def test_shapes_a_replica_cannot_split_are_refused_naming_the_field():
 
 
 def test_config_problems_name_target_tp_before_anything_loads():
-    from dflash.cli import compose_config
     from dflash.config import register_configs
+    from dflash.config.cli import compose_config
     from dflash.plan.app import plan_config
 
     register_configs()
