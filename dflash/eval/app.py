@@ -35,12 +35,14 @@ def eval_task(dcfg: Any, run_dir: Path) -> int:
     """What ``python -m dflash.eval`` does: load, evaluate, print the table, write report.json, log W&B."""
     from omegaconf import OmegaConf
 
+    from dflash.config.cli import value_errors_are_user_errors
     from dflash.metrics import WandbLogger, build_logger, progress_bar
 
     obj = OmegaConf.to_object(dcfg)
     assert isinstance(obj, EvalAppConfig), type(obj)
     cfg: EvalAppConfig = obj
-    setup = load_for_eval(cfg)
+    with value_errors_are_user_errors():  # a missing file or a bad shape: one line, exit 2
+        setup = load_for_eval(cfg)
     log.info(
         "eval: target %s, drafter %s, %d prompts, block size %d, taps %s, device %s",
         setup.target_path,

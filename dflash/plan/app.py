@@ -22,7 +22,7 @@ from dflash.config import Config, PlanConfig, register_configs, to_config
 from dflash.config.checks import raise_problems
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.planner import make_plan
-from dflash.plan.report import render, summary
+from dflash.plan.report import fitting_overrides, render, summary
 
 register_configs()
 
@@ -69,8 +69,9 @@ def run(dcfg: DictConfig) -> dict[str, Any]:
     """Plan ``dcfg``: print the table, then the JSON summary as the last line; returns the summary."""
     cfg = plan_config(dcfg)
     plan = make_plan(cfg, resolve_inputs(cfg))
-    print(render(plan, cfg.name))
-    out = summary(plan, cfg.name, cfg.plan.gpu)
+    fixes = fitting_overrides(cfg, plan)
+    print(render(plan, cfg.name, fixes))
+    out = summary(plan, cfg.name, cfg.plan.gpu, fixes)
     print(json.dumps(out), flush=True)
     return out
 

@@ -26,15 +26,20 @@ class TargetInfo:
     tokenizer: Any
 
 
-def resolve_target(cfg: TargetConfig) -> TargetInfo:
-    """The target's path, config and tokenizer (the tiny target is built first when ``cfg.tiny`` is
-    set); reads no weights. ValueError when the path or its config.json cannot be read."""
+def resolve_target(cfg: TargetConfig, cache_dir: str | None = None) -> TargetInfo:
+    """The target's path, config and tokenizer; reads no weights. With ``cfg.tiny`` set the tiny
+    target is built first, but only into a directory the project owns (``tiny_target_path``: a new
+    one under ``cache_dir``, ``paths.cache_dir``, or an earlier build; without ``cache_dir`` any
+    new directory): a user's model at ``cfg.path`` is loaded as it is. ValueError when the path or
+    its config.json cannot be read."""
     from transformers import AutoTokenizer
 
-    path = resolve_path(cfg.path)
-    if cfg.tiny is not None:
-        from dflash.targets.tiny import ensure_tiny_target
+    from dflash.targets.tiny import ensure_tiny_target, tiny_target_path
 
+    path = resolve_path(cfg.path)
+    if cache_dir is not None:
+        path = tiny_target_path(cfg, path, resolve_path(cache_dir))
+    elif cfg.tiny is not None:
         path = str(ensure_tiny_target(path, cfg.tiny))
     meta = read_target_meta(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     tok_path = resolve_path(cfg.tokenizer) if cfg.tokenizer else path
