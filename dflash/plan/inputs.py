@@ -175,6 +175,7 @@ def cached_dataset_stats(cfg: Config, target_dir: str) -> DataStats | None:
     if not data.path:
         return None
     root = Path(resolve_path(data.cache_dir))
+    source: str | list[str]
     if data.path == EMBEDDED:
         source = str(
             embedded_corpus_path(
