@@ -27,13 +27,17 @@ pytestmark = pytest.mark.faults
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+USER_VOCAB = 2112 + 16
+"""The user's model has 16 more embedding rows than the tiny target (2112), to tell the two apart."""
+
+
 def user_model(directory: Path, tiny_target_dir: Path, num_layers: int = 8) -> Path:
     """An 8-layer Qwen3 saved with save_pretrained (with the tiny target's tokenizer): the user's model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
         "qwen3",
-        vocab_size=json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"],
+        vocab_size=USER_VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=num_layers,
@@ -95,9 +99,10 @@ def test_prepare_never_writes_the_users_model_dir(tmp_path, tiny_target_dir, ext
     assert proc.returncode == 0, out[-3000:]
     assert snapshot(model) == before  # byte-identical, and no file added (no dflash_tiny_done.json)
     log = (tmp_path / "prep" / "prepare.log").read_text()
-    assert "tiny target built" not in log
+    assert "tiny target built at" not in log
     assert "ignoring target.tiny" in log and str(model) in log
-    assert "8 layers, H=64" in log  # the user's model was loaded as it is
+    (meta,) = (tmp_path / "cache" / "data").glob("*/meta.json")  # tokenized for the user's model,
+    assert json.loads(meta.read_text())["settings"]["vocab_size"] == USER_VOCAB  # not the tiny target
     assert not (tmp_path / "cache" / "tiny_target_v1").exists()
     # prepare says that the held-out eval records come out of the user's data
     assert "held out: the last 2 records of data.path are never trained on" in proc.stdout
