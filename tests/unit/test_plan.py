@@ -493,7 +493,7 @@ def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_trai
     base = ["experiment=qwen3_8b_8gpu", "plan.world_size=8", "plan.gpu=h100"]
     out = run(_compose(base))
     text = capsys.readouterr().out
-    assert "topology.colocated=true" not in text and "Co-located (topology=colocated)" in text
+    assert "topology.colocated=true" not in text and "Co-located (topology=colocated, " in text
     fix = out["fits_with"]["drafter"]
     assert fix.startswith("drafter.max_anchors_per_packet=") and f"To fit a drafter: {fix}" in text
     anchors = int(fix.split("=")[1].split()[0])
