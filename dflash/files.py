@@ -297,33 +297,43 @@ class NoFollowFileHandler(logging.FileHandler):
         return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
-def file_digest(path: str | os.PathLike[str], *, sample_above: int | None = None) -> dict[str, int | str]:
+def file_digest(
+    path: str | os.PathLike[str],
+    *,
+    sample_above: int | None = None,
+    blocks: int = SAMPLE_BLOCKS,
+    block_bytes: int = _HASH_CHUNK,
+) -> dict[str, int | str]:
     """``{"size", "sha256"}`` of a file: sha256 of every byte, or, for a file over ``sample_above``
-    bytes (and over :data:`SAMPLE_BLOCKS` MiB), of its size and :data:`SAMPLE_BLOCKS` blocks of 1 MiB
+    bytes (and over ``blocks x block_bytes``), of its size and ``blocks`` blocks of ``block_bytes``
     (the first, the last and evenly spaced ones between), marked ``"sampled": 1``. A sampled digest
-    catches truncation, a replaced file and damage to any sampled block, not a few bytes changed
-    between blocks: for files whose full hash on every load would cost more than the load (tens of
-    GB read by every rank)."""
+    catches truncation, a replaced or re-saved file and damage to any sampled block, not a few bytes
+    changed between blocks: for files whose full hash on every load would cost more than the load
+    (tens of GB read by every rank)."""
     size = os.path.getsize(path)
-    sampled = sample_above is not None and size > max(sample_above, SAMPLE_BLOCKS * _HASH_CHUNK)
-    out: dict[str, int | str] = {"size": size, "sha256": _sha256(path, size, sampled)}
+    sampled = sample_above is not None and size > max(sample_above, blocks * block_bytes)
+    out: dict[str, int | str] = {
+        "size": size,
+        "sha256": _sha256(path, size, blocks if sampled else 0, block_bytes),
+    }
     if sampled:
         out["sampled"] = 1
     return out
 
 
-def _sha256(path: str | os.PathLike[str], size: int, sampled: bool) -> str:
+def _sha256(path: str | os.PathLike[str], size: int, blocks: int, block_bytes: int) -> str:
+    """sha256 of the whole file (``blocks == 0``), or of its size and ``blocks`` sampled blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        if not sampled:
+        if not blocks:
             while chunk := fh.read(_HASH_CHUNK):
                 h.update(chunk)
             return h.hexdigest()
         h.update(f"{size}\0".encode())
-        last = size - _HASH_CHUNK
-        for k in range(SAMPLE_BLOCKS):
-            fh.seek(last * k // (SAMPLE_BLOCKS - 1))
-            h.update(fh.read(_HASH_CHUNK))
+        last = size - block_bytes
+        for k in range(blocks):
+            fh.seek(last * k // (blocks - 1))
+            h.update(fh.read(block_bytes))
     return h.hexdigest()
 
 
@@ -351,6 +361,6 @@ def digest_problems(directory: str | os.PathLike[str], recorded: object) -> list
             problems.append(f"{p}: missing")
         elif (size := p.stat().st_size) != want["size"]:
             problems.append(f"{p}: {size} bytes, {want['size']} when it was written (truncated or replaced)")
-        elif _sha256(p, size, bool(want.get("sampled"))) != want.get("sha256"):
+        elif _sha256(p, size, SAMPLE_BLOCKS if want.get("sampled") else 0, _HASH_CHUNK) != want.get("sha256"):
             problems.append(f"{p}: content differs from when it was written (sha256 mismatch)")
     return problems

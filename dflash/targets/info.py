@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash.config import DataConfig, TargetConfig
 from dflash.config.resolve import resolve_path
+from dflash.files import file_digest
 from dflash.targets.loader import INDEX_FILE, SINGLE_FILE, TargetMeta, read_target_meta, resolve_file
 
 
@@ -66,9 +67,8 @@ def target_problems(target: TargetInfo, data: DataConfig, block_size: int) -> li
     return p
 
 
-FINGERPRINT_SAMPLES = 16
-"""Data blocks hashed per safetensors file by ``weights_fingerprint``."""
-FINGERPRINT_BLOCK = 1 << 16
+FINGERPRINT_BLOCKS = 16
+"""Blocks of 64 KiB ``weights_fingerprint`` hashes per safetensors file (the first holds its header)."""
 
 
 def weights_fingerprint(path: str, revision: str | None = None) -> str:
@@ -76,11 +76,10 @@ def weights_fingerprint(path: str, revision: str | None = None) -> str:
 
     A hub id: ``hub:<id>@<commit>``, the commit of the cached snapshot (hub snapshots are
     content-addressed). A local directory: the sha256 of, per ``*.safetensors`` file (sorted by
-    name), its name, its size, its whole header (tensor names, dtypes, shapes, offsets) and
-    ``FINGERPRINT_SAMPLES`` evenly spaced 64 KiB blocks of its data: about 1 MiB read per file. Any
-    change to the header, the size or the sampled bytes (a re-saved, re-scaled or swapped model)
-    changes it; an edit confined to bytes between the samples does not. ``none``: no weights file
-    (``target.random_weights``)."""
+    name), its name and a sampled ``dflash.files.file_digest``: its size and ``FINGERPRINT_BLOCKS``
+    evenly spaced 64 KiB blocks, the first one its header (tensor names, dtypes, shapes, offsets):
+    about 1 MiB read per file. A re-saved, re-scaled or swapped model changes it; an edit confined to
+    bytes between the samples does not. ``none``: no weights file (``target.random_weights``)."""
     local = Path(path)
     if not local.is_dir():
         found = resolve_file(path, INDEX_FILE, revision) or resolve_file(path, SINGLE_FILE, revision)
@@ -90,21 +89,6 @@ def weights_fingerprint(path: str, revision: str | None = None) -> str:
         return "none"
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}:".encode())
-        _hash_safetensors_sample(f, h)
+        digest = file_digest(f, sample_above=0, blocks=FINGERPRINT_BLOCKS, block_bytes=1 << 16)
+        h.update(f"{f.name}:{digest['size']}:{digest['sha256']}\n".encode())
     return h.hexdigest()
-
-
-def _hash_safetensors_sample(path: Path, h: Any) -> None:
-    """Feed ``h`` the header of a safetensors file and the sampled blocks of its data."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        h.update(head)
-        header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
-        h.update(fh.read(min(header_len, size)))
-        start = 8 + header_len
-        span = max(size - start - FINGERPRINT_BLOCK, 0)
-        for i in range(FINGERPRINT_SAMPLES):
-            fh.seek(start + span * i // max(FINGERPRINT_SAMPLES - 1, 1))
-            h.update(fh.read(FINGERPRINT_BLOCK))
