@@ -410,6 +410,15 @@ class EvalConfig:
     """Run speculative decoding on held-out prompts every N steps on the drafter leader (0 = off)."""
     num_prompts: int = field(default=8, metadata=FREE)
     max_new_tokens: int = field(default=64, metadata=FREE)
+    suite: Any = field(default=None, metadata=FREE)
+    """Also decode these benchmarks (``dflash.eval.suites``: zlab, gsm8k, math500, humaneval, mbpp,
+    mt-bench, or a list) at every eval and log ``eval/<benchmark>/tau``; None = the held-out prompts only."""
+    data_dir: str | None = field(default=None, metadata=FREE)
+    """The suite's data on offline hosts: one ``save_to_disk`` copy per benchmark (``<data_dir>/gsm8k``, ...)."""
+    max_samples: int | None = field(default=8, metadata=FREE)
+    """Rows of each suite benchmark (a seeded sample as the z-lab benchmark draws it; None = all)."""
+    seed: int = field(default=0, metadata=FREE)
+    """Seed of that sample (0: the z-lab benchmark's transformers backend)."""
 
 
 @dataclass

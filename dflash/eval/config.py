@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -22,12 +23,25 @@ class EvalAppConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     drafter_path: str = MISSING
     """An exported drafter directory (config.json + model.safetensors, see dflash.drafter.export)."""
-    prompts: str = MISSING
-    """JSONL of {"messages": [...]} (prompt = messages before the last assistant one) or a datasets path."""
+    prompts: str | None = None
+    """JSONL of {"messages": [...]} (prompt = messages before the last assistant one) or a datasets path.
+    Exactly one of ``prompts`` and ``suite``."""
     split: str = "train"
     """Split of a datasets path."""
     num_prompts: int | None = None
     """Use only the first N usable prompts (None = all)."""
+    suite: Any = None
+    """Benchmarks of the z-lab benchmark (``dflash.eval.suites``): ``zlab`` (all five), one of gsm8k,
+    math500, humaneval, mbpp, mt-bench, or a list (``suite=[gsm8k,mt-bench]``; ``suite=gsm8k,mbpp`` too)."""
+    data_dir: str | None = None
+    """A folder with one ``save_to_disk`` copy per benchmark (``<data_dir>/gsm8k``, ...) for offline
+    hosts; None = read each benchmark from the hub with ``datasets``."""
+    max_samples: int | None = None
+    """Per benchmark: at most this many rows, a seeded sample as the reference draws it (None = all)."""
+    seed: int = 0
+    """Seed of that sample (0: the reference's transformers backend)."""
+    gather_timeout_s: float = 7200.0
+    """On a torchrun launch: how long a rank that finished its share waits for the others."""
     max_new_tokens: int = 256
     block_size: int | None = None
     """None = the drafter's block size."""

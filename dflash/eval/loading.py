@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ import torch
 from dflash.config.resolve import resolve_device, resolve_path, torch_dtype
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.model import DFlashDraftModel
+from dflash.eval.suites import suite_problems
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,6 +44,8 @@ class EvalSetup:
     device: torch.device
     target_path: str
     drafter_path: str
+    max_positions: int | None = None
+    """The target's max_position_embeddings (None when its config has none)."""
 
 
 def eval_config_problems(cfg: EvalAppConfig) -> list[str]:
@@ -55,10 +59,20 @@ def eval_config_problems(cfg: EvalAppConfig) -> list[str]:
         p.append(f"num_prompts={cfg.num_prompts}: must be >= 1 or null (all prompts)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         p.append("device=cuda but CUDA is not available; set device=cpu (or auto)")
-    return p
+    if (cfg.prompts is None) == (cfg.suite is None):
+        p.append(
+            f"prompts={cfg.prompts!r} and suite={cfg.suite!r}: set exactly one (prompts=<prompts.jsonl> "
+            "for a prompt file, suite=zlab or suite=[gsm8k,mt-bench] for benchmarks)"
+        )
+    if cfg.max_samples is not None and cfg.max_samples < 1:
+        p.append(f"max_samples={cfg.max_samples}: must be >= 1 or null (every row of each benchmark)")
+    if cfg.gather_timeout_s <= 0:
+        p.append(f"gather_timeout_s={cfg.gather_timeout_s}: must be > 0")
+    return p + suite_problems(cfg.suite, cfg.data_dir)
 
 
-def _raise(problems: list[str]) -> None:
+def raise_problems(problems: list[str]) -> None:
+    """One ValueError listing every problem (none: nothing)."""
     if problems:
         lines = "\n".join(f"  - {m}" for m in problems)
         raise ValueError(f"{len(problems)} eval config problem(s):\n{lines}")
@@ -219,62 +233,38 @@ def _drafter_dir(cfg: EvalAppConfig) -> Path:
     return drafter_dir
 
 
-def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
-    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head (the target's own
-    weights; ``load_embed_and_head`` when the model does not expose them), tokenizer, prompts.
+def _exported(cfg: EvalAppConfig, drafter_dir: Path) -> tuple[dict, DrafterArch]:
+    """The exported drafter's config.json and its architecture (ValueError naming ``drafter_path``)."""
+    from dflash.drafter.export import arch_from_export
 
-    Every mismatch between the drafter and the target, weights that cannot fit the device (the
-    planner's count from both config.json files) and prompts the target cannot read are reported
-    before anything large is read or allocated, each naming the field and the fix.
-    """
-    from transformers import AutoTokenizer
-
-    from dflash.data.sources import Source
-    from dflash.drafter.export import arch_from_export, load_exported, load_into
-    from dflash.plan.memory import weights_problem
-    from dflash.targets.loader import (
-        device_capacity,
-        load_embed_and_head,
-        load_target,
-        read_target_meta,
-        target_size_problems,
-    )
-    from dflash.targets.tiny import tiny_target_path
-
-    _raise(eval_config_problems(cfg))
-    device = resolve_device(cfg.device, field="device")
-    dtype = torch_dtype(cfg.target.dtype, device)
-    target_path = tiny_target_path(
-        cfg.target, resolve_path(cfg.target.path), resolve_path(cfg.paths.cache_dir)
-    )
-    drafter_dir = _drafter_dir(cfg)
-    prompts_path = resolve_path(cfg.prompts)
-    Source(prompts_path, cfg.split, field="prompts")  # a missing prompts file is named before any load
     exported_cfg = json.loads((drafter_dir / "config.json").read_text())
     try:
-        arch = arch_from_export(exported_cfg)
+        return exported_cfg, arch_from_export(exported_cfg)
     except ValueError as exc:
         raise ValueError(f"drafter_path={cfg.drafter_path!r}: {exc}") from None
-    meta = read_target_meta(
-        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
-    )
-    drafter_size = weights_problem(  # built in fp32, then cast
-        "drafter", f"drafter_path={drafter_dir}/config.json", arch, 4, *device_capacity(device)
-    )
-    _raise(
-        drafter_problems(arch, exported_cfg, meta, cfg)
-        + target_size_problems(meta, f"target.path={target_path} (config.json)", dtype, device)
-        + ([drafter_size] if drafter_size else [])
-    )
-    _, state = load_exported(drafter_dir)
-    block_size = cfg.block_size or arch.block_size
 
-    tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
-    tokenizer = AutoTokenizer.from_pretrained(
-        tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
-    )
+
+def _frozen_drafter(
+    arch: DrafterArch, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> DFlashDraftModel:
+    """The exported weights in a drafter on ``device``, in eval mode, frozen, parameters in ``dtype``."""
+    from dflash.drafter.export import load_into
+
+    drafter = DFlashDraftModel(arch)
+    load_into(drafter, state)
+    drafter.to(device).eval().requires_grad_(False)
+    with torch.no_grad():  # parameters only: the RoPE inv_freq buffer stays fp32, as in the target
+        for param in drafter.parameters():
+            param.data = param.data.to(dtype)
+    return drafter
+
+
+def _prompt_file(
+    cfg: EvalAppConfig, path: str, tokenizer: Any, meta: Any, block_size: int
+) -> list[list[int]]:
+    """The prompts of ``prompts`` (ValueError when one cannot be decoded within the target's context)."""
     prompts = load_prompts(
-        prompts_path,
+        path,
         tokenizer,
         split=cfg.split,
         num_prompts=cfg.num_prompts,
@@ -292,15 +282,67 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
             f"prompts {too_long[:5]}: prompt + max_new_tokens={cfg.max_new_tokens} + block size exceeds the "
             f"target's max_position_embeddings={meta.max_position_embeddings}; lower max_new_tokens"
         )
+    return prompts
+
+
+def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
+    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head (the target's own
+    weights; ``load_embed_and_head`` when the model does not expose them), tokenizer, and the prompts
+    of ``prompts`` (none with a suite: its turns are rendered while decoding). The device is
+    ``device``'s, on a torchrun launch the GPU of ``LOCAL_RANK``.
+
+    Every mismatch between the drafter and the target, weights that cannot fit the device (the
+    planner's count from both config.json files) and prompts the target cannot read are reported
+    before anything large is read or allocated, each naming the field and the fix.
+    """
+    from transformers import AutoTokenizer
+
+    from dflash.data.sources import Source
+    from dflash.drafter.export import load_exported
+    from dflash.plan.memory import weights_problem
+    from dflash.targets.loader import (
+        device_capacity,
+        load_embed_and_head,
+        load_target,
+        read_target_meta,
+        target_size_problems,
+    )
+    from dflash.targets.tiny import tiny_target_path
+
+    raise_problems(eval_config_problems(cfg))
+    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")), field="device")
+    dtype = torch_dtype(cfg.target.dtype, device)
+    target_path = tiny_target_path(
+        cfg.target, resolve_path(cfg.target.path), resolve_path(cfg.paths.cache_dir)
+    )
+    drafter_dir = _drafter_dir(cfg)
+    prompts_path = resolve_path(cfg.prompts) if cfg.prompts is not None else None
+    if prompts_path is not None:  # a missing prompts file is named before any load
+        Source(prompts_path, cfg.split, field="prompts")
+    exported_cfg, arch = _exported(cfg, drafter_dir)
+    meta = read_target_meta(
+        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
+    drafter_size = weights_problem(  # built in fp32, then cast
+        "drafter", f"drafter_path={drafter_dir}/config.json", arch, 4, *device_capacity(device)
+    )
+    raise_problems(
+        drafter_problems(arch, exported_cfg, meta, cfg)
+        + target_size_problems(meta, f"target.path={target_path} (config.json)", dtype, device)
+        + ([drafter_size] if drafter_size else [])
+    )
+    _, state = load_exported(drafter_dir)
+    block_size = cfg.block_size or arch.block_size
+
+    tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
+    prompts = _prompt_file(cfg, prompts_path, tokenizer, meta, block_size) if prompts_path is not None else []
 
     tcfg = type(cfg.target)(**{**asdict(cfg.target), "path": target_path})
     target = load_target(tcfg, device, dtype)
-    drafter = DFlashDraftModel(arch)
-    load_into(drafter, state)
-    drafter.to(device).eval().requires_grad_(False)
-    with torch.no_grad():  # parameters only: the RoPE inv_freq buffer stays fp32, as in the target
-        for param in drafter.parameters():
-            param.data = param.data.to(dtype)
+    drafter = _frozen_drafter(arch, state, device, dtype)
     embed, head = target_embed_and_head(target)
     if embed is None or head is None:
         embed, head = load_embed_and_head(
@@ -320,4 +362,5 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
         device=device,
         target_path=target_path,
         drafter_path=str(drafter_dir),
+        max_positions=meta.max_position_embeddings or None,
     )

@@ -11,6 +11,12 @@ for the leader. Each returns its partial sums (``EVAL_SUMS``), the trainer sums 
 drafters and turns them into metrics (``eval_metrics``). It needs the target on each drafter's
 device (its lm_head verifies): a co-located rank uses its own target, a disaggregated drafter loads
 a copy, so it is off by default (``eval.every=0``).
+
+With ``eval.suite`` (``zlab``, ``[gsm8k,mt-bench]``, ...) the drafters also decode the benchmarks of
+:mod:`dflash.eval.suites` as ``python -m dflash.eval suite=...`` does (``eval.data_dir``,
+``eval.max_samples``, ``eval.seed``; conversation i of a benchmark on drafter ``i mod M``; no
+baseline) and log ``eval/<benchmark>/tau`` and its histogram (``dflash.eval.suite_run.SUITE_SUMS``
+after the held-out sums).
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.eval.loading import eos_ids_of
 from dflash.eval.report import evaluate
+from dflash.eval.suite_run import (
+    Decoder,
+    benchmark_report,
+    decode_conversations,
+    suite_sums,
+    suite_sums_metrics,
+)
+from dflash.eval.suites import Conversation, load_suite, suite_template_kwargs
 from dflash.targets.forward import target_forward
 from dflash.targets.loader import load_target
 from dflash.train.setup import RunSetup
@@ -46,7 +60,8 @@ EVAL_SUMS = (
     "blocks",
     "aborted",  # drafters whose share was aborted by a stop request
 )
-"""Partial sums of one drafter's share, in this order, then the acceptance histogram (1..B)."""
+"""Partial sums of one drafter's share, in this order, then the acceptance histogram (1..B), then the
+suite's ``suite_sums``."""
 
 
 class EvalAborted(RuntimeError):
@@ -81,15 +96,22 @@ class PeriodicEval:
             else load_target(cfg.target, device, torch_dtype(cfg.target.dtype, device))
         )
         self.eos_ids = eos_ids_of(setup.tokenizer, self.target)
+        suite = load_suite(
+            cfg.eval.suite, cfg.eval.data_dir, cfg.eval.max_samples, cfg.eval.seed, field_prefix="eval."
+        )
+        self.suite: dict[str, list[Conversation]] = {
+            name: convs[drafter_index::num_drafters] for name, (convs, _) in suite.items()
+        }
         autocast = torch_dtype(cfg.drafter.dtype, device)
         self.autocast = (
             torch.autocast(device.type, dtype=autocast) if autocast != torch.float32 else nullcontext()
         )
         log.info(
-            "periodic eval: %d of %d held-out prompts on this drafter, every %d steps",
+            "periodic eval: %d of %d held-out prompts on this drafter, every %d steps%s",
             len(self.samples),
             n,
             cfg.eval.every,
+            "".join(f", {name} {len(c)} conversations" for name, c in self.suite.items()),
         )
 
     @torch.no_grad()
@@ -124,52 +146,66 @@ class PeriodicEval:
             blocks += float(out.num_blocks)
         return tau, inv, blocks
 
-    def run(
+    def _suite_sums(
         self,
         drafter: DFlashDraftModel,
         embed: torch.Tensor,
         head: torch.Tensor,
-        should_stop: Callable[[], bool] = lambda: False,
+        check: Callable[..., None],
     ) -> torch.Tensor:
-        """This share's partial sums (float64 ``[len(EVAL_SUMS) + B]``, see ``EVAL_SUMS``); stops
-        within one decode step (or one tau_hat sample) of ``should_stop()`` turning true, and then
-        returns sums with ``aborted = 1``."""
+        """``suite_sums`` of this drafter's share of every benchmark of ``eval.suite``."""
+        bs = self.setup.arch.block_size
+        dec = Decoder(
+            target=self.target,
+            drafter=drafter,
+            embed=embed,
+            head=head,
+            tokenizer=self.setup.tokenizer,
+            layer_ids=self.setup.layer_ids,
+            block_size=bs,
+            eos_ids=self.eos_ids,
+            max_new_tokens=self.cfg.eval.max_new_tokens,
+            baseline=False,
+            template_kwargs=suite_template_kwargs(dict(self.cfg.data.chat_template_kwargs)),
+            max_positions=self.setup.meta.max_position_embeddings or None,
+        )
+        reports = {
+            name: benchmark_report(
+                name, "", decode_conversations(dec, name, convs, on_step=check), bs, dec.max_new_tokens
+            )
+            for name, convs in self.suite.items()
+        }
+        return suite_sums(reports, bs)
+
+    def _held_out_sums(
+        self,
+        drafter: DFlashDraftModel,
+        embed: torch.Tensor,
+        head: torch.Tensor,
+        check: Callable[..., None],
+    ) -> torch.Tensor:
+        """``EVAL_SUMS`` and the histogram of this drafter's held-out prompts (zeros without any)."""
         bs = self.setup.arch.block_size
         sums = torch.zeros(len(EVAL_SUMS) + bs, dtype=torch.float64)
         if not self.prompts:
             return sums
-
-        def check(_trace: object = None) -> None:
-            if should_stop():
-                raise EvalAborted("a stop was requested: checkpoint first")
-
-        was_training = drafter.training
-        drafter.eval()
-        try:
-            with self.autocast:
-                report = evaluate(
-                    self.target,
-                    drafter,
-                    embed,
-                    head,
-                    self.setup.tokenizer,
-                    self.prompts,
-                    max_new_tokens=self.cfg.eval.max_new_tokens,
-                    layer_ids=self.setup.layer_ids,
-                    block_size=bs,
-                    eos_ids=self.eos_ids,
-                    baseline=False,
-                    warmup=False,
-                    on_step=check,
-                    verbose=False,
-                )
-                tau, inv, blocks = self._tau_hat_sums(drafter, embed, head, check)
-        except EvalAborted as e:
-            log.warning("eval share aborted: %s", e)
-            sums[EVAL_SUMS.index("aborted")] = 1.0
-            return sums
-        finally:
-            drafter.train(was_training)
+        report = evaluate(
+            self.target,
+            drafter,
+            embed,
+            head,
+            self.setup.tokenizer,
+            self.prompts,
+            max_new_tokens=self.cfg.eval.max_new_tokens,
+            layer_ids=self.setup.layer_ids,
+            block_size=bs,
+            eos_ids=self.eos_ids,
+            baseline=False,
+            warmup=False,
+            on_step=check,
+            verbose=False,
+        )
+        tau, inv, blocks = self._tau_hat_sums(drafter, embed, head, check)
         values = {
             "accept_sum": float(sum(a for r in report.results for a in r.accept_lengths)),
             "steps": float(report.num_steps),
@@ -187,9 +223,41 @@ class PeriodicEval:
         )
         return sums
 
+    def run(
+        self,
+        drafter: DFlashDraftModel,
+        embed: torch.Tensor,
+        head: torch.Tensor,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> torch.Tensor:
+        """This share's partial sums (float64 ``[len(EVAL_SUMS) + B]`` held-out, see ``EVAL_SUMS``,
+        then the suite's ``suite_sums``); stops within one decode step (or one tau_hat sample) of
+        ``should_stop()`` turning true, and then returns zeros with ``aborted = 1``."""
+        bs = self.setup.arch.block_size
+
+        def check(_trace: object = None) -> None:
+            if should_stop():
+                raise EvalAborted("a stop was requested: checkpoint first")
+
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            with self.autocast:
+                held_out = self._held_out_sums(drafter, embed, head, check)
+                suite = self._suite_sums(drafter, embed, head, check)
+        except EvalAborted as e:
+            log.warning("eval share aborted: %s", e)
+            held_out = torch.zeros(len(EVAL_SUMS) + bs, dtype=torch.float64)
+            held_out[EVAL_SUMS.index("aborted")] = 1.0
+            suite = suite_sums({}, bs)
+        finally:
+            drafter.train(was_training)
+        return torch.cat([held_out, suite])
+
 
 def eval_metrics(sums: torch.Tensor, block_size: int) -> dict[str, float]:
-    """``eval/*`` metrics from the drafters' summed ``EVAL_SUMS`` (empty when any share was aborted)."""
+    """``eval/*`` metrics from the drafters' summed ``EVAL_SUMS`` and ``eval/<benchmark>/*`` from the
+    suite's sums after them (empty when any share was aborted)."""
     v = dict(zip(EVAL_SUMS, sums[: len(EVAL_SUMS)].tolist(), strict=True))
     if v["aborted"] > 0 or v["steps"] == 0:
         return {}
@@ -203,6 +271,6 @@ def eval_metrics(sums: torch.Tensor, block_size: int) -> dict[str, float]:
         "eval/num_steps": v["steps"],
         "eval/num_output_tokens": v["output_tokens"],
     }
-    for k, c in enumerate(sums[len(EVAL_SUMS) :].tolist(), start=1):
+    for k, c in enumerate(sums[len(EVAL_SUMS) : len(EVAL_SUMS) + block_size].tolist(), start=1):
         m[f"eval/accept_len_hist/{k}"] = c
-    return m
+    return m | suite_sums_metrics(sums[len(EVAL_SUMS) + block_size :], block_size)
