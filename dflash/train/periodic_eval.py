@@ -27,7 +27,7 @@ from contextlib import nullcontext
 
 import torch
 
-from dflash.config import Config
+from dflash.config import Config, UserError
 from dflash.config.resolve import torch_dtype
 from dflash.data.tokenize import load_eval_samples
 from dflash.drafter.blocks import doc_ids_from_positions, eligible_anchors
@@ -42,7 +42,7 @@ from dflash.eval.suite_run import (
     suite_sums,
     suite_sums_metrics,
 )
-from dflash.eval.suites import Conversation, load_suite, suite_template_kwargs
+from dflash.eval.suites import BenchmarkDataMissing, Conversation, load_suite, suite_template_kwargs
 from dflash.targets.forward import target_forward
 from dflash.targets.loader import load_target
 from dflash.train.setup import RunSetup
@@ -96,9 +96,12 @@ class PeriodicEval:
             else load_target(cfg.target, device, torch_dtype(cfg.target.dtype, device))
         )
         self.eos_ids = eos_ids_of(setup.tokenizer, self.target)
-        suite = load_suite(
-            cfg.eval.suite, cfg.eval.data_dir, cfg.eval.max_samples, cfg.eval.seed, field_prefix="eval."
-        )
+        try:
+            suite = load_suite(
+                cfg.eval.suite, cfg.eval.data_dir, cfg.eval.max_samples, cfg.eval.seed, field_prefix="eval."
+            )
+        except BenchmarkDataMissing as exc:  # every drafter finds it; the first one says it
+            raise UserError(str(exc), scope="here" if drafter_index == 0 else "quiet") from None
         self.suite: dict[str, list[Conversation]] = {
             name: convs[drafter_index::num_drafters] for name, (convs, _) in suite.items()
         }
