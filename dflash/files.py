@@ -14,6 +14,7 @@
   torn last line before a writer resumes.
 - ``file_lock(path)``: an exclusive ``flock``; the kernel releases it when the holder dies
   (``blocking=False``: fail at once when another process holds it).
+- ``NoFollowFileHandler``: a log file that is never opened through a symbolic link.
 
 Files are made readable like any other file the user creates (mode ``0o666 & ~umask``;
 safetensors alone would write 0600).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import uuid
@@ -161,10 +163,13 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def append_line(path: str | os.PathLike[str], line: str) -> None:
-    """Append one line (a newline is added) with a single write, then fsync."""
+def append_line(path: str | os.PathLike[str], line: str, *, follow_symlinks: bool = True) -> None:
+    """Append one line (a newline is added) with a single write, then fsync. With
+    ``follow_symlinks=False`` a symbolic link at ``path`` is never written through (``OSError``
+    ELOOP: the files of a run directory)."""
     data = (line.rstrip("\n") + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags, 0o666)
     try:
         written = os.write(fd, data)
         if written != len(data):
@@ -234,3 +239,23 @@ def file_lock(
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class NoFollowFileHandler(logging.FileHandler):
+    """A log file handler that never opens its file through a symbolic link (``O_NOFOLLOW``).
+
+    A link at the log's path is not opened: the handler writes nothing and ``refused`` is set, so
+    the run's directory check (``dflash.train.run_dir.run_dir_problems``) stops the launch naming
+    the link before anything else is written. Hydra's job logging uses it for the rank logs."""
+
+    refused = False
+
+    def _open(self):
+        try:
+            fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            self.refused = True
+            return open(os.devnull, "a", encoding=self.encoding)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)

@@ -71,6 +71,20 @@ def tiny_target_dir(session_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_target_dir(session_cache: Path) -> Path:
+    """The tiny Qwen3-MoE target of conf/target/tiny_moe.yaml (8 experts, 2 per token, random
+    weights) + tokenizer, built once where that config looks for it."""
+    from omegaconf import OmegaConf
+    from testpaths import REPO
+
+    from dflash.config import TinyTargetConfig
+    from dflash.targets.tiny import ensure_tiny_target
+
+    spec = TinyTargetConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/target/tiny_moe.yaml").tiny))
+    return ensure_tiny_target(session_cache / "tiny_moe_target_v1", spec)
+
+
+@pytest.fixture(scope="session")
 def run_cache(session_cache: Path, tiny_target_dir: Path) -> Path:
     """A DFLASH_CACHE_DIR holding what the fast torchrun jobs of tests/runner.py need, built once
     in-process (tiny target, regenerated corpus, tokenized data) so the ranks only load it."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -335,3 +336,37 @@ def check_known_keys(dcfg: DictConfig, schema: type) -> None:
             "unknown config key(s): " + "; ".join(unknown) + ". A key that is not in the schema would be "
             "ignored, so the run is refused; fix the name (python -m dflash.train --cfg job prints every key)"
         )
+
+
+def override_key_problems(args: list[str], schema: type) -> list[str]:
+    """Command-line overrides ``a.b=value`` whose dotted key the schema does not have, each with the
+    closest known key. Hydra's own message for one advises ``+a.b=value``, which adds a key the
+    schema then refuses (``check_known_keys``); this names the key that exists instead. Group
+    choices (``target=qwen3_8b``), ``+``/``~``/``hydra.`` overrides and flags are left to Hydra."""
+    import difflib
+
+    out = []
+    for arg in args:
+        key = arg.split("=", 1)[0]
+        if (
+            "=" not in arg
+            or "." not in key
+            or key.startswith(("-", "+", "~", "hydra.", "hydra/"))
+            or "@" in key
+        ):
+            continue
+        cls: Any = schema
+        for depth, part in enumerate(key.split(".")):
+            hints = typing.get_type_hints(cls)
+            if part not in hints:
+                known = [f.name for f in dataclasses.fields(cls)]
+                close = difflib.get_close_matches(part, known, n=1)
+                where = ".".join(key.split(".")[:depth])
+                hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else ""
+                out.append(f"{key}{hint}")
+                break
+            subs = [t for t in (hints[part], *typing.get_args(hints[part])) if dataclasses.is_dataclass(t)]
+            if not subs:
+                break  # a leaf (or a free-form dict): Hydra checks the value
+            cls = subs[0]
+    return out

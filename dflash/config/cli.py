@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -37,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dflash.config import EXIT_USER_ERROR, UserError
-from dflash.config.checks import check_known_keys
+from dflash.config.checks import check_known_keys, override_key_problems
 from dflash.config.secrets import config_secret_problems, install_log_redaction, redact
 
 log = logging.getLogger("dflash")
@@ -175,15 +176,82 @@ def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
         return compose(config_name=config_name, overrides=list(overrides))
 
 
+def _app_module() -> str:
+    """The ``python -m`` module of this process (``dflash.train`` under torchrun)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None) or "dflash.train"
+    return name.removesuffix(".__main__")
+
+
 class _Swallow(io.StringIO):
     """stderr of the non-zero ranks while Hydra composes (rank 0 prints the same message)."""
+
+
+class ConsoleStream(io.TextIOBase):
+    """stdout/stderr that survive a reader that went away (``... | tee log`` and Ctrl-C: the pipe
+    closes while the run still has a checkpoint to write). The first write or flush that finds the
+    pipe closed points the stream's file descriptor at /dev/null; every later write is dropped, so a
+    progress bar or a log line never raises ``BrokenPipeError`` in the middle of a stop."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__()
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def _gone(self) -> None:
+        self.closed_by_reader = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass
+
+    def write(self, s: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                return self._stream.write(s)
+            except BrokenPipeError:
+                self._gone()
+        return len(s)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def isatty(self) -> bool:
+        return not self.closed_by_reader and self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
 
 
 def run_app(config_name: str, schema: type, task: Task) -> None:
     """Compose ``conf/<config_name>.yaml`` and run ``task(cfg, run_dir)``; exits with its code."""
     rank = global_rank()
+    for name in ("stdout", "stderr"):
+        if not isinstance(getattr(sys, name), ConsoleStream):
+            setattr(sys, name, ConsoleStream(getattr(sys, name)))
     real_stderr = sys.stderr
     started = False
+    unknown = override_key_problems(sys.argv[1:], schema)
+    if unknown:
+        if rank == 0:
+            print(
+                f"dflash: error: unknown config key(s): {'; '.join(unknown)}; fix the name "
+                f"(python -m {_app_module()} --cfg job prints every key)",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(EXIT_USER_ERROR)
     if rank != 0:
         sys.stderr = _Swallow()
 

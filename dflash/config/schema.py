@@ -46,6 +46,7 @@ def data_field(resume: dict[str, Any], shapes_dataset: bool) -> dict[str, Any]:
 
 
 RESOLVED_CONTRACT_KEYS = (
+    "target.weights",
     "target.layer_ids",
     "target.hidden_size",
     "target.vocab_size",
@@ -142,6 +143,10 @@ class TopologyConfig:
     wait twice as long for the drafter, which may itself be waiting this long on another target."""
     max_in_flight: int = field(default=2, metadata=FREE)
     """Packets a target may send before the drafter acknowledges the oldest one (backpressure)."""
+    target_tp: int = field(default=1, metadata=FREE)
+    """Ranks per target replica: each of the num_targets replicas holds one target sharded over
+    target_tp consecutive ranks (tensor parallel; experts split by expert where transformers can),
+    so the world is num_targets x target_tp + num_drafters. Must divide the GPUs of a node."""
 
 
 @dataclass
@@ -166,6 +171,11 @@ class TinyTargetConfig:
     train_batch_size: int = field(default=4, metadata=CONTRACT)
     train_seq_len: int = field(default=128, metadata=CONTRACT)
     train_lr: float = field(default=3e-3, metadata=CONTRACT)
+    num_experts: int = field(default=0, metadata=CONTRACT)
+    """Routed experts of every decoder layer (model_type qwen3_moe, qwen3_5_moe_text, gpt_oss); 0 = dense."""
+    num_experts_per_tok: int = field(default=2, metadata=CONTRACT)
+    moe_intermediate_size: int = field(default=64, metadata=CONTRACT)
+    """FFN width of one expert (and of qwen3_5_moe_text's shared expert)."""
 
 
 @dataclass
@@ -193,6 +203,16 @@ class TargetShape:
     linear_key_head_dim: int = field(default=0, metadata=FREE)
     linear_value_head_dim: int = field(default=0, metadata=FREE)
     linear_conv_kernel_dim: int = field(default=0, metadata=FREE)
+    model_type: str | None = field(default=None, metadata=FREE)
+    """transformers model_type of the text config: the planner reads its tensor/expert-parallel plans
+    (None: a dense model whose plan splits attention and MLP)."""
+    num_experts: int = field(default=0, metadata=FREE)
+    """Mixture of experts: routed experts per decoder layer (0 = dense MLP of intermediate_size)."""
+    num_experts_per_tok: int = field(default=0, metadata=FREE)
+    moe_intermediate_size: int = field(default=0, metadata=FREE)
+    """FFN width of one routed expert."""
+    shared_expert_intermediate_size: int = field(default=0, metadata=FREE)
+    """FFN width of the always-active shared expert (Qwen3.5/3.6 MoE); 0 = none."""
 
 
 @dataclass

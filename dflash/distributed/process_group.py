@@ -209,6 +209,27 @@ def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = 
     return ctx
 
 
+def replica_ranks(num_replicas: int, tp_size: int, first_rank: int = 0) -> list[list[int]]:
+    """The ranks of each tensor-parallel target replica: ``k`` consecutive ranks from ``first_rank``
+    (``[[0, 1], [2, 3]]`` for 2 replicas of 2), so that with ``k`` dividing the GPUs of a node a
+    replica never spans two nodes."""
+    return [
+        list(range(first_rank + r * tp_size, first_rank + (r + 1) * tp_size)) for r in range(num_replicas)
+    ]
+
+
+def new_replica_groups(num_replicas: int, tp_size: int, first_rank: int = 0) -> Any:
+    """Create one process group per target replica (a collective: every rank of the world calls it,
+    replicas in order) and return this rank's, or None on a rank outside every replica."""
+    mine = None
+    rank = dist.get_rank()
+    for ranks in replica_ranks(num_replicas, tp_size, first_rank):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 def _member(group) -> bool:
     return group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
 

@@ -12,7 +12,7 @@ from dflash.config import Config
 from dflash.config.checks import raise_problems
 from dflash.config.resolve import resolve_path
 from dflash.drafter.arch import DrafterArch, arch_problems, build_arch, resolve_mask_token_id
-from dflash.drafter.export import load_exported, warm_start_problems
+from dflash.drafter.export import exported_arch, tensor_problems, warm_start_problems
 from dflash.targets.info import TargetInfo, target_problems
 from dflash.targets.loader import resolve_layer_ids
 
@@ -28,7 +28,8 @@ def resolve_drafter(cfg: Config, target: TargetInfo) -> tuple[list[int], Drafter
     except ValueError as e:
         problems.append(str(e))
         layer_ids = list(cfg.target.layer_ids or [])
-    saved_arch = load_exported(resolve_path(cfg.drafter.init_from))[0] if cfg.drafter.init_from else None
+    init_from = resolve_path(cfg.drafter.init_from) if cfg.drafter.init_from else None
+    saved_arch = exported_arch(init_from) if init_from else None
     try:
         mask_id = resolve_mask_token_id(
             cfg.drafter.mask_token_id,
@@ -44,7 +45,7 @@ def resolve_drafter(cfg: Config, target: TargetInfo) -> tuple[list[int], Drafter
     except ValueError as e:  # a layout that config_problems cannot see (e.g. taken from init_from)
         raise_problems([*problems, f"drafter: {e}"], "config")
         raise
-    if saved_arch is not None:
-        problems += warm_start_problems(saved_arch, arch)
+    if init_from and saved_arch is not None:
+        problems += warm_start_problems(saved_arch, arch) or tensor_problems(init_from, arch)
     raise_problems(problems, "config")
     return layer_ids, arch

@@ -54,9 +54,13 @@ def shape_from_meta(meta: TargetMeta) -> TargetShape:
     """The cost model's shape of a target whose config.json was read (hybrid layers from ``layer_types``)."""
     text = meta.text_config
     num_linear = sum("linear" in str(t) for t in text.get("layer_types") or [])
+    num_experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
 
     def linear(key: str) -> int:
         return int(text.get(key) or 0) if num_linear else 0
+
+    def moe(key: str, fallback: int = 0) -> int:
+        return int(text.get(key) or fallback) if num_experts else 0
 
     return TargetShape(
         num_layers=meta.num_layers,
@@ -76,13 +80,19 @@ def shape_from_meta(meta: TargetMeta) -> TargetShape:
         linear_key_head_dim=linear("linear_key_head_dim"),
         linear_value_head_dim=linear("linear_value_head_dim"),
         linear_conv_kernel_dim=linear("linear_conv_kernel_dim"),
+        model_type=meta.model_type,
+        num_experts=num_experts,
+        num_experts_per_tok=moe("num_experts_per_tok"),
+        # gpt-oss names the expert width intermediate_size
+        moe_intermediate_size=moe("moe_intermediate_size", meta.intermediate_size),
+        shared_expert_intermediate_size=moe("shared_expert_intermediate_size"),
     )
 
 
 def meta_from_shape(shape: TargetShape) -> TargetMeta:
     """A TargetMeta carrying only ``shape`` (for ``build_arch`` and the tap ids without config.json)."""
     return TargetMeta(
-        model_type="target.shape",
+        model_type=shape.model_type or "target.shape",
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -98,12 +108,14 @@ def meta_from_shape(shape: TargetShape) -> TargetMeta:
 
 
 def shape_problems(declared: TargetShape, actual: TargetShape) -> list[str]:
-    """Every field of ``target.shape`` that differs from the target's config.json."""
+    """Every field of ``target.shape`` that differs from the target's config.json (``model_type``
+    only when declared)."""
     return [
         f"target.shape.{f.name}={getattr(declared, f.name)} but the target's config.json gives "
         f"{getattr(actual, f.name)}; fix conf/target/<name>.yaml"
         for f in dataclasses.fields(TargetShape)
         if getattr(declared, f.name) != getattr(actual, f.name)
+        and not (f.name == "model_type" and declared.model_type is None)
     ]
 
 

@@ -3,7 +3,9 @@
 Exact items (what the code allocates):
 
 - target weights: every parameter of the ``*ForCausalLM`` in the target dtype (the lm_head is
-  loaded although never run; tied embeddings are counted once);
+  loaded although never run; tied embeddings are counted once), ALL experts of a mixture-of-experts
+  target; with a tensor-parallel replica each rank holds ``1/k`` of every part the plan splits
+  (:class:`dflash.targets.tp.TpLayout`) and the rest whole;
 - drafter weights, gradients and AdamW moments: fp32, 4 + 4 + 8 bytes per trainable parameter
   (the trainer keeps fp32 master weights and computes under bf16 autocast);
 - the drafter's frozen embedding and lm_head copies (``2 * V * H`` in the target dtype);
@@ -21,9 +23,10 @@ tests/unit/test_plan.py):
   ``(n_tap + 3)*H`` per context token once (fc input and output, hidden norm); 4 bytes per element
   in fp32, about 3 under bf16 autocast (bf16 GEMM operands, fp32 norms and residual stream);
 - target activations (inference mode, nothing kept between layers): the working set of one layer,
-  ``4*H + (g + 1)*nh*hd + 2*nkv*hd + 3*F`` elements per computed token, plus for a dense-attention
-  kernel the ``[row, row]`` mask of each row (1 byte bool + the additive mask SDPA derives from
-  it in the compute dtype).
+  ``4*H + (g + 1)*nh*hd + 2*nkv*hd + 3*F`` elements per computed token (a mixture of experts:
+  ``3*(k_e*F_e + F_s) + E`` in place of ``3*F``; a split part's share ``1/k`` on a TP rank), plus
+  for a dense-attention kernel the ``[row, row]`` mask of each row (1 byte bool + the additive mask
+  SDPA derives from it in the compute dtype).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 from dflash.config import TargetShape
 from dflash.plan.costs import AttentionKind, DrafterShape, PacketShape
+from dflash.targets.tp import TpLayout
 
 GIB = 2**30
 ADAM_BYTES_PER_PARAM = 4 + 4 + 8
@@ -50,8 +54,10 @@ class RunDtypes:
     """Per saved drafter activation element: 4 in fp32, :data:`AUTOCAST_ACT_BYTES` under bf16 autocast."""
 
 
-def target_num_params(target: TargetShape) -> int:
-    """Parameters of the target ``*ForCausalLM`` (matrices only; norms and biases are negligible)."""
+def target_params_by_part(target: TargetShape) -> dict[str, int]:
+    """Parameters of the target ``*ForCausalLM`` by part (matrices only; norms and biases are
+    negligible): the decoder-layer parts of :func:`dflash.plan.costs.target_flop_by_part` (all
+    experts), ``embedding`` and ``lm_head`` (0 when tied: counted once)."""
     h, f = target.hidden_size, target.intermediate_size
     nh, nkv, hd = target.num_heads, target.num_kv_heads, target.head_dim
     gate = 2 if target.attn_output_gate else 1
@@ -59,10 +65,41 @@ def target_num_params(target: TargetShape) -> int:
     nk, nv = target.linear_num_key_heads, target.linear_num_value_heads
     dk, dv = nk * target.linear_key_head_dim, nv * target.linear_value_head_dim
     linear = h * (2 * dk + 2 * dv + 2 * nv) + dv * h + target.linear_conv_kernel_dim * (2 * dk + dv)
-    num_full = target.num_layers - target.num_linear_layers
-    layers = num_full * full + target.num_linear_layers * linear + target.num_layers * 3 * h * f
-    embeddings = (1 if target.tie_word_embeddings else 2) * target.vocab_size * h
-    return layers + embeddings
+    layers = target.num_layers
+    shared = target.shared_expert_intermediate_size
+    return {
+        "attention": (layers - target.num_linear_layers) * full,
+        "linear_attention": target.num_linear_layers * linear,
+        "mlp": 0 if target.num_experts else layers * 3 * h * f,
+        "experts": layers * target.num_experts * 3 * h * target.moe_intermediate_size,
+        "router": layers * h * target.num_experts,
+        "shared_expert": layers * (3 * h * shared + h) if shared else 0,
+        "embedding": target.vocab_size * h,
+        "lm_head": 0 if target.tie_word_embeddings else target.vocab_size * h,
+    }
+
+
+def target_num_params(target: TargetShape) -> int:
+    """Parameters of the target ``*ForCausalLM`` (matrices only; norms and biases are negligible)."""
+    return sum(target_params_by_part(target).values())
+
+
+def target_active_params(target: TargetShape) -> int:
+    """Parameters one token runs through: the decoder layers with only ``num_experts_per_tok``
+    experts, and one embedding row (the lm_head never runs on a target rank)."""
+    parts = target_params_by_part(target)
+    experts = (
+        target.num_layers * target.num_experts_per_tok * 3 * target.hidden_size * target.moe_intermediate_size
+    )
+    return sum(v for k, v in parts.items() if k not in ("experts", "embedding", "lm_head")) + experts
+
+
+def target_rank_params(target: TargetShape, layout: TpLayout | None) -> float:
+    """Parameters one rank of a ``layout.tp_size``-rank replica holds (``layout=None``: the whole target)."""
+    parts = target_params_by_part(target)
+    if layout is None:
+        return float(sum(parts.values()))
+    return sum(v / layout.tp_size if layout.split(k) else float(v) for k, v in parts.items())
 
 
 def drafter_num_params(drafter: DrafterShape) -> int:
@@ -81,19 +118,33 @@ def target_memory(
     attention: AttentionKind,
     max_in_flight: int,
     dtypes: RunDtypes,
+    layout: TpLayout | None = None,
 ) -> dict[str, float]:
-    """GiB by item on a target rank: ``weights``, ``activations``, ``packets``."""
+    """GiB by item on a target rank: ``weights``, ``activations``, ``packets`` (``layout``: on one
+    rank of a tensor-parallel replica; its sender holds the packets in flight)."""
     a = dtypes.target_bytes
     h, nh, nkv, hd = target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim
     gate = 2 if target.attn_output_gate else 1
     tokens = packet.target_tokens or packet.tokens
-    working = tokens * (4 * h + (gate + 1) * nh * hd + 2 * nkv * hd + 3 * target.intermediate_size) * a
+
+    def share(part: str) -> float:
+        return 1 / layout.tp_size if layout is not None and layout.split(part) else 1.0
+
+    attn = ((gate + 1) * nh * hd + 2 * nkv * hd) * share("attention")
+    if target.num_experts:
+        experts = 3 * target.num_experts_per_tok * target.moe_intermediate_size * share("experts")
+        ffn = (
+            experts + 3 * target.shared_expert_intermediate_size * share("shared_expert") + target.num_experts
+        )
+    else:
+        ffn = 3 * target.intermediate_size * share("mlp")
+    working = tokens * (4 * h + attn + ffn) * a
     if attention == "dense":
         row = packet.target_row_tokens or packet.tokens
         working += (tokens // row) * row * row * (1 + a)
     packet_bytes = packet.tokens * (num_taps + 1) * h * a
     return {
-        "weights": target_num_params(target) * a / GIB,
+        "weights": target_rank_params(target, layout) * a / GIB,
         "activations": working / GIB,
         "packets": (1 + max_in_flight) * packet_bytes / GIB,
     }

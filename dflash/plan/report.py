@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash.config import TargetShape
+from dflash.metrics import human_count
+from dflash.plan.memory import target_active_params, target_num_params
 from dflash.plan.planner import ROLES, Plan
-from dflash.plan.throughput import Split
+from dflash.plan.throughput import Split, placement
 
 TERA = 1e12
 
@@ -30,6 +33,7 @@ def summary(plan: Plan, name: str, gpu: str) -> dict[str, Any]:
         # As topology.colocated reads them: no target-only ranks, a drafter replica on every GPU.
         "num_targets": 0 if best is co else best.num_targets,
         "num_drafters": plan.world_size if best is co else best.num_drafters,
+        "target_tp": best.target_tp,
         "expected_packets_per_s": round(best.packets_per_s, 4),
         "expected_samples_per_s": round(best.packets_per_s * spp, 3),
         "colocated_samples_per_s": round(co.packets_per_s * spp, 3) if co.fits else 0.0,
@@ -45,6 +49,7 @@ def summary(plan: Plan, name: str, gpu: str) -> dict[str, Any]:
         "mfu_target": plan.times.mfu_target,
         "mfu_drafter": plan.times.mfu_drafter,
         "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
+        "target_rank_memory_gib": {str(k): round(sum(m.values()), 2) for k, m in plan.replica_memory.items()},
         "fits": dict(plan.fits),
         "warnings": plan.warnings,
     }
@@ -54,20 +59,40 @@ def _tf(x: float) -> str:
     return f"{x / TERA:10.2f}"
 
 
-def render(plan: Plan, name: str) -> str:
-    """The table: inputs, per-packet FLOPs and bytes, memory per role, every split, the verdict."""
-    inp, c, pk, gpu, arch = plan.inputs, plan.costs, plan.inputs.packet, plan.inputs.gpu, plan.inputs.arch
+def _moe_text(ts: TargetShape) -> str:
+    if not ts.num_experts:
+        return ""
+    shared = (
+        f" + a shared expert of {ts.shared_expert_intermediate_size}"
+        if ts.shared_expert_intermediate_size
+        else ""
+    )
+    return (
+        f"\n           MoE: {ts.num_experts} experts of FFN {ts.moe_intermediate_size}, {ts.num_experts_per_tok} per token"
+        f"{shared}; {human_count(target_num_params(ts))} parameters, {human_count(target_active_params(ts))} "
+        "active per token in the decoder layers"
+    )
+
+
+def _inputs_lines(plan: Plan, name: str) -> list[str]:
+    inp, gpu, arch = plan.inputs, plan.inputs.gpu, plan.inputs.arch
     ts = inp.target.shape
-    lines = [
+    return [
         f"dflash plan: {name} on {plan.world_size} x {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s dense bf16 each)",
         f"  target : {ts.num_layers} layers ({ts.num_linear_layers} linear attention), H {ts.hidden_size}, "
         f"FFN {ts.intermediate_size}, {ts.num_heads}/{ts.num_kv_heads} heads x {ts.head_dim}, V {ts.vocab_size} "
-        f"[{inp.target.source}]; attention {inp.target_attention}",
+        f"[{inp.target.source}]; attention {inp.target_attention}{_moe_text(ts)}",
         f"  drafter: {arch.num_layers} layers, FFN {arch.intermediate_size}, {arch.num_heads}/{arch.num_kv_heads} "
         f"heads x {arch.head_dim}, {arch.num_taps} taps, block {arch.block_size}; attention {inp.drafter_attention}",
         f"  data   : {inp.stats.mean_sample_tokens:.0f} tokens per sample, {inp.stats.supervised_fraction:.2f} "
         f"supervised [{inp.stats.source}]",
         "",
+    ]
+
+
+def _packet_lines(plan: Plan) -> list[str]:
+    inp, c, pk, arch = plan.inputs, plan.costs, plan.inputs.packet, plan.inputs.arch
+    return [
         f"Per packet: {pk.num_seqs} samples, {pk.tokens} tokens, {pk.num_anchors} anchors x {arch.block_size} slots, "
         f"{pk.loss_rows} loss rows; drafter computes {pk.drafter_context_tokens or pk.tokens} context rows and "
         f"{pk.drafter_blocks if pk.drafter_blocks is not None else pk.num_anchors} blocks",
@@ -86,16 +111,49 @@ def render(plan: Plan, name: str) -> str:
         f"  one GPU per packet: target {plan.times.target_s:.3f} s, drafter {plan.times.drafter_s:.3f} s "
         f"(t = FLOP / (peak x MFU), MFU target {plan.times.mfu_target:g}, drafter {plan.times.mfu_drafter:g})",
         "",
-        f"Memory per GPU, GiB (capacity {plan.capacity_gib:.1f}: {gpu.hbm_gb:g} GB minus reserved)",
     ]
-    for role in ROLES:
-        items = ", ".join(f"{k} {v:.1f}" for k, v in plan.memory[role].items())
-        verdict = "FITS" if plan.fits[role] else "DOES NOT FIT"
-        lines.append(f"  {role:<9} {sum(plan.memory[role].values()):7.1f}  {verdict:<12}  ({items})")
-    lines += [
-        "",
-        f"Splits of {plan.world_size} GPUs: packets/s = min(N / t_target, M / t_drafter, link)",
-        "  N:M            packets/s  samples/s  bound      link GB/s (busiest GPU)",
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    gpu = plan.inputs.gpu
+    lines = [f"Memory per GPU, GiB (capacity {plan.capacity_gib:.1f}: {gpu.hbm_gb:g} GB minus reserved)"]
+    rows = [(role, plan.memory[role], plan.fits[role]) for role in ROLES]
+    rows[1:1] = [(f"target/{k}", plan.replica_memory[k], plan.replica_fits[k]) for k in plan.layouts]
+    for role, items, fits in rows:
+        text = ", ".join(f"{k} {v:.1f}" for k, v in items.items())
+        verdict = "FITS" if fits else "DOES NOT FIT"
+        lines.append(f"  {role:<9} {sum(items.values()):7.1f}  {verdict:<12}  ({text})")
+    if plan.layouts:
+        lines.append("  (target/k: one rank of a tensor-parallel replica of k GPUs)")
+    return [*lines, ""]
+
+
+def _tp_lines(plan: Plan) -> list[str]:
+    """The interconnect each tensor-parallel degree needs: bytes per packet per layer and per packet."""
+    if not plan.layouts:
+        return []
+    ts, gpu = plan.inputs.target.shape, plan.inputs.gpu
+    parts = {k: ", ".join(sorted(layout.parts)) for k, layout in plan.layouts.items()}
+    width = max(len("split parts (the rest on every rank)"), *(len(p) for p in parts.values()))
+    lines = [
+        f"Tensor-parallel replicas (one node each; NVLink {gpu.nvlink_gbps / 2:g} GB/s one way per GPU): "
+        "t = rank FLOP / (peak x MFU) + sent / NVLink",
+        f"  k   {'split parts (the rest on every rank)':<{width}} experts  sent per layer MB  per packet GB   t s",
+    ]
+    for k, layout in plan.layouts.items():
+        total = sum(plan.tp_bytes_per_packet[k].values())
+        lines.append(
+            f"  {k:<3} {parts[k]:<{width}} {layout.experts:<8} {total / ts.num_layers / 1e6:17.1f} "
+            f"{total / 1e9:13.2f} {plan.times.replica_s[k]:6.3f}"
+        )
+    return [*lines, ""]
+
+
+def _split_lines(plan: Plan) -> list[str]:
+    lines = [
+        f"Splits of {plan.world_size} GPUs: packets/s = min(N / t_target, M / t_drafter, link); NxK:M = N replicas "
+        "of K GPUs",
+        "  split          packets/s  samples/s  bound      link GB/s (busiest GPU)",
     ]
     for s in [*plan.splits, plan.colocated]:
         marks = [
@@ -107,23 +165,44 @@ def render(plan: Plan, name: str) -> str:
             f"  {s.label:<14} {s.packets_per_s:9.3f} {s.packets_per_s * plan.samples_per_packet:10.2f}  "
             f"{s.bound:<9}  {link_gbps(plan, s):8.2f}   {' '.join(f'<- {m}' for m in marks)}"
         )
-    lines.append("")
-    b = plan.best
+    return [*lines, ""]
+
+
+def override(split: Split) -> str:
+    """The command-line overrides that run ``split``."""
+    if split.mode == "colocated":
+        return "topology=colocated"
+    tp = f" topology.target_tp={split.target_tp}" if split.target_tp > 1 else ""
+    return f"topology.num_targets={split.num_targets}{tp} topology.num_drafters={split.num_drafters}"
+
+
+def _verdict_lines(plan: Plan, name: str) -> list[str]:
+    b, spp = plan.best, plan.samples_per_packet
     if b is plan.colocated and not plan.splits:
-        lines.append(
-            f"One GPU: co-located only (topology=colocated): {b.packets_per_s * plan.samples_per_packet:.2f} "
+        return [
+            f"One GPU: co-located only (topology=colocated): {b.packets_per_s * spp:.2f} "
             f"samples/s{'' if b.fits else ' (does not fit: see the warnings)'}"
-        )
-        lines += [f"WARNING: {w}" for w in plan.warnings]
-        return "\n".join(lines)
-    lines.append(
-        f"Recommended split: {b.label} (topology.num_targets={b.num_targets} topology.num_drafters="
-        f"{b.num_drafters}): {b.packets_per_s * plan.samples_per_packet:.2f} samples/s"
-        f"{'' if b.fits else ' (a role does not fit: see the warnings)'}"
+        ]
+    gpn = plan.inputs.gpu.gpus_per_node
+    nodes = -(-plan.world_size // gpn)
+    launch = (
+        f"--nnodes {nodes} --nproc_per_node {gpn}" if nodes > 1 else f"--nproc_per_node {plan.world_size}"
     )
-    lines.append(
-        f"Co-located (topology.colocated=true): {plan.colocated.packets_per_s * plan.samples_per_packet:.2f} samples/s"
-        f"{'' if plan.colocated.fits else ' (does not fit)'}; faster here: {plan.mode}"
-    )
+    return [
+        f"Recommended split: {b.label} ({override(b)}): {b.packets_per_s * spp:.2f} samples/s"
+        f"{'' if b.fits else ' (a role does not fit: see the warnings)'}",
+        f"  torchrun {launch} -m dflash.train experiment={name} {override(b)}",
+        *(f"  {line}" for line in placement(b, gpn)),
+        f"Co-located (topology.colocated=true, the whole target on every GPU): "
+        f"{plan.colocated.packets_per_s * spp:.2f} samples/s{'' if plan.colocated.fits else ' (does not fit)'}; "
+        f"faster here: {plan.mode}",
+    ]
+
+
+def render(plan: Plan, name: str) -> str:
+    """The table: inputs, per-packet FLOPs and bytes, memory per role, the tensor-parallel replicas,
+    every split, the verdict."""
+    lines = _inputs_lines(plan, name) + _packet_lines(plan) + _memory_lines(plan) + _tp_lines(plan)
+    lines += _split_lines(plan) + _verdict_lines(plan, name)
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines)

@@ -8,12 +8,14 @@ about the data settings. The training job (``dflash.train.setup``) and the data 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dflash.config import DataConfig, TargetConfig
 from dflash.config.resolve import resolve_path
-from dflash.targets.loader import TargetMeta, read_target_meta
+from dflash.targets.loader import INDEX_FILE, SINGLE_FILE, TargetMeta, read_target_meta, resolve_file
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,47 @@ def target_problems(target: TargetInfo, data: DataConfig, block_size: int) -> li
             f"max_position_embeddings={target.meta.max_position_embeddings}; lower data.max_length"
         )
     return p
+
+
+FINGERPRINT_SAMPLES = 16
+"""Data blocks hashed per safetensors file by ``weights_fingerprint``."""
+FINGERPRINT_BLOCK = 1 << 16
+
+
+def weights_fingerprint(path: str, revision: str | None = None) -> str:
+    """What identifies the target's weights, cheap for a 100 GB checkpoint (part of the run contract).
+
+    A hub id: ``hub:<id>@<commit>``, the commit of the cached snapshot (hub snapshots are
+    content-addressed). A local directory: the sha256 of, per ``*.safetensors`` file (sorted by
+    name), its name, its size, its whole header (tensor names, dtypes, shapes, offsets) and
+    ``FINGERPRINT_SAMPLES`` evenly spaced 64 KiB blocks of its data: about 1 MiB read per file. Any
+    change to the header, the size or the sampled bytes (a re-saved, re-scaled or swapped model)
+    changes it; an edit confined to bytes between the samples does not. ``none``: no weights file
+    (``target.random_weights``)."""
+    local = Path(path)
+    if not local.is_dir():
+        found = resolve_file(path, INDEX_FILE, revision) or resolve_file(path, SINGLE_FILE, revision)
+        return f"hub:{path}@{Path(found).parent.name if found else revision or 'unknown'}"
+    files = sorted(local.glob("*.safetensors"))
+    if not files:
+        return "none"
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}:".encode())
+        _hash_safetensors_sample(f, h)
+    return h.hexdigest()
+
+
+def _hash_safetensors_sample(path: Path, h: Any) -> None:
+    """Feed ``h`` the header of a safetensors file and the sampled blocks of its data."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        h.update(head)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+        h.update(fh.read(min(header_len, size)))
+        start = 8 + header_len
+        span = max(size - start - FINGERPRINT_BLOCK, 0)
+        for i in range(FINGERPRINT_SAMPLES):
+            fh.seek(start + span * i // max(FINGERPRINT_SAMPLES - 1, 1))
+            h.update(fh.read(FINGERPRINT_BLOCK))

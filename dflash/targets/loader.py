@@ -12,6 +12,7 @@ Three ways in, from cheapest to most expensive:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,13 +20,14 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dflash.config import DEFAULT_NUM_TAPS, TargetConfig
 from dflash.metrics import human_count
+from dflash.targets.tp import distributed_config, local_num_bytes, replica_mesh
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -211,29 +213,42 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+def load_target(
+    cfg: TargetConfig, device: torch.device, dtype: torch.dtype, tp_group: Any = None
+) -> PreTrainedModel:
     """The frozen target ``*ForCausalLM``: eval, requires_grad off, on ``device`` (with
-    ``target.random_weights``: built from config.json with random weights, no weights file read)."""
+    ``target.random_weights``: built from config.json with random weights, no weights file read).
+
+    ``tp_group``: the process group of this rank's tensor-parallel replica (``dflash.targets.tp``);
+    with more than one rank the weights are DTensors sharded over it and each rank reads only its
+    shard of the checkpoint. Every rank of the group must call this together.
+    """
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     check_remote_code(cfg)
     t0 = time.perf_counter()
+    tp_size = 1 if tp_group is None else tp_group.size()
+    config = _load_config(cfg.path, cfg.revision, cfg.trust_remote_code)
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=cfg.attn_implementation)
+    sharding: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if tp_size > 1:
+        kwargs["distributed_config"] = distributed_config(config.get_text_config(decoder=True), tp_size)
+        sharding = replica_mesh(tp_group, device)
     if cfg.random_weights:
-        # Built on the device from config.json; the same seed on every rank gives the same weights.
-        config = _load_config(cfg.path, cfg.revision, cfg.trust_remote_code)
-        torch.manual_seed(RANDOM_WEIGHTS_SEED)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=cfg.attn_implementation
+        torch.manual_seed(RANDOM_WEIGHTS_SEED)  # every rank builds the same weights
+    with sharding:
+        if cfg.random_weights and tp_size > 1:  # every tensor missing: initialised shard by shard
+            text = config.get_text_config(decoder=True)
+            model_cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
+            model = model_cls.from_pretrained(None, config=text, state_dict={}, **kwargs)
+        elif cfg.random_weights:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **kwargs
             )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.path,
-            dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
-            revision=cfg.revision,
-            trust_remote_code=cfg.trust_remote_code,
-        )
     model.eval()
     model.requires_grad_(False)
     model.to(device)
@@ -243,15 +258,14 @@ def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> 
         raise RuntimeError(
             f"target {cfg.path}: {len(on_meta)} tensors left on the meta device, e.g. {on_meta[:3]}"
         )
-    num_params = sum(p.numel() for p in model.parameters())
-    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     log.info(
-        "loaded target %s (%s) on %s: %s params, %.2f GiB %s, %.1fs",
+        "loaded target %s (%s) on %s%s: %s params, %.2f GiB %s on this rank, %.1fs",
         cfg.path,
         type(model).__name__,
         device,
-        human_count(num_params),
-        num_bytes / 2**30,
+        f" (tensor parallel over {tp_size} ranks)" if tp_size > 1 else "",
+        human_count(sum(p.numel() for p in model.parameters())),
+        local_num_bytes(model) / 2**30,
         dtype,
         time.perf_counter() - t0,
     )
@@ -262,7 +276,7 @@ def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> 
 # Embedding and lm_head by tensor name
 
 
-def _resolve_file(path: str, filename: str, revision: str | None) -> str | None:
+def resolve_file(path: str, filename: str, revision: str | None) -> str | None:
     """Local file of ``filename`` in a checkpoint dir or hub repo (cache or download); None if absent."""
     if os.path.isdir(path):
         p = Path(path) / filename
@@ -282,11 +296,11 @@ def _resolve_file(path: str, filename: str, revision: str | None) -> str | None:
 
 def _checkpoint_index(path: str, revision: str | None) -> dict[str, str]:
     """tensor name -> local safetensors file, reading only the index (sharded) or header (single)."""
-    index_file = _resolve_file(path, INDEX_FILE, revision)
+    index_file = resolve_file(path, INDEX_FILE, revision)
     if index_file is not None:
         weight_map = json.loads(Path(index_file).read_text())["weight_map"]
         return {name: f"{os.path.dirname(index_file)}\0{shard}" for name, shard in weight_map.items()}
-    single = _resolve_file(path, SINGLE_FILE, revision)
+    single = resolve_file(path, SINGLE_FILE, revision)
     if single is None:
         raise FileNotFoundError(
             f"target checkpoint {path!r} (revision {revision}): neither {INDEX_FILE} nor {SINGLE_FILE} found"
@@ -304,7 +318,7 @@ def _read_tensor(path: str, revision: str | None, location: str, name: str) -> t
         folder, shard = location.split("\0", 1)
         file: str | None = os.path.join(folder, shard)
         if not os.path.isfile(str(file)):  # hub: shards are fetched on demand
-            file = _resolve_file(path, shard, revision)
+            file = resolve_file(path, shard, revision)
             if file is None:
                 raise FileNotFoundError(
                     f"target checkpoint {path!r}: shard {shard} (holding {name}) not found"

@@ -71,23 +71,49 @@ def build_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB) -> Any:
     return hf
 
 
-def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Any:
-    """A random-init ``*ForCausalLM`` from ``spec`` (fp32, untied head so greedy text is not an echo).
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
+"""Mixture-of-experts model types a tiny target can be (``TinyTargetConfig.num_experts`` > 0)."""
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+"""Qwen3.5/3.6 text models: Gated DeltaNet linear attention with full attention every 4th layer."""
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
-    ``qwen3_5_text`` is a hybrid target (Qwen3.5/3.6 text model: gated-delta-net linear attention with
-    a full-attention layer every 4th), its linear heads sized like the attention heads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    linear = {}
-    if spec.model_type == "qwen3_5_text":
-        linear = dict(
+def model_kwargs(spec: TinyTargetConfig) -> dict[str, Any]:
+    """The config fields of ``spec`` beyond the dense ones: linear-attention heads sized like the
+    attention heads (hybrid types), and the experts (MoE types)."""
+    extra: dict[str, Any] = {}
+    if spec.model_type in HYBRID_MODEL_TYPES:
+        extra.update(
             linear_num_key_heads=spec.num_kv_heads,
             linear_num_value_heads=spec.num_heads,
             linear_key_head_dim=spec.head_dim,
             linear_value_head_dim=spec.head_dim,
         )
-    cfg = AutoConfig.for_model(
-        spec.model_type,
+    if (spec.model_type in MOE_MODEL_TYPES) != (spec.num_experts > 0):
+        raise ValueError(
+            f"target.tiny.model_type={spec.model_type} with target.tiny.num_experts={spec.num_experts}: "
+            f"MoE types {list(MOE_MODEL_TYPES)} need num_experts > 0, the others 0"
+        )
+    if spec.num_experts:
+        extra.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok)
+        if spec.model_type == "gpt_oss":  # its intermediate_size is the expert width
+            extra.update(intermediate_size=spec.moe_intermediate_size)
+        else:
+            extra.update(moe_intermediate_size=spec.moe_intermediate_size)
+        if spec.model_type == "qwen3_5_moe_text":
+            extra.update(shared_expert_intermediate_size=spec.moe_intermediate_size)
+    return extra
+
+
+def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Any:
+    """A random-init ``*ForCausalLM`` from ``spec`` (fp32, untied head so greedy text is not an echo).
+
+    ``qwen3_5_text`` is a hybrid target (Qwen3.5/3.6 text model: gated-delta-net linear attention with
+    a full-attention layer every 4th), its linear heads sized like the attention heads; the MoE types
+    (:data:`MOE_MODEL_TYPES`) route every token to ``num_experts_per_tok`` of ``num_experts`` experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -101,13 +127,23 @@ def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
-        **linear,
     )
+    cfg = AutoConfig.for_model(spec.model_type, **{**kwargs, **model_kwargs(spec)})
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = pad_token_id
     return model.eval()
+
+
+def spec_key(spec: TinyTargetConfig) -> dict[str, Any]:
+    """The cache key of a build: every field of ``spec``, the expert fields only for an MoE spec (so
+    a dense spec keeps the key it had before those fields existed)."""
+    key = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+    if not spec.num_experts:
+        for k in MOE_FIELDS:
+            key.pop(k)
+    return key
 
 
 def training_stream(tokenizer: Any, seed: int) -> Iterator[int]:
@@ -175,7 +211,7 @@ def ensure_tiny_target(path: str | os.PathLike, spec: TinyTargetConfig) -> Path:
     Returns the directory, loadable with ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``.
     """
     out = Path(path).resolve()
-    want = {"spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}, "version": BUILD_VERSION}
+    want = {"spec": spec_key(spec), "version": BUILD_VERSION}
     with file_lock(out.parent / f".{out.name}.lock"):
         done = out / _DONE
         if done.exists() and {k: v for k, v in json.loads(done.read_text()).items() if k in want} == want:

@@ -338,10 +338,12 @@ def _why(err: BaseException, root: Path) -> str:
 
 
 def _apply_retention(root: Path, new_step: int, keep: int) -> None:
-    """Delete stray tmp/old dirs, unmarked step dirs and complete checkpoints beyond the newest
-    ``keep``. Complete checkpoints newer than the one just saved (an abandoned timeline, after a
-    resume from an older checkpoint) would be picked by the next auto-resume: they are moved to
-    ``root/abandoned-<time>/``, never deleted."""
+    """Delete the stray temp dirs of interrupted saves and the complete checkpoints beyond the
+    newest ``keep`` (the only things this deletes are what ``save_checkpoint`` wrote). Complete
+    checkpoints newer than the one just saved (an abandoned timeline, after a resume from an older
+    checkpoint) would be picked by the next auto-resume: they are moved to
+    ``root/abandoned-<time>/``, never deleted. A ``step_*`` directory without a COMPLETE marker was
+    not written by a save (a save puts only complete directories in place): it is left alone."""
     marked: list[tuple[int, Path]] = []
     for step, path in _list_step_dirs(root):
         if step > new_step and _is_marked(path):
@@ -356,8 +358,7 @@ def _apply_retention(root: Path, new_step: int, keep: int) -> None:
                 new_step,
             )
         elif not _is_marked(path):
-            logger.info("removing incomplete checkpoint dir %s (no %s marker)", path, MARKER)
-            _rmtree(path)
+            logger.warning("leaving %s alone: no %s marker, so no save of this run wrote it", path, MARKER)
         else:
             marked.append((step, path))
     for _, path in marked[keep:]:

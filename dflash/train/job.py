@@ -110,9 +110,12 @@ def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> in
             drop_info_from=("dflash.train.setup", "dflash.data"),
         )
     _quiet_transformers()
-    if is_leader:
-        from dflash.train.run_dir import RunDirLock
+    from dflash.train.run_dir import RunDirLock, run_dir_problems
 
+    refused = run_dir_problems(run_dir)
+    if refused:
+        raise UserError("; ".join(refused))
+    if is_leader:
         cleanup.enter_context(RunDirLock(run_dir))
     setup, resume = _setup_phase(cfg, world_size, topology, rank, run_dir)
     if is_leader:

@@ -39,6 +39,41 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".dflash.lock"
 RUN_OUTPUTS = ("checkpoints", "drafter", "ledger.jsonl", "metrics.jsonl", "wandb_run_id")
 """What a run leaves in its directory besides logs and config.yaml (moved aside by train.overwrite)."""
+RUN_DIRS = ("checkpoints", "drafter", "wandb", "replaced")
+"""Entries of a run directory that the run keeps as directories."""
+RUN_FILES = (
+    LOCK_FILE,
+    "config.yaml",
+    "ledger.jsonl",
+    "metrics.jsonl",
+    "wandb_run_id",
+    ".dflash.shared-check",
+)
+"""Files the run writes in its directory (and the rank logs, ``rank*.log``)."""
+
+
+def run_dir_problems(run_dir: Path) -> list[str]:
+    """What in ``run_dir`` the run would write through or over: a symbolic link among its entries
+    (a write would follow it out of the directory, a cleanup would delete through it) and a file
+    where the run keeps a directory. Checked on every rank before anything is written there."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    names = [*RUN_FILES, *RUN_DIRS, *(p.name for p in run_dir.glob("rank*.log"))]
+    problems = []
+    for name in sorted(set(names)):
+        path = run_dir / name
+        if path.is_symlink():
+            problems.append(
+                f"{path} is a symbolic link (to {os.readlink(path)}); a run writes only inside its own directory: "
+                f"remove the link, or give the run another directory (hydra.run.dir=...)"
+            )
+        elif name in RUN_DIRS and path.exists() and not path.is_dir():
+            problems.append(
+                f"{path} is a file where the run keeps its {name}/ directory; move it away, or give the run "
+                f"another directory (hydra.run.dir=...)"
+            )
+    return problems
 
 
 class RunDirLock:
@@ -147,6 +182,11 @@ def resume_checkpoint(
 # The run contract
 
 
+SCHEDULE_KEYS = ("optim.lr", "optim.warmup_ratio", "optim.min_lr_ratio", "train.num_steps")
+"""Contract entries that shape the learning-rate schedule: a resume that changes only these (with
+train.allow_contract_change=true) re-plans the rest of the schedule (``DrafterTrainer``)."""
+
+
 class _Missing:
     def __repr__(self) -> str:
         return "<missing>"
@@ -185,10 +225,16 @@ def check_contract(saved: dict, current: dict, *, allow_change: bool) -> list[st
         if va is _MISSING or vb is _MISSING or va != vb:
             diffs.append(f"{key}: saved={_show(va)} current={_show(vb)}")
     if diffs and not allow_change:
-        raise ValueError(
-            "the checkpoint was written by a run with a different contract:\n  "
-            + "\n  ".join(diffs)
-            + "\nResuming would mix incompatible state. To accept the change on purpose, set "
+        only_schedule = all(d.split(":", 1)[0] in SCHEDULE_KEYS for d in diffs)
+        hint = (
+            "\nTo extend (or shorten) the run or change its learning rate, set train.allow_contract_change=true: "
+            "the learning rate then continues from the value the run reached down to the new minimum at "
+            "the new last step."
+            if only_schedule
+            else "\nResuming would mix incompatible state. To accept the change on purpose, set "
             "train.allow_contract_change=true (the differences are then logged)."
+        )
+        raise ValueError(
+            "the checkpoint was written by a run with a different contract:\n  " + "\n  ".join(diffs) + hint
         )
     return diffs

@@ -25,7 +25,7 @@ from dflash.distributed.protocol import PacketSpec
 from dflash.distributed.topology import Topology
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.resolve import resolve_drafter
-from dflash.targets.info import TargetInfo, resolve_target
+from dflash.targets.info import TargetInfo, resolve_target, weights_fingerprint
 from dflash.targets.loader import TargetMeta
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class RunSetup:
 
 def run_contract(
     raw: dict[str, Any],
+    weights: str,
     layer_ids: list[int],
     meta: TargetMeta,
     arch: DrafterArch,
@@ -80,8 +81,11 @@ def run_contract(
     packets_per_step: int,
 ) -> dict[str, Any]:
     """What must not change across a resume: the CONTRACT-tagged config values (``raw``, from
-    ``contract_values``) and the entries of ``RESOLVED_CONTRACT_KEYS`` that cover the derived fields."""
+    ``contract_values``) and the entries of ``RESOLVED_CONTRACT_KEYS`` that cover the derived fields,
+    among them ``weights``, the target's ``weights_fingerprint`` (the same path with other weights
+    in it is another target)."""
     resolved = {
+        "target.weights": weights,
         "target.layer_ids": list(layer_ids),
         "target.hidden_size": meta.hidden_size,
         "target.vocab_size": meta.vocab_size,
@@ -115,6 +119,7 @@ def prepare(cfg: Config, world_size: int, *, progress: bool = False) -> RunSetup
         )
     contract = run_contract(
         contract_values(cfg),
+        weights_fingerprint(target.path, cfg.target.revision),
         layer_ids,
         target.meta,
         arch,

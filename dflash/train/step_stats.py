@@ -102,19 +102,16 @@ def step_metrics(
 ) -> dict[str, float]:
     """Every per-step metric from the all-reduced sums (the same on every drafter)."""
     o, c = s.objective, s.counters
-    w = max(float(o["weight_sum"]), 1e-12)
-    count = o["slot_count"].clamp(min=1)
-    supervised = float(o["slot_count"].sum().clamp(min=1))
-    blocks = max(float(o["num_blocks"]), 1.0)
+    w, supervised, blocks = float(o["weight_sum"]), float(o["slot_count"].sum()), float(o["num_blocks"])
     step_s = max(step_s, 1e-9)
     m: dict[str, float] = {
         "train/step": float(step),
-        "train/loss": float(o["loss_sum"]) / w,
-        "train/acc": float(o["slot_hit"].sum()) / supervised,
-        "train/acc_verifier": float(o["slot_hit_verifier"].sum()) / supervised,
-        "train/tau_hat": blocks / max(float(o["inv_tau_verifier_sum"]), 1e-12),
-        "train/tau_hat_arith": float(o["tau_verifier_sum"]) / blocks,
-        "train/tau_hat_data": blocks / max(float(o["inv_tau_sum"]), 1e-12),
+        "train/loss": _ratio(float(o["loss_sum"]), w),
+        "train/acc": _ratio(float(o["slot_hit"].sum()), supervised),
+        "train/acc_verifier": _ratio(float(o["slot_hit_verifier"].sum()), supervised),
+        "train/tau_hat": _ratio(blocks, float(o["inv_tau_verifier_sum"])),
+        "train/tau_hat_arith": _ratio(float(o["tau_verifier_sum"]), blocks),
+        "train/tau_hat_data": _ratio(blocks, float(o["inv_tau_sum"])),
         "train/lr": lr,
         "train/grad_norm": grad_norm,
         "train/num_blocks": float(o["num_blocks"]),
@@ -134,8 +131,14 @@ def step_metrics(
         m["perf/target_busy_frac"] = c["target_s"] / (num_targets * step_s)
     for i, name in enumerate(TERMS):
         if loss_weights.get(name, 0.0) > 0 or float(o["term_sums"][i]) != 0.0:
-            m[f"train/loss_{name}"] = float(o["term_sums"][i]) / w
+            m[f"train/loss_{name}"] = _ratio(float(o["term_sums"][i]), w)
     for k in range(1, s.block_size):
-        m[f"train/acc_slot_{k}"] = float(o["slot_hit"][k] / count[k])
-        m[f"train/acc_verifier_slot_{k}"] = float(o["slot_hit_verifier"][k] / count[k])
+        count = float(o["slot_count"][k])
+        m[f"train/acc_slot_{k}"] = _ratio(float(o["slot_hit"][k]), count)
+        m[f"train/acc_verifier_slot_{k}"] = _ratio(float(o["slot_hit_verifier"][k]), count)
     return m
+
+
+def _ratio(num: float, den: float) -> float:
+    """``num / den``, NaN when there is nothing to average over (a step that trained on nothing)."""
+    return num / den if den > 0 else float("nan")

@@ -140,23 +140,30 @@ def balance_line(
         values = [r[key] for r in tail if key in r]
         return sum(values) / len(values) if values else math.nan
 
+    def share(key: str) -> float:
+        """A per-step fraction over the whole tail (weighted by step time), at most 1: targets work
+        up to ``max_in_flight`` packets ahead, so one step can hold more than its own forward time."""
+        rows_with = [r for r in tail if key in r and "perf/step_s" in r]
+        wall = sum(r["perf/step_s"] for r in rows_with)
+        return min(1.0, sum(r[key] * r["perf/step_s"] for r in rows_with) / wall) if wall > 0 else math.nan
+
     t_t, t_d = mean("perf/target_s_per_packet"), mean("perf/drafter_s_per_packet")
     if not (t_t > 0 and t_d > 0):
         return None
     if colocated:
         world = num_drafters
-        share = 100 * t_t / (t_t + t_d)
+        pct = 100 * t_t / (t_t + t_d)
         line = (
             f"per packet: target forward {t_t:.3g}s + drafter {t_d:.3g}s on each rank "
-            f"({share:.0f}% / {100 - share:.0f}% of the step)"
+            f"({pct:.0f}% / {100 - pct:.0f}% of the step)"
         )
         if world > 1:
             n, rate = best_split(world, t_t, t_d)
             line += f"; disaggregated {_split(n, world - n)} would be ~{rate * (t_t + t_d) / world:.2f}x this"
         return line
     world = num_targets + num_drafters
-    busy = mean("perf/target_busy_frac")
-    waited = mean("comm/recv_wait_frac")
+    busy = share("perf/target_busy_frac")
+    waited = share("comm/recv_wait_frac")
     now = min(num_targets / t_t, num_drafters / t_d)
     n, rate = best_split(world, t_t, t_d)
     line = (
@@ -171,10 +178,16 @@ def balance_line(
 
 
 def status_line(step: int, num_steps: int, stopped_by: str | None) -> str:
-    """``finished: 145 of 145 steps`` or ``stopped at step 51 of 505 (SIGTERM); relaunch ...``."""
+    """``finished: 145 of 145 steps``, ``stopped at step 51 of 505 (SIGTERM); relaunch ...``, or for a
+    requested stop (``stopped_by`` = ``train.stop_after_steps=N``) the command that continues."""
     if step >= num_steps:
         return f"finished: {step} of {num_steps} steps"
     why = f" ({stopped_by})" if stopped_by else ""
+    if stopped_by and stopped_by.startswith("train.stop_after_steps"):
+        return (
+            f"stopped at step {step} of {num_steps}{why}; to continue, launch the same command without "
+            f"train.stop_after_steps (or with a larger value)"
+        )
     return f"stopped at step {step} of {num_steps}{why}; relaunch the same command to resume"
 
 

@@ -39,7 +39,7 @@ from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
-from dflash.drafter.optim import build_optimizer, build_scheduler
+from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
 from dflash.eval.loading import target_embed_and_head
 from dflash.metrics import (
     MetricLogger,
@@ -59,6 +59,7 @@ from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpo
 from dflash.train.packets import LocalPackets, PacketMaker, PacketSource
 from dflash.train.periodic_eval import PeriodicEval, eval_metrics
 from dflash.train.rng_state import capture_rng_state, restore_rng_state
+from dflash.train.run_dir import SCHEDULE_KEYS
 from dflash.train.setup import RunSetup
 from dflash.train.step_stats import StepSums, step_metrics
 from dflash.train.steplog import StepLog
@@ -74,6 +75,9 @@ from dflash.train.summary import (
 )
 
 log = logging.getLogger(__name__)
+
+EMPTY_STEPS_LIMIT = 3
+"""Optimizer steps in a row without a supervised slot that stop the run (it would train on nothing)."""
 
 
 def packet_positions(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -97,6 +101,8 @@ class _StepLocal:
     """[num_targets] float64: forward seconds of this drafter's packets, per producing target."""
     target_mem: torch.Tensor
     """[num_targets] float64: the largest peak memory (GiB) those packets report, per target."""
+    target_packets: torch.Tensor
+    """[num_targets] float64: how many of this drafter's packets each target produced."""
     trained: list[int] = field(default_factory=list)
     """Per packet: g, its number of samples, their source ids (the ledger's raw material)."""
     shapes: list[PacketShape] = field(default_factory=list)
@@ -110,6 +116,8 @@ class _StepReduced:
     target_fwd: torch.Tensor
     target_mem: torch.Tensor
     drafter_mem: torch.Tensor
+    target_packets: torch.Tensor
+    """[num_targets]: packets each target produced in the step (a target with none logs nothing)."""
 
 
 class DrafterTrainer:
@@ -166,6 +174,7 @@ class DrafterTrainer:
             )
         self._open_run_files()
         self.phases = PhaseTimer(self.device, sync=cfg.train.time_phases)
+        self._empty_steps = 0
         self.target_shape = shape_from_meta(setup.meta)
         log.info(
             "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
@@ -251,6 +260,39 @@ class DrafterTrainer:
         log.info(
             "resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet
         )
+        self._replan_schedule(loaded.contract)
+
+    def _replan_schedule(self, saved: dict) -> None:
+        """A resume whose schedule settings changed (``train.allow_contract_change=true``: optim.lr,
+        warmup_ratio, min_lr_ratio, train.num_steps) applies them from the resumed step on, starting
+        from the learning rate the run had reached (times the new over the old optim.lr)."""
+        now = self.setup.contract
+        changed = [k for k in SCHEDULE_KEYS if saved.get(k) != now.get(k)]
+        if not changed:
+            return
+        cfg, step = self.cfg.optim, self.state.step
+        lr_reached = float(self.scheduler.get_last_lr()[0]) * cfg.lr / float(saved.get("optim.lr") or cfg.lr)
+        schedule = self.scheduler.lr_lambdas[0]
+        assert isinstance(schedule, LrSchedule)
+        schedule.replan(step, lr_reached / cfg.lr, cfg, self.setup.num_steps)
+        self.scheduler.base_lrs = [cfg.lr for _ in self.optimizer.param_groups]
+        lrs: list[float | torch.Tensor] = [cfg.lr * schedule(step) for _ in self.optimizer.param_groups]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["initial_lr"], group["lr"] = cfg.lr, lr
+        self.scheduler._last_lr = lrs
+        low = cfg.lr * cfg.min_lr_ratio
+        log.warning(
+            "resumed with changed %s: the learning rate continues from %.4g at step %d down to %.4g at step %d%s",
+            ", ".join(changed),
+            float(lrs[0]),
+            step,
+            low,
+            self.setup.num_steps,
+            " (the run had reached its minimum: extend a run before its end, or warm-start a new run with "
+            "drafter.init_from=<run>/drafter for a new schedule)"
+            if float(lrs[0]) <= low * (1 + 1e-9)
+            else "",
+        )
 
     def close(self, exit_code: int = 0) -> None:
         self.logger.close(exit_code)
@@ -322,6 +364,7 @@ class DrafterTrainer:
             sums=StepSums(self.setup.arch.block_size),
             target_fwd=torch.zeros(n_targets, dtype=torch.float64),
             target_mem=torch.zeros(n_targets, dtype=torch.float64),
+            target_packets=torch.zeros(n_targets, dtype=torch.float64),
         )
         c = local.sums.counters
         self.phases.start()
@@ -354,6 +397,7 @@ class DrafterTrainer:
         c["target_s"] += packet.forward_s
         slot = 0 if self.topology.colocated else self.topology.producer_of(packet.index)
         local.target_fwd[slot] += packet.forward_s
+        local.target_packets[slot] += 1
         local.target_mem[slot] = max(float(local.target_mem[slot]), packet.peak_mem_bytes / 2**30)
         c["stop"] += float(bool(packet.flags & FLAG_STOP_REQUESTED))
         c["nonfinite_samples"] += packet.num_skipped_nonfinite
@@ -377,7 +421,8 @@ class DrafterTrainer:
                 c["drafter_flop"] += costs.drafter_flop
         sums = local.sums
         sums.load(all_reduce_sum(self.ctx, sums.flat().to(self.device)).cpu())
-        target_fwd = all_reduce_sum(self.ctx, local.target_fwd.to(self.device)).cpu()
+        per_target = torch.cat([local.target_fwd, local.target_packets])
+        target_fwd, target_packets = all_reduce_sum(self.ctx, per_target.to(self.device)).cpu().chunk(2)
         drafter_mem = torch.zeros(self.topology.num_drafters, dtype=torch.float64)
         drafter_mem[self.drafter_index] = peak_memory_gib(self.device)
         mem = all_reduce_max(self.ctx, torch.cat([local.target_mem, drafter_mem]).to(self.device)).cpu()
@@ -386,20 +431,23 @@ class DrafterTrainer:
         if sums.counters["stop"] > 0 and self.stop_signal is None:
             self.stop_signal = "a stop signal of another rank"
         self.phases.mark("reduce")
-        return _StepReduced(sums, target_fwd, mem[:n_targets], mem[n_targets:])
+        return _StepReduced(sums, target_fwd, mem[:n_targets], mem[n_targets:], target_packets)
 
     def _apply_update(self, step: int, sums: StepSums) -> tuple[float, float]:
         """Divide the summed gradients by the global weight sum, clip, and step the optimizer unless
         the loss or the gradient is not finite (``train.on_nonfinite``); returns (grad norm, lr)."""
         cfg = self.cfg
         weight_sum = float(sums.objective["weight_sum"])
+        self._check_trained_on_something(step, weight_sum)
         scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
         lr = float(self.scheduler.get_last_lr()[0])
-        if sums.counters["nonfinite_loss"] > 0 or not math.isfinite(grad_norm):
+        if weight_sum == 0:
+            log.warning("step %d: no packet of the step held a supervised slot; nothing trained", step + 1)
+        elif sums.counters["nonfinite_loss"] > 0 or not math.isfinite(grad_norm):
             self.state.nonfinite_steps += 1
             if cfg.train.on_nonfinite == "error":
                 raise RuntimeError(
@@ -430,10 +478,38 @@ class DrafterTrainer:
             skipped["nonfinite_hidden"] = skipped.get("nonfinite_hidden", 0) + int(
                 sums.counters["nonfinite_samples"]
             )
+            self._check_nonfinite_samples()
         if cfg.train.ledger:
             self._write_ledger(step + 1, trained)
         if cfg.train.check_replicas_every and self.state.step % cfg.train.check_replicas_every == 0:
             check_replicas(self.ctx, self.model, self.state.step)
+
+    def _check_trained_on_something(self, step: int, weight_sum: float) -> None:
+        """A step without a supervised slot trains nothing; ``EMPTY_STEPS_LIMIT`` in a row stop the run."""
+        self._empty_steps = self._empty_steps + 1 if weight_sum == 0 else 0
+        if self._empty_steps >= EMPTY_STEPS_LIMIT:
+            first = step + 2 - self._empty_steps
+            raise RuntimeError(
+                f"steps {first}-{step + 1} trained on nothing: no packet held a supervised slot (every sample "
+                f"dropped by the targets as non-finite, data/skipped/nonfinite_hidden="
+                f"{self.state.skipped.get('nonfinite_hidden', 0)}, or loss masks without two consecutive "
+                f"supervised tokens); check the target checkpoint and target.dtype, and the data's loss mask "
+                f"(python -m dflash.data.prepare ... show=3)"
+            )
+
+    def _check_nonfinite_samples(self) -> None:
+        """Samples the targets dropped as non-finite count against ``data.max_skip_fraction`` of the
+        samples this run trains: the run stops as soon as that share is certain to be exceeded."""
+        dropped = self.state.skipped.get("nonfinite_hidden", 0)
+        planned = int(self.setup.plan.bounds[self.setup.num_steps * self.topology.packets_per_step])
+        limit = self.cfg.data.max_skip_fraction * planned
+        if dropped > limit:
+            raise RuntimeError(
+                f"the targets dropped {dropped} sample(s) with non-finite hidden states, more than "
+                f"data.max_skip_fraction={self.cfg.data.max_skip_fraction} of the {planned} samples this run trains "
+                f"(data/skipped/nonfinite_hidden); a broken target checkpoint or an overflowing dtype "
+                f"(target.dtype={self.cfg.target.dtype}) is the usual cause"
+            )
 
     def _metrics(self, r: _StepReduced, t0: float, lr: float, grad_norm: float) -> dict[str, float]:
         """Every metric of the step just taken (the same on every drafter)."""
@@ -456,10 +532,11 @@ class DrafterTrainer:
         packets_in_step = max(topo.packets_per_step, 1)
         m["perf/target_s_per_packet"] = r.sums.counters["target_s"] / packets_in_step
         m["perf/drafter_s_per_packet"] = r.sums.counters["busy_s"] / packets_in_step
-        if not topo.colocated:
+        if not topo.colocated:  # the targets that made a packet of this step (no 0.0 for the others)
             for t in range(topo.num_targets):
-                m[f"perf/target_{t}/forward_s"] = float(r.target_fwd[t])
-                m[f"mem/peak_gib/rank_{t}"] = float(r.target_mem[t])
+                if r.target_packets[t] > 0:
+                    m[f"perf/target_{t}/forward_s"] = float(r.target_fwd[t])
+                    m[f"mem/peak_gib/rank_{t}"] = float(r.target_mem[t])
         for d, rank in enumerate(topo.drafter_ranks):
             m[f"mem/peak_gib/rank_{rank}"] = float(r.drafter_mem[d])
         for reason, n in sorted(self.state.skipped.items()):
@@ -571,7 +648,8 @@ class DrafterTrainer:
         start = self.state.step
         agree_on_start(self.ctx, self.topology, self.state.next_packet, self.setup.num_steps)
         reset_peak_memory(self.device)
-        if start < self.setup.num_steps:
+        end = self._end_step(start)
+        if start < end:
             self.source.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
         show_bar = self.is_leader and cfg.logging.progress_bar
         with progress_bar(self.setup.num_steps, start, show_bar) as bar:
@@ -579,7 +657,7 @@ class DrafterTrainer:
                 metrics = self._eval(0)
                 if metrics:
                     self._record({"train/step": 0.0, **metrics})
-            for step in range(start, self.setup.num_steps):
+            for step in range(start, end):
                 metrics = self.train_step(step)
                 if step == start:  # loading and compiling are over: from now on a slow peer is a dead peer
                     self.source.set_timeout(cfg.topology.step_timeout_s)
@@ -628,8 +706,23 @@ class DrafterTrainer:
             self._print_summary(finished, stopped_early)
         return EXIT_STOPPED if stopped_early else 0
 
+    def _end_step(self, start: int) -> int:
+        """The step this launch trains up to: the last one, or none when the run already reached
+        ``train.stop_after_steps`` (a relaunch of the command that stopped it)."""
+        asked = self.cfg.train.stop_after_steps
+        if asked is not None and asked <= start < self.setup.num_steps:
+            log.warning(
+                "the run is at step %d, already past train.stop_after_steps=%d: nothing to train; launch the "
+                "same command without train.stop_after_steps (or with a larger value) to continue",
+                start,
+                asked,
+            )
+            return start
+        return self.setup.num_steps
+
     def _print_summary(self, finished: bool, stopped_early: bool) -> None:
-        by = self.stop_signal if stopped_early else ("train.stop_after_steps" if not finished else None)
+        asked = f"train.stop_after_steps={self.cfg.train.stop_after_steps}"
+        by = self.stop_signal if stopped_early else (asked if not finished else None)
         table = summary_table(
             self.summary,
             run_dir=self.run_dir,

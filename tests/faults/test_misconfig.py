@@ -23,7 +23,11 @@ from dflash.config.cli import compose_config
 pytestmark = pytest.mark.faults
 
 LAUNCHED = [
-    ("typo without +", ["train.max_step=5"], "Could not override 'train.max_step'"),
+    (
+        "typo without +",
+        ["train.max_step=5"],
+        "unknown config key(s): train.max_step (did you mean train.max_steps?)",
+    ),
     ("unknown +key", ["+train.max_step=5"], "train.max_step (did you mean train.max_steps?)"),
     (
         "eval without held-out data",

@@ -7,14 +7,12 @@ kills every child that is still alive, so no test can hang.
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
 import os
 import time
-import traceback
 from pathlib import Path
 
 import pytest
+from procs import finish_rank, rank_env, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,16 +26,11 @@ MAX_TOKENS = 256
 # process harness
 
 
-def _entry(rank: int, tmp: str, scenario: str, num_targets: int, num_drafters: int) -> None:
-    world = num_targets + num_drafters
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    result: dict = {"rank": rank}
-    try:
-        import torch
-
-        torch.set_num_threads(1)
+def _entry(rank: int, world: int, tmp: str, scenario: str, num_targets: int, num_drafters: int) -> None:
+    def body() -> dict:
+        rank_env(rank, world)
         from dflash.config import TopologyConfig
-        from dflash.distributed.process_group import init_distributed
+        from dflash.distributed.process_group import destroy, init_distributed
 
         cfg = TopologyConfig(
             num_targets=num_targets,
@@ -47,54 +40,26 @@ def _entry(rank: int, tmp: str, scenario: str, num_targets: int, num_drafters: i
             init_timeout_s=30.0,
         )
         ctx = init_distributed(cfg, init_method=f"file://{tmp}/pg")
-        result.update(SCENARIOS[scenario](ctx, Path(tmp)) or {})
-        result["ok"] = True
+        result = SCENARIOS[scenario](ctx, Path(tmp)) or {}
         if result.pop("destroy", True):
-            from dflash.distributed.process_group import destroy
-
             destroy(ctx)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        result.update(ok=False, error_type=type(e).__name__, error=str(e), traceback=traceback.format_exc())
-    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
-    os._exit(0)
+        return result
+
+    finish_rank(rank, tmp, body)
 
 
 def run_world(
     tmp_path: Path, scenario: str, deadline_s: float = 40.0, num_targets: int = 2, num_drafters: int = 1
 ) -> dict[int, dict]:
-    """Start the ranks, join them with a deadline (killing stragglers), return each rank's result."""
-    world = num_targets + num_drafters
-    if "forkserver" in mp.get_all_start_methods():  # children fork from a server that imported torch once
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "dflash.distributed.links", "dflash.distributed.process_group"]
-        )
-    else:
-        ctx = mp.get_context("spawn")
-    args = (str(tmp_path), scenario, num_targets, num_drafters)
-    procs = [ctx.Process(target=_entry, args=(r, *args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline_s
+    """Start the ranks of ``scenario``, join them with a deadline, return each rank's result."""
+    preload = ["torch", "torch.distributed", "dflash.distributed.links", "dflash.distributed.process_group"]
+    args = (scenario, num_targets, num_drafters)
     try:
-        for p in procs:
-            p.join(timeout=max(0.0, end - time.monotonic()))
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not hung, f"scenario {scenario}: ranks {hung} still running after {deadline_s}s (killed)"
-    results = {}
-    for r, p in enumerate(procs):
-        f = tmp_path / f"rank{r}.json"
-        results[r] = (
-            json.loads(f.read_text())
-            if f.exists()
-            else {"ok": False, "error": f"no result, exit code {p.exitcode}"}
+        return run_ranks(
+            tmp_path, _entry, num_targets + num_drafters, args, deadline_s=deadline_s, preload=preload
         )
-    return results
+    except AssertionError as e:
+        raise AssertionError(f"scenario {scenario}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------

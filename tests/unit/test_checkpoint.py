@@ -284,8 +284,10 @@ def test_stray_tmp_and_unmarked_dirs_ignored(tmp_path):
 
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000005"
     assert find_resume_checkpoint(tmp_path).step == 5
-    _save(tmp_path, 10)  # the next save clears both leftovers
-    assert _steps(tmp_path) == ["step_00000005", "step_00000010"]
+    _save(tmp_path, 10)  # the next save clears the stray temp dir; the unmarked one is not its own
+    assert _steps(tmp_path) == ["step_00000005", "step_00000010", "step_00000015"]
+    assert not stray.exists() and (unmarked / "model.safetensors").exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000010"
 
 
 def test_all_damaged_raises_naming_files(tmp_path):

@@ -74,6 +74,19 @@ def test_any_value_is_overridable():
     assert cfg.loss.kl == 1.0 and cfg.loss.temperature == 2.0
 
 
+def test_an_unknown_dotted_override_names_the_closest_key_not_plus():
+    """Issue 19 item 12: ``train.max_step=10`` got Hydra's advice to add ``+train.max_step``."""
+    from dflash.config import Config
+    from dflash.config.checks import override_key_problems
+
+    args = ["train.max_step=10", "topology=colocated", "data.chat_template_kwargs.enable_thinking=false"]
+    args += ["+x.y=1", "hydra.run.dir=/tmp/r", "train.max_steps=5", "loss.ce=1", "drafter.nope.deep=2"]
+    assert override_key_problems(args, Config) == [
+        "train.max_step (did you mean train.max_steps?)",
+        "drafter.nope.deep",
+    ]
+
+
 def test_typos_and_wrong_types_fail_at_compose_time():
     with pytest.raises(ConfigCompositionException):
         _compose(["topology.num_target=3"])
