@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import SimpleNamespace
+from types import FrameType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -172,7 +172,9 @@ class SimEvent:
     by then); it waits for what the current stream waited for at that point."""
 
     def __init__(self, sim: NcclSim, enable_timing: bool = False, **_: Any) -> None:
-        self.sim, self.t, self.deps = sim, None, []
+        self.sim = sim
+        self.t: float | None = None
+        self.deps: list[Op] = []
 
     def record(self, stream: Any = None) -> None:
         rank = self.sim._rank()
@@ -366,7 +368,7 @@ class NcclSim:
         return "\n".join(lines)
 
     def _blockers(self, head: Op) -> list[int]:
-        if head.kind in ("send", "recv"):
+        if head.peer is not None:
             return [head.peer]
         assert head.coll is not None
         return [
@@ -392,16 +394,16 @@ class NcclSim:
                 if not q:
                     continue
                 op = q[0]
-                if op.kind == "send":
+                if op.kind == "send" and op.peer is not None:
                     pq = self.queues.get((op.peer, comm))
                     if pq and pq[0].kind == "recv" and pq[0].peer == rank:
                         self._transfer(op, pq[0])
                         q.popleft()
                         pq.popleft()
                         changed = True
-                elif op.kind == "collective":
+                elif op.kind == "collective" and op.coll is not None:
                     c = op.coll
-                    heads = [self.queues.get((m, comm)) for m in c.group.ranks]
+                    heads = [self.queues.get((m, comm), deque()) for m in c.group.ranks]
                     if len(c.members) == len(c.group.ranks) and all(h and h[0].coll is c for h in heads):
                         _complete_collective(c)
                         for h in heads:
@@ -437,24 +439,25 @@ class NcclSim:
             raise RuntimeError("an op on a group this rank is not a member of")
         return group
 
-    def _label(self) -> tuple[str, Any]:
+    @staticmethod
+    def _label() -> str:
         """The link-level operation of the caller (``Endpoint._post``'s ``op`` and ``g``), for reports."""
-        f = sys._getframe(2)
+        f: FrameType | None = sys._getframe(2)
         for _ in range(4):
             if f is None:
                 break
-            if "op" in f.f_locals and isinstance(f.f_locals["op"], str):
+            if isinstance(f.f_locals.get("op"), str):
                 g = f.f_locals.get("g")
-                return f.f_locals["op"] + (f" (packet {g})" if isinstance(g, int) else ""), None
+                return f.f_locals["op"] + (f" (packet {g})" if isinstance(g, int) else "")
             f = f.f_back
-        return "", None
+        return ""
 
     def _p2p(self, kind: str, tensor: torch.Tensor, peer: int, group: Any) -> SimWork:
         rank = self._rank()
         g = self._group(group)
         if rank not in g.ranks or peer not in g.ranks:
             raise RuntimeError(f"rank {rank}: {kind} with rank {peer} on {g}, which does not hold both")
-        label, _ = self._label()
+        label = self._label()
         op = Op(
             rank,
             kind,
@@ -572,7 +575,10 @@ class NcclSim:
         async_op: bool = False,
     ) -> SimWork | None:
         work = self._collective("all_reduce", group, (tensor, op), f"all_reduce {tuple(tensor.shape)}")
-        return work if async_op else _wait_now(work)
+        if async_op:
+            return work
+        _wait_now(work)
+        return None
 
     def all_gather(
         self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
@@ -580,7 +586,10 @@ class NcclSim:
         work = self._collective(
             "all_gather", group, (tensor_list, tensor), f"all_gather {tuple(tensor.shape)}"
         )
-        return work if async_op else _wait_now(work)
+        if async_op:
+            return work
+        _wait_now(work)
+        return None
 
     def barrier(self, group: Any = None, **_: Any) -> None:
         _wait_now(self._collective("all_reduce", group, (torch.zeros(1), real_dist.ReduceOp.SUM), "barrier"))

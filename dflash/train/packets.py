@@ -15,6 +15,7 @@ pending sends and control receive, i.e. for its drafters.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol
 
@@ -151,7 +152,10 @@ class LocalPackets:
     """The packet source of a co-located rank: ``recv(g)`` runs this rank's own target forward.
 
     Nothing is waited for (``last_wait_s`` stays 0; the forward time is the packet's ``forward_s``)
-    and nothing is in flight, so ``ack``/``prefetch``/``first_step_done`` do nothing and ``stop_all`` discards nothing.
+    and nothing is in flight, so ``ack``/``prefetch``/``first_step_done`` do nothing and
+    ``stop_all`` discards nothing. The hidden states come out of the target's ``inference_mode``
+    forward, which autograd cannot save for the drafter's backward: the drafter gets a copy (what a
+    drafter rank receives over the wire is an ordinary tensor already).
     """
 
     def __init__(self, maker: PacketMaker) -> None:
@@ -159,7 +163,10 @@ class LocalPackets:
         self.last_wait_s = 0.0
 
     def recv(self, g: int) -> Packet:
-        return self.maker.make(g)
+        packet = self.maker.make(g)
+        return dataclasses.replace(
+            packet, aux_hidden=packet.aux_hidden.clone(), final_hidden=packet.final_hidden.clone()
+        )
 
     def ack(self, g: int) -> None:
         pass

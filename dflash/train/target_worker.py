@@ -83,6 +83,12 @@ class TargetWorker:
                 # and compiles): init_timeout_s is over for this link.
                 link.set_timeout(drafter_timeout)
                 set_timeout(self.ctx, drafter_timeout, link=(self.ctx.rank, d))
+                log.info(
+                    "%s finished a step: %s waits at most %gs for it from now",
+                    link.peer_name,
+                    self.topology.describe(self.ctx.rank),
+                    drafter_timeout,
+                )
             sent += 1
         for link in self.links.values():
             link.wait_for_stop()

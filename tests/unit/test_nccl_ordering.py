@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -164,10 +165,10 @@ def run_job(
         finally:
             role.close()
         destroy(ctx)
-        out = {"code": code}
+        out: dict[str, Any] = {"code": code}
         if isinstance(role, trainer.DrafterTrainer):
             out["step"] = role.state.step
-        else:
+        elif isinstance(role, target_worker.TargetWorker):
             out["stopped"] = {d: link.stopped for d, link in role.links.items()}
         return out
 
