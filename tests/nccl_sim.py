@@ -234,6 +234,8 @@ class NcclSim:
         self.failed_rank: int | None = None
         self.deadlock: str | None = None
         self.watchdog_races: list[str] = []
+        self.p2p_groups: set[SimGroup] = set()
+        """Every group a send or receive used."""
         self.aborted: set[int] = set()
         self.destroyed: set[int] = set()
         self.region_blocked: dict[int, list[tuple[str, float]]] = {}
@@ -458,6 +460,8 @@ class NcclSim:
         if rank not in g.ranks or peer not in g.ranks:
             raise RuntimeError(f"rank {rank}: {kind} with rank {peer} on {g}, which does not hold both")
         label = self._label()
+        with self.cv:
+            self.p2p_groups.add(g)
         op = Op(
             rank,
             kind,

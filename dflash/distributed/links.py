@@ -208,7 +208,8 @@ class TargetLink(Endpoint):
     """A target's link to one drafter: sends packets in schedule order with ACK backpressure.
 
     ``send`` keeps at most ``max_in_flight`` packets un-ACKed: before posting a packet it reads
-    control messages until the window has room. A STOP sets ``stopped``; ``send`` then returns
+    control messages until the window has room (reading one is a device-to-host copy of 4 int64s,
+    made right after the packet's own sync in ``PacketMaker.make``, when the stream is idle). A STOP sets ``stopped``; ``send`` then returns
     without sending, and the caller ends with ``send_end``. After its last packet a target calls
     ``wait_for_stop`` and then ``send_end``.
     """

@@ -25,6 +25,8 @@ import torch
 from nccl_sim import NcclSim, SimDeadlock
 from runner import FAST
 
+from dflash.distributed.topology import links
+
 FORWARD_S = 0.004
 DRAFTER_S = 0.012
 STEPS = 8
@@ -196,6 +198,9 @@ def test_job_under_nccl_ordering(
     )
     topo = setup.topology
     assert sim.eager and sim.backend == "nccl"  # the layout NCCL gets: eager init, device_id bound
+    # every send and receive travels on a 2-rank group of its link (one communicator, one stream each)
+    assert all(len(g.ranks) == 2 for g in sim.p2p_groups), sim.p2p_groups
+    assert len(sim.p2p_groups) == (0 if topo.colocated else 2 * len(links(topo)))
     assert sorted(results) == list(range(topo.world_size))
     assert all(r["code"] == 0 for r in results.values()), results
     steps = min(stop_after or setup.num_steps, setup.num_steps)
