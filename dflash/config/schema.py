@@ -290,8 +290,11 @@ class DrafterConfig:
 
 @dataclass
 class DataConfig:
-    path: str = field(default=MISSING, metadata=data_field(derived("data.fingerprint"), False))
-    """JSONL with {"messages": [...]}, a datasets-loadable path, or 'embedded' (built offline)."""
+    path: Any = field(default=MISSING, metadata=data_field(derived("data.fingerprint"), False))
+    """A path or a list of paths (``data.path=[a.jsonl,b.parquet]``): a JSONL file, any other data
+    file (parquet, csv, arrow, a JSON array), a folder, a glob, a hub dataset id, or 'embedded'
+    (built offline); see ``dflash.data.sources``. Typed Any because OmegaConf structured configs
+    support no ``str | list[str]``; ``dflash.data.sources.source_paths`` checks the value."""
     split: str = field(default="train", metadata=data_field(derived("data.fingerprint"), True))
     max_length: int = field(default=2048, metadata=data_field(derived("data.fingerprint"), True))
     overlong: Overlong = field(

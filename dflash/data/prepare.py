@@ -46,8 +46,8 @@ def run(cfg: PrepareConfig) -> str:
     returns the cache directory. Raises ValueError on a config or data problem."""
     from dflash.config.checks import validate
     from dflash.data.cache import build_or_load_dataset
+    from dflash.data.display import dataset_summary, show_samples
     from dflash.data.plan import DataPlan
-    from dflash.data.report import dataset_summary, show_samples
     from dflash.data.resolve import resolve_data_config
     from dflash.distributed.topology import Topology
     from dflash.drafter.resolve import resolve_drafter
@@ -58,7 +58,7 @@ def run(cfg: PrepareConfig) -> str:
     world_size = planned_world_size(cfg.topology)
     validate(cfg, world_size)
     topology = Topology.from_config(cfg.topology, world_size, cfg.optim.grad_accum_steps)
-    target = resolve_target(cfg.target)
+    target = resolve_target(cfg.target, cfg.paths.cache_dir)
     resolve_drafter(cfg, target)  # the config problems training would refuse, reported here first
     data = resolve_data_config(cfg.data, target.path)
     ds = build_or_load_dataset(data, target.tokenizer, target.meta.vocab_size, progress=True)
@@ -73,9 +73,21 @@ def run(cfg: PrepareConfig) -> str:
         "same overrides loads this cache",
         flush=True,
     )
+    held_out = data.num_eval_prompts or 0
+    if held_out:
+        print(held_out_line(held_out, cfg.eval.every), flush=True)
     if cfg.show:
         print(show_samples(ds, target.tokenizer, cfg.show, color=sys.stdout.isatty()), flush=True)
     return cache
+
+
+def held_out_line(num_eval: int, eval_every: int) -> str:
+    """What ``prepare`` says about the held-out eval tail: it comes out of the user's own data."""
+    why = f"eval.every={eval_every} evaluates on them" if eval_every > 0 else "held out for eval"
+    return (
+        f"held out: the last {num_eval} records of data.path are never trained on ({why}; "
+        f"data.num_eval_prompts={num_eval}: set it to choose how many)"
+    )
 
 
 register_prepare_schema()

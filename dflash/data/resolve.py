@@ -12,11 +12,11 @@ from dataclasses import replace
 
 from dflash.config import DataConfig
 from dflash.config.resolve import resolve_path
-from dflash.data.sources import EMBEDDED, resolve_source
+from dflash.data.sources import resolve_data_path, resolve_source
 
 
 def resolve_data_config(cfg: DataConfig, target_path: str) -> DataConfig:
     """``cfg`` with ``path`` and ``cache_dir`` resolved (the embedded corpus built if asked for)."""
-    path = cfg.path if cfg.path == EMBEDDED else resolve_path(cfg.path)
+    path = resolve_data_path(cfg.path, resolve_path)  # each path of a list; embedded unchanged
     resolved = replace(cfg, path=path, cache_dir=resolve_path(cfg.cache_dir))
     return replace(resolved, path=resolve_source(resolved, target_path))

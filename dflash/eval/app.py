@@ -1,7 +1,7 @@
 """``python -m dflash.eval``: the app (its schema is :class:`~dflash.eval.config.EvalAppConfig`).
 
 :func:`eval_task` loads everything with
-:func:`~dflash.eval.loading.load_for_eval`, runs :func:`~dflash.eval.report.evaluate`, prints the
+:func:`~dflash.eval.loading.load_for_eval`, runs :func:`~dflash.eval.results.evaluate`, prints the
 table, writes ``report.json`` and ``config.yaml`` to the run dir and logs ``eval/*`` to W&B.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from dflash.config import plain_dict
 from dflash.eval.config import EvalAppConfig
 from dflash.eval.loading import load_for_eval
-from dflash.eval.report import EvalReport, evaluate, report_metrics, report_table
+from dflash.eval.results import EvalReport, evaluate, report_metrics, report_table
 from dflash.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -35,12 +35,14 @@ def eval_task(dcfg: Any, run_dir: Path) -> int:
     """What ``python -m dflash.eval`` does: load, evaluate, print the table, write report.json, log W&B."""
     from omegaconf import OmegaConf
 
+    from dflash.config.cli import value_errors_are_user_errors
     from dflash.metrics import WandbLogger, build_logger, progress_bar
 
     obj = OmegaConf.to_object(dcfg)
     assert isinstance(obj, EvalAppConfig), type(obj)
     cfg: EvalAppConfig = obj
-    setup = load_for_eval(cfg)
+    with value_errors_are_user_errors():  # a missing file or a bad shape: one line, exit 2
+        setup = load_for_eval(cfg)
     log.info(
         "eval: target %s, drafter %s, %d prompts, block size %d, taps %s, device %s",
         setup.target_path,

@@ -129,41 +129,48 @@ def prompt_from_record(record: Any, tokenizer: Any, template_kwargs: dict[str, A
 
 
 def load_prompts(
-    path: str,
+    path: str | list[str],
     tokenizer: Any,
     *,
     split: str = "train",
     num_prompts: int | None = None,
     template_kwargs: dict[str, Any] | None = None,
     field_name: str = "prompts",
+    vocab_size: int | None = None,
 ) -> list[list[int]]:
-    """Prompt ids from a JSONL of {"messages": [...]} or a ``datasets`` path (first ``num_prompts``
-    usable records; unusable ones are skipped with a warning)."""
+    """Prompt ids from a JSONL of {"messages": [...]} or any source ``dflash.data.sources.Source``
+    opens (first ``num_prompts`` usable records; unusable ones, and with ``vocab_size`` those with
+    an id outside ``[0, vocab_size)``, are skipped with a warning). ValueError naming
+    ``target.tokenizer`` when a record needs a chat template the tokenizer lacks."""
     import jinja2
 
-    from dflash.data.sources import load_conversations
+    from dflash.data.sources import Source
+    from dflash.data.tokenize import MissingChatTemplate, require_chat_template
 
-    p = Path(path)
-    if p.suffix in (".jsonl", ".json") and not p.exists():
-        raise ValueError(
-            f"{field_name}={path!r} does not exist; set {field_name}=<a JSONL of "
-            '{"messages": [...]} or a datasets path>'
-        )
     out: list[list[int]] = []
     skipped = 0
-    for idx, rec in enumerate(load_conversations(str(path), split)):
+    for idx, where, rec in Source(path, split, field=field_name).numbered():
         try:
-            out.append(prompt_from_record(rec, tokenizer, template_kwargs or {}))
+            if not (isinstance(rec, dict) and "input_ids" in rec and "messages" not in rec):
+                require_chat_template(tokenizer, where, field_name)
+            ids = prompt_from_record(rec, tokenizer, template_kwargs or {})
+            if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+                bad = next(i for i in ids if not 0 <= i < vocab_size)
+                raise ValueError(f"token id {bad} outside the target vocabulary [0, {vocab_size})")
+        except MissingChatTemplate:
+            raise
         except (ValueError, jinja2.TemplateError) as exc:
             skipped += 1
-            log.warning("%s record %d skipped: %s", field_name, idx, exc)
+            log.warning("%s record %d (%s) skipped: %s", field_name, idx, where, exc)
             continue
+        out.append(ids)
         if num_prompts is not None and len(out) >= num_prompts:
             break
     if not out:
         raise ValueError(
-            f"{field_name}={path!r}: no usable prompt ({skipped} records skipped); each record "
-            'needs {"messages": [{"role": ..., "content": ...}, ...]}'
+            f"{field_name}={path!r}: no usable prompt ({skipped} records skipped, see the warnings); each record "
+            'needs {"messages": [{"role": ..., "content": ...}, ...]} (or input_ids within the target '
+            "vocabulary: check target.tokenizer)"
         )
     if skipped:
         log.warning("%s: %d records skipped, %d prompts used", field_name, skipped, len(out))
@@ -195,26 +202,8 @@ def target_embed_and_head(target: PreTrainedModel) -> tuple[torch.Tensor | None,
     return w_e.detach(), w_h.detach()
 
 
-def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
-    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head (the target's own
-    weights; ``load_embed_and_head`` when the model does not expose them), tokenizer, prompts.
-
-    Every mismatch between the drafter and the target is reported at once, before the target's
-    weights load, each naming the field and the fix.
-    """
-    from transformers import AutoTokenizer
-
-    from dflash.drafter.export import load_exported, load_into
-    from dflash.targets.loader import load_embed_and_head, load_target, read_target_meta
-
-    _raise(eval_config_problems(cfg))
-    device = resolve_device(cfg.device, field="device")
-    dtype = torch_dtype(cfg.target.dtype, device)
-    target_path = resolve_path(cfg.target.path)
-    if cfg.target.tiny is not None:
-        from dflash.targets.tiny import ensure_tiny_target
-
-        target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
+def _drafter_dir(cfg: EvalAppConfig) -> Path:
+    """The exported drafter directory of ``drafter_path`` (ValueError when it is not one)."""
     drafter_dir = Path(resolve_path(cfg.drafter_path))
     if not drafter_dir.is_dir():
         raise ValueError(
@@ -227,28 +216,70 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
             f"drafter_path={cfg.drafter_path!r} lacks {missing}: not an exported drafter; set "
             "drafter_path=<a drafter exported with dflash.drafter.export (config.json + model.safetensors)>"
         )
+    return drafter_dir
+
+
+def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
+    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head (the target's own
+    weights; ``load_embed_and_head`` when the model does not expose them), tokenizer, prompts.
+
+    Every mismatch between the drafter and the target, weights that cannot fit the device (the
+    planner's count from both config.json files) and prompts the target cannot read are reported
+    before anything large is read or allocated, each naming the field and the fix.
+    """
+    from transformers import AutoTokenizer
+
+    from dflash.data.sources import Source
+    from dflash.drafter.export import arch_from_export, load_exported, load_into
+    from dflash.plan.memory import weights_problem
+    from dflash.targets.loader import (
+        device_capacity,
+        load_embed_and_head,
+        load_target,
+        read_target_meta,
+        target_size_problems,
+    )
+    from dflash.targets.tiny import tiny_target_path
+
+    _raise(eval_config_problems(cfg))
+    device = resolve_device(cfg.device, field="device")
+    dtype = torch_dtype(cfg.target.dtype, device)
+    target_path = tiny_target_path(
+        cfg.target, resolve_path(cfg.target.path), resolve_path(cfg.paths.cache_dir)
+    )
+    drafter_dir = _drafter_dir(cfg)
+    prompts_path = resolve_path(cfg.prompts)
+    Source(prompts_path, cfg.split, field="prompts")  # a missing prompts file is named before any load
+    exported_cfg = json.loads((drafter_dir / "config.json").read_text())
     try:
-        arch, state = load_exported(drafter_dir)
+        arch = arch_from_export(exported_cfg)
     except ValueError as exc:
         raise ValueError(f"drafter_path={cfg.drafter_path!r}: {exc}") from None
-    exported_cfg = json.loads((drafter_dir / "config.json").read_text())
     meta = read_target_meta(
         target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
-    _raise(drafter_problems(arch, exported_cfg, meta, cfg))
+    drafter_size = weights_problem(  # built in fp32, then cast
+        "drafter", f"drafter_path={drafter_dir}/config.json", arch, 4, *device_capacity(device)
+    )
+    _raise(
+        drafter_problems(arch, exported_cfg, meta, cfg)
+        + target_size_problems(meta, f"target.path={target_path} (config.json)", dtype, device)
+        + ([drafter_size] if drafter_size else [])
+    )
+    _, state = load_exported(drafter_dir)
     block_size = cfg.block_size or arch.block_size
 
     tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
     tokenizer = AutoTokenizer.from_pretrained(
         tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
-    prompts_path = resolve_path(cfg.prompts)
     prompts = load_prompts(
         prompts_path,
         tokenizer,
         split=cfg.split,
         num_prompts=cfg.num_prompts,
         template_kwargs=dict(cfg.data.chat_template_kwargs),
+        vocab_size=meta.vocab_size,
     )
     too_long = [
         i

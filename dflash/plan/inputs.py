@@ -20,7 +20,7 @@ from safetensors import safe_open
 from dflash.config import Config, GpuSpec, TargetShape, dataset_settings
 from dflash.config.resolve import drafter_attention, resolve_path
 from dflash.data.embedded import embedded_corpus_path
-from dflash.data.sources import EMBEDDED
+from dflash.data.sources import EMBEDDED, resolve_data_path
 from dflash.drafter.arch import DrafterArch, build_arch
 from dflash.loss.verifier import default_chunk_size
 from dflash.plan.costs import AttentionKind, PacketShape
@@ -175,6 +175,7 @@ def cached_dataset_stats(cfg: Config, target_dir: str) -> DataStats | None:
     if not data.path:
         return None
     root = Path(resolve_path(data.cache_dir))
+    source: str | list[str]
     if data.path == EMBEDDED:
         source = str(
             embedded_corpus_path(
@@ -182,7 +183,7 @@ def cached_dataset_stats(cfg: Config, target_dir: str) -> DataStats | None:
             )
         )
     else:
-        source = resolve_path(data.path)
+        source = resolve_data_path(data.path, resolve_path)
     want = dataset_settings(data)
     metas = sorted(root.glob("*/meta.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     for meta_file in metas:

@@ -31,7 +31,9 @@ tests/unit/test_plan.py):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from dflash.config import TargetShape
 from dflash.plan.costs import AttentionKind, DrafterShape, PacketShape
@@ -229,3 +231,65 @@ def memory_per_role(
         drafter, packet, loss_chunk_rows=loss_chunk_rows, verifier_logits=verifier_logits, dtypes=dtypes
     )
     return {"target": t, "drafter": d, "colocated": colocated_memory(t, d)}
+
+
+_CONFIG_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
+"""TargetShape / DrafterShape field -> its config.json name (the others are the same)."""
+_SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+)
+_MLP = "the MLP (3 x num_hidden_layers x hidden_size x intermediate_size)"
+_EMBEDDINGS = "the embedding and lm_head (vocab_size x hidden_size)"
+
+
+def weights_problem(
+    what: str,
+    source: str,
+    shape: TargetShape | DrafterShape,
+    bytes_per_param: float,
+    capacity_bytes: float,
+    capacity: str,
+) -> str | None:
+    """Why the weights a shape implies cannot fit the device, checked before anything is
+    allocated; None when they fit.
+
+    ``shape`` is a target's (:class:`TargetShape`, counted by :func:`target_num_params`) or a
+    drafter's (a dataclass such as ``DrafterArch``, counted by :func:`drafter_num_params`);
+    ``bytes_per_param`` what one parameter costs there (the dtype's size; a trained drafter
+    :data:`ADAM_BYTES_PER_PARAM`). ``source`` names the file or config the shape came from,
+    ``capacity`` the device memory (``host RAM``, ``free memory of cuda:0``). The message gives the
+    config.json fields the count reads, the implied GiB and the share of its largest part (the MLP,
+    the embeddings, the attention weights)."""
+    flexible: Any = shape  # dataclasses.replace on either kind of shape
+    if isinstance(shape, TargetShape):
+        total = target_num_params(shape)
+        shares = {
+            _MLP: total - target_num_params(dataclasses.replace(shape, intermediate_size=0)),
+            _EMBEDDINGS: total - target_num_params(dataclasses.replace(shape, vocab_size=0)),
+        }
+    else:
+        total = drafter_num_params(shape)
+        shares = {_MLP: total - drafter_num_params(dataclasses.replace(flexible, intermediate_size=0))}
+    need = total * bytes_per_param
+    if need <= capacity_bytes:
+        return None
+    shares["the attention weights"] = total - sum(shares.values())
+    largest = max(shares, key=lambda k: shares[k])
+    fields = ", ".join(
+        f"{_CONFIG_NAMES.get(n, n)}={getattr(shape, n)}" for n in _SHAPE_FIELDS if hasattr(shape, n)
+    )
+    return (
+        f"{source}: {fields} imply {need / GIB:.1f} GiB of {what} weights ({total:.3g} parameters x "
+        f"{bytes_per_param:g} bytes; {shares[largest] * bytes_per_param / GIB:.1f} GiB of it {largest}), more "
+        f"than the {capacity_bytes / GIB:.1f} GiB of {capacity}: nothing was allocated; fix those fields"
+    )

@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash.config import DataConfig, TargetConfig
 from dflash.config.resolve import resolve_path
+from dflash.files import file_digest
 from dflash.targets.loader import INDEX_FILE, SINGLE_FILE, TargetMeta, read_target_meta, resolve_file
 
 
@@ -26,15 +27,20 @@ class TargetInfo:
     tokenizer: Any
 
 
-def resolve_target(cfg: TargetConfig) -> TargetInfo:
-    """The target's path, config and tokenizer (the tiny target is built first when ``cfg.tiny`` is
-    set); reads no weights. ValueError when the path or its config.json cannot be read."""
+def resolve_target(cfg: TargetConfig, cache_dir: str | None = None) -> TargetInfo:
+    """The target's path, config and tokenizer; reads no weights. With ``cfg.tiny`` set the tiny
+    target is built first, but only into a directory the project owns (``tiny_target_path``: a new
+    one under ``cache_dir``, ``paths.cache_dir``, or an earlier build; without ``cache_dir`` any
+    new directory): a user's model at ``cfg.path`` is loaded as it is. ValueError when the path or
+    its config.json cannot be read."""
     from transformers import AutoTokenizer
 
-    path = resolve_path(cfg.path)
-    if cfg.tiny is not None:
-        from dflash.targets.tiny import ensure_tiny_target
+    from dflash.targets.tiny import ensure_tiny_target, tiny_target_path
 
+    path = resolve_path(cfg.path)
+    if cache_dir is not None:
+        path = tiny_target_path(cfg, path, resolve_path(cache_dir))
+    elif cfg.tiny is not None:
         path = str(ensure_tiny_target(path, cfg.tiny))
     meta = read_target_meta(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     tok_path = resolve_path(cfg.tokenizer) if cfg.tokenizer else path
@@ -61,9 +67,8 @@ def target_problems(target: TargetInfo, data: DataConfig, block_size: int) -> li
     return p
 
 
-FINGERPRINT_SAMPLES = 16
-"""Data blocks hashed per safetensors file by ``weights_fingerprint``."""
-FINGERPRINT_BLOCK = 1 << 16
+FINGERPRINT_BLOCKS = 16
+"""Blocks of 64 KiB ``weights_fingerprint`` hashes per safetensors file (the first holds its header)."""
 
 
 def weights_fingerprint(path: str, revision: str | None = None) -> str:
@@ -71,11 +76,10 @@ def weights_fingerprint(path: str, revision: str | None = None) -> str:
 
     A hub id: ``hub:<id>@<commit>``, the commit of the cached snapshot (hub snapshots are
     content-addressed). A local directory: the sha256 of, per ``*.safetensors`` file (sorted by
-    name), its name, its size, its whole header (tensor names, dtypes, shapes, offsets) and
-    ``FINGERPRINT_SAMPLES`` evenly spaced 64 KiB blocks of its data: about 1 MiB read per file. Any
-    change to the header, the size or the sampled bytes (a re-saved, re-scaled or swapped model)
-    changes it; an edit confined to bytes between the samples does not. ``none``: no weights file
-    (``target.random_weights``)."""
+    name), its name and a sampled ``dflash.files.file_digest``: its size and ``FINGERPRINT_BLOCKS``
+    evenly spaced 64 KiB blocks, the first one its header (tensor names, dtypes, shapes, offsets):
+    about 1 MiB read per file. A re-saved, re-scaled or swapped model changes it; an edit confined to
+    bytes between the samples does not. ``none``: no weights file (``target.random_weights``)."""
     local = Path(path)
     if not local.is_dir():
         found = resolve_file(path, INDEX_FILE, revision) or resolve_file(path, SINGLE_FILE, revision)
@@ -85,21 +89,6 @@ def weights_fingerprint(path: str, revision: str | None = None) -> str:
         return "none"
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}:".encode())
-        _hash_safetensors_sample(f, h)
+        digest = file_digest(f, sample_above=0, blocks=FINGERPRINT_BLOCKS, block_bytes=1 << 16)
+        h.update(f"{f.name}:{digest['size']}:{digest['sha256']}\n".encode())
     return h.hexdigest()
-
-
-def _hash_safetensors_sample(path: Path, h: Any) -> None:
-    """Feed ``h`` the header of a safetensors file and the sampled blocks of its data."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        h.update(head)
-        header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
-        h.update(fh.read(min(header_len, size)))
-        start = 8 + header_len
-        span = max(size - start - FINGERPRINT_BLOCK, 0)
-        for i in range(FINGERPRINT_SAMPLES):
-            fh.seek(start + span * i // max(FINGERPRINT_SAMPLES - 1, 1))
-            h.update(fh.read(FINGERPRINT_BLOCK))

@@ -80,11 +80,36 @@ class TargetMeta:
         return any("linear" in str(t) for t in layer_types)
 
 
+def is_local_dir(path: str) -> bool:
+    """Whether ``path`` names a directory on this machine (transformers then loads it, not the hub)."""
+    return os.path.isdir(os.path.expanduser(path))
+
+
+def check_remote_code_source(cfg: TargetConfig, path: str) -> None:
+    """Refuse ``trust_remote_code`` with a pinned ``revision`` for a local directory ``path``: the pin
+    fixes what is downloaded from the hub, so locally it checks nothing and the directory's own
+    Python files would run as if they were the pinned code."""
+    _check_local_remote_code(path, cfg.revision, cfg.trust_remote_code)
+
+
+def _check_local_remote_code(path: str, revision: str | None, trust_remote_code: bool) -> None:
+    if trust_remote_code and revision is not None and is_local_dir(path):
+        raise ValueError(
+            f"target.trust_remote_code=true with target.revision={revision} but target.path={path} is a local "
+            "directory: a revision pins only what is downloaded from the hub, so here it checks nothing and "
+            "the directory's own Python files would run; give the hub id (target.path=<org>/<name>) with the "
+            "revision, or set target.trust_remote_code=false (transformers' own code)"
+        )
+
+
 def _load_config(path: str, revision: str | None, trust_remote_code: bool):
     """The target's config; a path that is neither a checkpoint directory nor a reachable hub id is a
-    ``ValueError`` saying which, and what to give instead."""
+    ``ValueError`` saying which, and what to give instead. A text config.json without
+    ``num_key_value_heads`` gets ``num_attention_heads`` (no grouped-query attention), as its
+    checkpoint has; some config classes (Qwen3) would otherwise fill in their own default."""
     from transformers import AutoConfig
 
+    _check_local_remote_code(path, revision, trust_remote_code)
     local = path.startswith(("/", "./", "../", "~")) or os.path.isabs(path) or os.path.exists(path)
     if local and not os.path.isdir(os.path.expanduser(path)):
         raise ValueError(
@@ -96,7 +121,8 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
             f"target.path={path}: the directory has no config.json; give the target's checkpoint directory"
         )
     try:
-        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+        raw, _ = type(config).get_config_dict(path, revision=revision)
     except (
         OSError,
         ValueError,
@@ -110,13 +136,24 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
             f"directory with config.json and *.safetensors, or a hub id with network access "
             f"(e.g. download it first: huggingface-cli download {path} --local-dir <dir>)"
         ) from None
+    text, raw_text = config.get_text_config(decoder=True), raw.get("text_config") or raw
+    if (
+        isinstance(raw_text, dict)
+        and "num_key_value_heads" not in raw_text
+        and hasattr(text, "num_attention_heads")
+    ):
+        text.num_key_value_heads = text.num_attention_heads
+    return config
 
 
 def read_target_meta(
     path: str, *, revision: str | None = None, trust_remote_code: bool = False
 ) -> TargetMeta:
     """The target's shape from its config.json; the text config for VLM wrappers (e.g. qwen3_5)."""
-    config = _load_config(path, revision, trust_remote_code)
+    return _meta_of(_load_config(path, revision, trust_remote_code))
+
+
+def _meta_of(config) -> TargetMeta:
     text = config.get_text_config(decoder=True)
     num_heads = int(text.num_attention_heads)
     hidden = int(text.hidden_size)
@@ -139,6 +176,29 @@ def read_target_meta(
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),
         text_config=text.to_dict(),
     )
+
+
+def device_capacity(device: torch.device) -> tuple[int, str]:
+    """``(bytes, what they are)`` a process may allocate on ``device``: the free memory of a CUDA
+    device (``torch.cuda.mem_get_info``), the host's physical RAM on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory of {device}"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM"
+
+
+def target_size_problems(
+    meta: TargetMeta, source: str, dtype: torch.dtype, device: torch.device, *, shards: int = 1
+) -> list[str]:
+    """Why the target whose ``config.json`` gave ``meta`` cannot be held on ``device`` in ``dtype``
+    (the planner's weight count, ``dflash.plan.memory``; ``shards``: the ranks of a tensor-parallel
+    replica, each holding its share); checked before anything is allocated."""
+    from dflash.plan.inputs import shape_from_meta
+    from dflash.plan.memory import weights_problem
+
+    per_param = torch.empty((), dtype=dtype).element_size() / shards
+    problem = weights_problem("target", source, shape_from_meta(meta), per_param, *device_capacity(device))
+    return [problem] if problem else []
 
 
 def default_layer_ids(num_layers: int, num_taps: int) -> list[int]:
@@ -221,7 +281,8 @@ def load_target(
 
     ``tp_group``: the process group of this rank's tensor-parallel replica (``dflash.targets.tp``);
     with more than one rank the weights are DTensors sharded over it and each rank reads only its
-    shard of the checkpoint. Every rank of the group must call this together.
+    shard of the checkpoint. Every rank of the group must call this together. ValueError before
+    anything is allocated when its config.json implies more weights than the device holds.
     """
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -230,6 +291,10 @@ def load_target(
     t0 = time.perf_counter()
     tp_size = 1 if tp_group is None else tp_group.size()
     config = _load_config(cfg.path, cfg.revision, cfg.trust_remote_code)
+    where = f"target.path={cfg.path} (config.json)"
+    problems = target_size_problems(_meta_of(config), where, dtype, device, shards=tp_size)
+    if problems:
+        raise ValueError(problems[0])
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=cfg.attn_implementation)
     sharding: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if tp_size > 1:
@@ -247,7 +312,11 @@ def load_target(
                 model = AutoModelForCausalLM.from_config(config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **kwargs
+                cfg.path,
+                config=config,
+                revision=cfg.revision,
+                trust_remote_code=cfg.trust_remote_code,
+                **kwargs,
             )
     model.eval()
     model.requires_grad_(False)

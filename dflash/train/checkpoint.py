@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -48,7 +47,7 @@ from typing import Any
 
 import torch
 
-from dflash.files import atomic_directory, fsync_path
+from dflash.files import atomic_directory, file_digest, fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,6 @@ REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAIN_STATE_FILE, RNG_FILE, CONTRA
 
 _STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 _STRAY_RE = re.compile(r"^\.step_(\d{8,})\.(tmp|old)-\d+(-[0-9a-f]+)?$")
-_HASH_CHUNK = 16 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -130,16 +128,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
     """A file inside the checkpoint's temp directory (``atomic_directory`` fsyncs it before the rename)."""
     with open(path, "wb") as f:
         f.write(data)
-
-
-def _file_digest(path: Path) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
 
 
 def _rmtree(path: Path) -> None:
@@ -310,8 +298,7 @@ def save_checkpoint(
             _write_bytes(tmp / CONFIG_FILE, config_yaml.encode())
             files = {}
             for p in sorted(tmp.iterdir()):
-                size, digest = _file_digest(p)
-                files[p.name] = {"size": size, "sha256": digest}
+                files[p.name] = file_digest(p)
             marker = {"format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files}
             _write_bytes(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
     except (TypeError, ValueError):
@@ -431,8 +418,7 @@ def verify_checkpoint(path: Path) -> dict:
         if size != expect["size"]:
             problems.append(f"{p}: size {size} bytes, {MARKER} says {expect['size']} (truncated or modified)")
             continue
-        _, digest = _file_digest(p)
-        if digest != expect["sha256"]:
+        if file_digest(p)["sha256"] != expect["sha256"]:
             problems.append(f"{p}: sha256 mismatch (corrupted or modified)")
     if problems:
         raise CheckpointError("checkpoint failed verification:\n  " + "\n  ".join(problems))

@@ -11,12 +11,15 @@ config it is given is not changed: the resolved data settings are ``RunSetup.dat
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dflash.config import RESOLVED_CONTRACT_KEYS, Config, DataConfig, contract_values
+from dflash.config.checks import raise_problems
+from dflash.config.resolve import device_kind, torch_dtype
 from dflash.data.cache import build_or_load_dataset
 from dflash.data.plan import DataPlan
 from dflash.data.resolve import resolve_data_config
@@ -25,8 +28,9 @@ from dflash.distributed.protocol import PacketSpec
 from dflash.distributed.topology import Topology
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.resolve import resolve_drafter
+from dflash.plan.memory import ADAM_BYTES_PER_PARAM, weights_problem
 from dflash.targets.info import TargetInfo, resolve_target, weights_fingerprint
-from dflash.targets.loader import TargetMeta
+from dflash.targets.loader import TargetMeta, device_capacity, target_size_problems
 
 log = logging.getLogger(__name__)
 
@@ -99,22 +103,44 @@ def run_contract(
     return {**raw, **resolved}
 
 
+def size_problems(cfg: Config, target: TargetInfo, arch: DrafterArch) -> list[str]:
+    """The target's weights (each rank's share of a tensor-parallel replica) and the drafter's
+    weights, gradients and AdamW state against this rank's device, before anything is allocated
+    (a hostile config.json requesting terabytes is refused on every rank, naming its fields)."""
+    kind = device_kind(str(cfg.topology.device))
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if kind == "cuda"
+        else torch.device("cpu")
+    )
+    source = f"target.path={target.path} (config.json)"
+    problems = target_size_problems(
+        target.meta, source, torch_dtype(cfg.target.dtype, device), device, shards=cfg.topology.target_tp
+    )
+    drafter = "drafter.* (the drafter's shape, from the config and the target)"
+    p = weights_problem("drafter", drafter, arch, ADAM_BYTES_PER_PARAM, *device_capacity(device))
+    return problems + ([p] if p else [])
+
+
 def prepare(cfg: Config, world_size: int, *, progress: bool = False) -> RunSetup:
     """Everything a rank needs before the process group, for a validated ``cfg``; raises ValueError
     on any problem the target or the data show. ``progress`` shows a bar while the dataset is
     tokenized."""
     topology = Topology.from_config(cfg.topology, world_size, cfg.optim.grad_accum_steps)
-    target = resolve_target(cfg.target)
+    target = resolve_target(cfg.target, cfg.paths.cache_dir)
     layer_ids, arch = resolve_drafter(cfg, target)
+    raise_problems(size_problems(cfg, target, arch), "config")
     data = resolve_data_config(cfg.data, target.path)
     dataset = build_or_load_dataset(data, target.tokenizer, target.meta.vocab_size, progress=progress)
     plan = DataPlan.build(dataset.lengths(), data.token_budget, data.seed, data.num_epochs)
     num_steps = plan.num_steps(topology.packets_per_step, cfg.train.max_steps)
     if cfg.train.max_steps and cfg.train.max_steps > num_steps:
         log.warning(
-            "train.max_steps=%d but the data plan supports %d steps; training %d",
+            "train.max_steps=%d but the data plan supports %d steps (the last %d records of data.path are "
+            "held out for eval: data.num_eval_prompts); training %d",
             cfg.train.max_steps,
             num_steps,
+            data.num_eval_prompts or 0,
             num_steps,
         )
     contract = run_contract(

@@ -109,7 +109,6 @@ IN_PROCESS = [
         "target.trust_remote_code=true needs target.revision=<40-hex commit hash>",
     ),
     ("duplicate layer ids", ["target.layer_ids=[1,1,4]"], "target.layer_ids=[1, 1, 4] has duplicates"),
-    ("unknown logging.mode", ["logging.mode=online_please"], "logging.mode='online_please' is not one of"),
     ("token_budget < max_length", ["data.token_budget=100"], "data.token_budget=100 < data.max_length=160"),
 ]
 

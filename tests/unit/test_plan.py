@@ -484,3 +484,22 @@ def test_the_app_reports_a_bad_value_in_one_line():
     assert proc.returncode == 2, proc.stderr
     assert "plan.world_size=0" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
+
+
+def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_training_takes(capsys):
+    """On 80 GB H100s the shipped Qwen3-8B drafter does not fit: the plan names the largest
+    drafter.max_anchors_per_packet that does (and it fits, the next step up does not), and writes the
+    co-located mode as training spells it (topology=colocated, not topology.colocated=true)."""
+    base = ["experiment=qwen3_8b_8gpu", "plan.world_size=8", "plan.gpu=h100"]
+    out = run(_compose(base))
+    text = capsys.readouterr().out
+    assert "topology.colocated=true" not in text and "Co-located (topology=colocated, " in text
+    fix = out["fits_with"]["drafter"]
+    assert fix.startswith("drafter.max_anchors_per_packet=") and f"To fit a drafter: {fix}" in text
+    anchors = int(fix.split("=")[1].split()[0])
+    assert anchors % 64 == 0 and 0 < anchors < 2048
+    fitting = run(_compose([*base, f"drafter.max_anchors_per_packet={anchors}"]))
+    assert fitting["fits"]["drafter"] and "drafter" not in fitting["fits_with"]
+    assert not run(_compose([*base, f"drafter.max_anchors_per_packet={anchors + 64}"]))["fits"]["drafter"]
+    assert out["fits_with"]["colocated"].startswith("drafter.max_anchors_per_packet=")
+    capsys.readouterr()

@@ -186,3 +186,22 @@ def test_an_init_from_export_whose_tensors_do_not_fit_is_refused_before_anything
         resolve_drafter(_cfg(weightless_target, [f"drafter.init_from={out}"]), target)
     text = str(err.value)
     assert "model.safetensors lacks norm.weight" in text and "has fc.weight of shape" in text
+
+
+def test_a_hostile_target_config_is_refused_on_every_rank_before_anything_is_allocated(
+    weightless_target, tmp_path
+):
+    """Issue 19 item 9: intermediate_size 10^9 in the target's config.json requested 512 GB on every
+    rank; prepare (every rank, before the process group) refuses it naming the field and the GiB."""
+    import json
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(weightless_target, hostile)
+    config = json.loads((hostile / "config.json").read_text())
+    config["intermediate_size"] = 10**9
+    (hostile / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        prepare(_cfg(hostile, []), 3)
+    text = str(err.value)
+    assert "intermediate_size=1000000000" in text and "GiB of target weights" in text
+    assert "GiB of drafter weights" in text and "nothing was allocated" in text

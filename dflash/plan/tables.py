@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from dflash.config import TargetShape
+from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
+from dflash.plan.inputs import attention_kinds, typical_packet
 from dflash.plan.memory import target_active_params, target_num_params
-from dflash.plan.planner import ROLES, Plan
+from dflash.plan.planner import ROLES, Plan, make_plan
 from dflash.plan.throughput import Split, placement
 
 TERA = 1e12
@@ -22,8 +24,68 @@ def link_gbps(plan: Plan, split: Split) -> float:
     return split.packets_per_s / busiest * plan.costs.payload_bytes / 1e9
 
 
-def summary(plan: Plan, name: str, gpu: str) -> dict[str, Any]:
-    """The JSON summary (the last output line of ``python -m dflash.plan``)."""
+ANCHOR_STEP = 64
+"""``drafter.max_anchors_per_packet`` values tried by :func:`fitting_overrides`: multiples of this."""
+BUDGET_STEP = 1024
+"""``data.token_budget`` values tried by :func:`fitting_overrides`: multiples of this."""
+
+
+def _replanned(cfg: Config, plan: Plan, section: str, key: str, value: int) -> Plan:
+    """The plan of ``cfg`` with ``<section>.<key>=value`` (the packet re-derived from the same data statistics)."""
+    new = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
+    packet = typical_packet(new, plan.inputs.stats)
+    target_kind, drafter_kind = attention_kinds(new, packet.num_seqs)
+    inputs = dataclasses.replace(
+        plan.inputs, packet=packet, target_attention=target_kind, drafter_attention=drafter_kind
+    )
+    return make_plan(new, inputs)
+
+
+def _largest_fitting(cfg: Config, plan: Plan, role: str, section: str, key: str, top: int, step: int) -> str:
+    """``<section>.<key>=<v>``, v the largest multiple of ``step`` below ``top`` with which ``role``
+    fits (memory grows with v), with the GiB it then needs; or why none does."""
+    lo, hi = 0, max(1, top // step)  # invariant: lo fits (0: none known), hi * step does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _replanned(cfg, plan, section, key, mid * step).fits[role]:
+            lo = mid
+        else:
+            hi = mid
+    if lo == 0:
+        need = sum(_replanned(cfg, plan, section, key, step).memory[role].values())
+        return (
+            f"no {section}.{key} fits ({step} still needs {need:.1f} GiB of {plan.capacity_gib:.1f} per GPU)"
+        )
+    need = sum(_replanned(cfg, plan, section, key, lo * step).memory[role].values())
+    return f"{section}.{key}={lo * step} ({need:.1f} GiB of {plan.capacity_gib:.1f} per GPU)"
+
+
+def fitting_overrides(cfg: Config, plan: Plan) -> dict[str, str]:
+    """For each role that does not fit one GPU: the override that makes it fit with the least
+    change to the run (``drafter.max_anchors_per_packet`` for the drafter and the co-located rank,
+    whose activations grow with the blocks per packet; ``data.token_budget`` for a target that no
+    tensor-parallel replica fits either: the warnings name a replica that does), found by
+    replanning, with the GiB it then needs; or why no such value exists."""
+    roles = [r for r in (ROLES if plan.world_size > 1 else ("colocated",)) if not plan.fits[r]]
+    out = {}
+    for role in roles:
+        if role == "target":
+            if any(ok for k, ok in plan.replica_fits.items() if k > 1):
+                continue
+            out[role] = _largest_fitting(
+                cfg, plan, role, "data", "token_budget", cfg.data.token_budget, BUDGET_STEP
+            )
+        else:
+            top = plan.inputs.packet.drafter_blocks or plan.inputs.packet.num_anchors
+            out[role] = _largest_fitting(
+                cfg, plan, role, "drafter", "max_anchors_per_packet", top, ANCHOR_STEP
+            )
+    return out
+
+
+def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON summary (the last output line of ``python -m dflash.plan``); ``fixes``: the
+    :func:`fitting_overrides` of the roles that do not fit (``fits_with``)."""
     best, co, spp = plan.best, plan.colocated, plan.samples_per_packet
     return {
         "experiment": name,
@@ -51,6 +113,7 @@ def summary(plan: Plan, name: str, gpu: str) -> dict[str, Any]:
         "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
         "target_rank_memory_gib": {str(k): round(sum(m.values()), 2) for k, m in plan.replica_memory.items()},
         "fits": dict(plan.fits),
+        "fits_with": dict(fixes or {}),
         "warnings": plan.warnings,
     }
 
@@ -176,12 +239,17 @@ def override(split: Split) -> str:
     return f"topology.num_targets={split.num_targets}{tp} topology.num_drafters={split.num_drafters}"
 
 
-def _verdict_lines(plan: Plan, name: str) -> list[str]:
+_ROLE_WORDS = {"target": "a target", "drafter": "a drafter", "colocated": "a co-located rank"}
+
+
+def _verdict_lines(plan: Plan, name: str, fixes: dict[str, str]) -> list[str]:
     b, spp = plan.best, plan.samples_per_packet
+    fit = [f"To fit {_ROLE_WORDS[role]}: {fix}" for role, fix in fixes.items()]
     if b is plan.colocated and not plan.splits:
         return [
             f"One GPU: co-located only (topology=colocated): {b.packets_per_s * spp:.2f} "
-            f"samples/s{'' if b.fits else ' (does not fit: see the warnings)'}"
+            f"samples/s{'' if b.fits else ' (does not fit: see below)'}",
+            *fit,
         ]
     gpn = plan.inputs.gpu.gpus_per_node
     nodes = -(-plan.world_size // gpn)
@@ -190,19 +258,21 @@ def _verdict_lines(plan: Plan, name: str) -> list[str]:
     )
     return [
         f"Recommended split: {b.label} ({override(b)}): {b.packets_per_s * spp:.2f} samples/s"
-        f"{'' if b.fits else ' (a role does not fit: see the warnings)'}",
+        f"{'' if b.fits else ' (a role does not fit: see below)'}",
         f"  torchrun {launch} -m dflash.train experiment={name} {override(b)}",
         *(f"  {line}" for line in placement(b, gpn)),
-        f"Co-located (topology.colocated=true, the whole target on every GPU): "
+        f"Co-located (topology=colocated, the whole target on every GPU): "
         f"{plan.colocated.packets_per_s * spp:.2f} samples/s{'' if plan.colocated.fits else ' (does not fit)'}; "
         f"faster here: {plan.mode}",
+        *fit,
     ]
 
 
-def render(plan: Plan, name: str) -> str:
+def render(plan: Plan, name: str, fixes: dict[str, str] | None = None) -> str:
     """The table: inputs, per-packet FLOPs and bytes, memory per role, the tensor-parallel replicas,
-    every split, the verdict."""
+    every split, the verdict; ``fixes`` (:func:`fitting_overrides`): with which value each role that
+    does not fit would."""
     lines = _inputs_lines(plan, name) + _packet_lines(plan) + _memory_lines(plan) + _tp_lines(plan)
-    lines += _split_lines(plan) + _verdict_lines(plan, name)
+    lines += _split_lines(plan) + _verdict_lines(plan, name, fixes or {})
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines)
