@@ -1,4 +1,10 @@
-"""Metric logging (W&B or nothing), peak memory and the progress bar.
+"""Metric logging (W&B or nothing), peak memory, device timing and the progress bar.
+
+Device timing never calls ``torch.cuda.synchronize``: it waits for every stream of the device,
+NCCL's included, and a rank always has point-to-point work pending that only a peer completes (a
+target's control receive, a drafter's prefetched packet), so it would charge the peer's time to the
+phase or deadlock (``tests/nccl_sim.py`` models it). ``sync_current_stream``, ``DeviceClock`` (CUDA
+events) and ``PhaseTimer`` wait for the current stream only.
 
 Only the drafter leader logs. Every other rank, and ``logging.mode=disabled``, gets a
 ``NullLogger``. ``WandbLogger`` follows these rules:
@@ -283,10 +289,53 @@ def reset_peak_memory(device: torch.device | str) -> None:
         pass
 
 
+def sync_current_stream(device: torch.device) -> None:
+    """Wait until the work queued on this device's current stream is done (nothing on CPU); never
+    the device-wide ``torch.cuda.synchronize`` (see the module docstring)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class DeviceClock:
+    """Seconds of the work queued on the current stream between ``start()`` and ``stop()``.
+
+    CUDA: two timing events on the current stream; neither mark waits, and ``seconds()`` waits for
+    the stop event only (free after any later sync of the stream, e.g. a device-to-host copy).
+    Elsewhere the host clock between the two marks.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._events: list[Any] = []
+        self._host = [0.0, 0.0]
+
+    def _mark(self, i: int) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self._events[i:] = [event]
+        else:
+            self._host[i] = time.perf_counter()
+
+    def start(self) -> None:
+        self._mark(0)
+
+    def stop(self) -> None:
+        self._mark(1)
+
+    def seconds(self) -> float:
+        if self.device.type != "cuda":
+            return self._host[1] - self._host[0]
+        first, last = self._events
+        last.synchronize()
+        return first.elapsed_time(last) / 1000.0
+
+
 class PhaseTimer:
     """Seconds spent in the named phases of a step: ``mark(name)`` charges the time since the previous
-    mark (or ``start``) to ``name``. With ``sync`` on a CUDA device it synchronises first, so queued
-    kernels are charged to the phase that launched them (it costs a little throughput)."""
+    mark (or ``start``) to ``name``. With ``sync`` on a CUDA device it first waits for the current
+    stream (``sync_current_stream``), so queued kernels are charged to the phase that launched them
+    (it costs a little throughput); never for the communication streams."""
 
     def __init__(self, device: torch.device, sync: bool) -> None:
         self.device, self.sync = device, sync and device.type == "cuda"
@@ -306,7 +355,7 @@ class PhaseTimer:
 
     def _sync(self) -> None:
         if self.sync:
-            torch.cuda.synchronize(self.device)
+            sync_current_stream(self.device)
 
 
 @contextmanager

@@ -453,6 +453,11 @@ class FaultConfig:
     perturb_at_step: int | None = field(default=None, metadata=FREE)
     nan_at_step: int | None = field(default=None, metadata=FREE)
     """The drafter's loss becomes NaN at this step."""
+    slow_rank: int | None = field(default=None, metadata=FREE)
+    """This drafter spends ``slow_s`` more seconds in step ``slow_at_step``, after it received (and
+    ACKed) the step's packets: a first step that compiles."""
+    slow_at_step: int | None = field(default=None, metadata=FREE)
+    slow_s: float = field(default=0.0, metadata=FREE)
     nonfinite_sample_ids: list[int] = field(default_factory=list, metadata=FREE)
     """Source sample ids whose target hidden states are replaced by NaN (non-finite input)."""
     only_first_attempt: bool = field(default=True, metadata=FREE)

@@ -46,8 +46,8 @@ def run(cfg: PrepareConfig) -> str:
     returns the cache directory. Raises ValueError on a config or data problem."""
     from dflash.config.checks import validate
     from dflash.data.cache import build_or_load_dataset
+    from dflash.data.display import dataset_summary, show_samples
     from dflash.data.plan import DataPlan
-    from dflash.data.report import dataset_summary, show_samples
     from dflash.data.resolve import resolve_data_config
     from dflash.distributed.topology import Topology
     from dflash.drafter.resolve import resolve_drafter

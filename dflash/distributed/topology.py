@@ -142,3 +142,8 @@ def linked_drafters(topology: Topology, target_rank: int) -> list[int]:
 def linked_targets(topology: Topology, drafter_rank: int) -> list[int]:
     """Targets that ever send to this drafter."""
     return [t for t in topology.target_ranks if first_on_link(topology, t, drafter_rank) is not None]
+
+
+def links(topology: Topology) -> list[tuple[int, int]]:
+    """Every (target rank, drafter rank) pair that exchanges packets, by target then drafter."""
+    return [(t, d) for t in topology.target_ranks for d in linked_drafters(topology, t)]

@@ -5,7 +5,7 @@ missing dataset is one error naming it), loads everything with
 :func:`~dflash.eval.loading.load_for_eval`, decodes, prints the table, writes ``report.json`` and
 ``config.yaml`` to the run dir and logs ``eval/*`` to W&B. Two modes:
 
-- ``prompts=<file>``: :func:`~dflash.eval.report.evaluate` over the prompts (one report);
+- ``prompts=<file>``: :func:`~dflash.eval.results.evaluate` over the prompts (one report);
 - ``suite=...``: every benchmark's conversations turn by turn (:mod:`dflash.eval.suite_run`), one
   row, histogram and ``report.json`` entry per benchmark, ``eval/<benchmark>/*`` in W&B.
 
@@ -26,7 +26,7 @@ from typing import Any
 from dflash.config import plain_dict
 from dflash.eval.config import EvalAppConfig
 from dflash.eval.loading import EvalSetup, eval_config_problems, load_for_eval, raise_problems
-from dflash.eval.report import EvalReport, build_report, evaluate, report_metrics, report_table
+from dflash.eval.results import EvalReport, build_report, evaluate, report_metrics, report_table
 from dflash.eval.suite_run import (
     BenchmarkReport,
     Decoder,

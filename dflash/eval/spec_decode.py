@@ -35,6 +35,7 @@ from torch import nn
 
 from dflash.drafter.model import DFlashDraftModel
 from dflash.eval.target_cache import TargetCache
+from dflash.metrics import sync_current_stream
 from dflash.targets.hooks import capture_hidden_states
 
 
@@ -124,14 +125,6 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _sync(device: torch.device) -> None:
-    """Wait for this device's current stream only (for timing): a device-wide synchronize would
-    also wait for collective and point-to-point work queued on other streams (a drafter's posted
-    packet receive while it evaluates), which may never finish meanwhile."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 class _Drafter:
     """The drafter side of one generation: the drafter, the target's embedding and head in its
     device/dtype, the MASK id and the drafter's decoding cache."""
@@ -215,17 +208,17 @@ def speculative_generate(
     capture: AbstractContextManager[dict[int, torch.Tensor]] = (
         capture_hidden_states(target, layer_ids) if draft is not None else nullcontext({})
     )
-    _sync(gen.device)
+    sync_current_stream(gen.device)
     t0 = time.perf_counter()
     with capture as captured:
         x, new_ctx = gen.prefill(captured, prompt_ids)
-        _sync(gen.device)
+        sync_current_stream(gen.device)
         gen.res.prefill_time_s = time.perf_counter() - t0
         t = len(prompt_ids)  # position of x (the target cache holds positions < t)
         done = x in gen.eos or max_new_tokens <= 1
         while not done:
             x, t, new_ctx, done = gen.step(captured, x, t, new_ctx, on_step)
-    _sync(gen.device)
+    sync_current_stream(gen.device)
     gen.res.wall_time_s = time.perf_counter() - t0
     return gen.res
 

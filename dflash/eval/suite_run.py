@@ -2,11 +2,11 @@
 entries and W&B metrics per benchmark.
 
 :func:`decode_conversations` runs the conversations of one benchmark turn by turn through
-:func:`~dflash.eval.report.evaluate` (each turn one prompt: speculative and, with a baseline,
+:func:`~dflash.eval.results.evaluate` (each turn one prompt: speculative and, with a baseline,
 block-size-1 decoding), feeding each turn's speculative answer back into the next turn's prompt.
 :func:`gather_to_rank0` collects the shares of a torchrun launch (rank r decodes conversations
 r, r + W, ...). :func:`benchmark_report` turns one benchmark's turns into a
-:class:`BenchmarkReport` (an :class:`~dflash.eval.report.EvalReport` over every turn plus the
+:class:`BenchmarkReport` (an :class:`~dflash.eval.results.EvalReport` over every turn plus the
 reference's tau); :func:`suite_table` and :func:`suite_metrics` print and log them.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from dflash.drafter.model import DFlashDraftModel
-from dflash.eval.report import EvalReport, PromptResult, build_report, evaluate, report_metrics
+from dflash.eval.results import EvalReport, PromptResult, build_report, evaluate, report_metrics
 from dflash.eval.spec_decode import StepTrace
 from dflash.eval.suites import Conversation, render_turn
 
@@ -47,7 +47,7 @@ class Decoder:
     is refused (ValueError) instead of decoded past it."""
 
     def decode(self, ids: list[int], max_new_tokens: int | None = None, **kw: Any) -> PromptResult:
-        """One prompt through :func:`~dflash.eval.report.evaluate` (no warm-up)."""
+        """One prompt through :func:`~dflash.eval.results.evaluate` (no warm-up)."""
         rep = evaluate(
             self.target,
             self.drafter,
@@ -227,7 +227,7 @@ def suite_table(reports: list[BenchmarkReport], block_size: int, max_new_tokens:
 
 def suite_metrics(reports: list[BenchmarkReport]) -> dict[str, float]:
     """``eval/<benchmark>/...``: tau (the reference's), tau_pooled, num_samples and every
-    :func:`~dflash.eval.report.report_metrics` key of the benchmark's report (histogram, TPOT,
+    :func:`~dflash.eval.results.report_metrics` key of the benchmark's report (histogram, TPOT,
     speedup, lossless, ...)."""
     m: dict[str, float] = {}
     for b in reports:

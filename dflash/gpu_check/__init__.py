@@ -13,6 +13,6 @@ The check runs from a checkout, not from an installed package: part kernels runs
 ``figures.py``  figures from pytest's output, bench_loss.py's JSON lines and a run's metrics.jsonl
 ``targets.py``  the judged "good" figures
 ``check.py``    the orchestrator: device, budgets, one method per part, the JSON summary
-``report.py``   the header and the table
+``table.py``    the header and the table
 ``cli.py``      ``main()``: the command line
 """

@@ -26,7 +26,7 @@ from dflash.gpu_check.planner import (
 from dflash.gpu_check.probe import probe_target
 from dflash.gpu_check.procs import Proc, child_env, run_proc
 from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO
-from dflash.gpu_check.report import header, render
+from dflash.gpu_check.table import header, render
 from dflash.gpu_check.targets import judged_targets
 
 

@@ -573,6 +573,42 @@ def _check_values(labels: Tensor, weights: Tensor, vocab: int) -> None:
         raise ValueError(f"labels must lie in [0, V={vocab}) on rows with weight > 0")
 
 
+def _checked_settings(
+    h_d: Tensor,
+    h_v: Tensor | None,
+    w: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    terms: dict,
+    tuning: dict,
+    keep_workspace: bool,
+) -> _Cfg:
+    """Every argument of :func:`verifier_loss` checked (ValueError naming it), as the call's settings."""
+    _check_tensors(h_d, h_v, w, labels, weights)
+    ce, kl, vce = (_check_coef(n, terms[n]) for n in ("ce", "kl", "verifier_ce"))
+    normalizer, row_block, chunk = tuning["normalizer"], tuning["row_block"], terms["chunk_size"]
+    temperature = _check_settings(
+        terms["temperature"], chunk, tuning["mem_budget_gib"], row_block, normalizer
+    )
+    if h_v is None and (kl > 0 or vce > 0):
+        raise ValueError(f"verifier_hidden is required when kl ({kl}) or verifier_ce ({vce}) is > 0")
+    vocab = w.shape[0]
+    _check_values(labels, weights, vocab)
+    wide = torch.float64 in (h_d.dtype, w.dtype)
+    return _Cfg(
+        ce=ce,
+        kl=kl,
+        vce=vce,
+        temperature=temperature,
+        chunk=chunk or default_chunk_size(vocab, tuning["mem_budget_gib"], h_v is not None, 8 if wide else 4),
+        row_block=row_block or (_CUDA_ROW_BLOCK if h_d.device.type == "cuda" else _CPU_ROW_BLOCK),
+        need_grad=torch.is_grad_enabled() and h_d.requires_grad,
+        compile=bool(tuning["compile"]),
+        normalizer=None if normalizer is None else float(normalizer),
+        keep_workspace=bool(keep_workspace),
+    )
+
+
 def verifier_loss(
     drafter_hidden: Tensor,
     verifier_hidden: Tensor | None,
@@ -615,8 +651,7 @@ def verifier_loss(
             divides once by a global weight sum passes 1.
         row_block: rows per elementwise block (tuning; default 128 on CPU, 256 on CUDA).
         keep_workspace: on CPU keep the chunk buffers for the next call (their first-touch page
-            faults are paid once); :func:`release_workspace` frees them. No effect
-            on CUDA, where the caching allocator does the same.
+            faults are paid once); :func:`release_workspace` frees them (CUDA: the allocator does).
 
     Returns:
         :class:`VerifierLossOutput`: ``loss`` (scalar, fp32 or fp64; 0 with a zero gradient when
@@ -627,50 +662,23 @@ def verifier_loss(
         ValueError: naming the argument, on mismatched shapes, dtypes or devices, negative or
             non-finite weights, labels outside ``[0, V)``, ``verifier_hidden`` or ``lm_head_weight``
             requiring grad, negative coefficients, ``temperature <= 0``, ``chunk_size < 1``, a
-            non-positive ``normalizer``, or a missing ``verifier_hidden`` when ``kl`` or
-            ``verifier_ce`` is non-zero.
+            non-positive ``normalizer``, or no ``verifier_hidden`` with ``kl`` or ``verifier_ce``.
     """
-    _check_tensors(drafter_hidden, verifier_hidden, lm_head_weight, labels, weights)
-    ce, kl, verifier_ce = (
-        _check_coef(n, v) for n, v in (("ce", ce), ("kl", kl), ("verifier_ce", verifier_ce))
+    cfg = _checked_settings(
+        drafter_hidden,
+        verifier_hidden,
+        lm_head_weight,
+        labels,
+        weights,
+        dict(ce=ce, kl=kl, verifier_ce=verifier_ce, temperature=temperature, chunk_size=chunk_size),
+        dict(mem_budget_gib=mem_budget_gib, compile=compile, normalizer=normalizer, row_block=row_block),
+        keep_workspace,
     )
-    temperature = _check_settings(temperature, chunk_size, mem_budget_gib, row_block, normalizer)
-    if verifier_hidden is None and (kl > 0 or verifier_ce > 0):
-        raise ValueError(f"verifier_hidden is required when kl ({kl}) or verifier_ce ({verifier_ce}) is > 0")
-    vocab = lm_head_weight.shape[0]
-    _check_values(labels, weights, vocab)
-    device = drafter_hidden.device
-
-    labels = labels.to(torch.int64)
-    if chunk_size is None:
-        cdt_bytes = 8 if torch.float64 in (drafter_hidden.dtype, lm_head_weight.dtype) else 4
-        chunk_size = default_chunk_size(vocab, mem_budget_gib, verifier_hidden is not None, cdt_bytes)
-    if row_block is None:
-        row_block = _CUDA_ROW_BLOCK if device.type == "cuda" else _CPU_ROW_BLOCK
-    need_grad = torch.is_grad_enabled() and drafter_hidden.requires_grad
-    cfg = _Cfg(
-        ce=ce,
-        kl=kl,
-        vce=verifier_ce,
-        temperature=temperature,
-        chunk=chunk_size,
-        row_block=row_block,
-        need_grad=need_grad,
-        compile=bool(compile),
-        normalizer=None if normalizer is None else float(normalizer),
-        keep_workspace=bool(keep_workspace),
-    )
-    vh = verifier_hidden.detach() if verifier_hidden is not None else None
-    if need_grad:
+    labels, vh = labels.to(torch.int64), verifier_hidden.detach() if verifier_hidden is not None else None
+    if cfg.need_grad:
         loss = _VerifierLossFn.apply(drafter_hidden, vh, lm_head_weight, labels, weights, cfg)
     else:
         with torch.no_grad():
             loss, _ = _forward_impl(drafter_hidden.detach(), vh, lm_head_weight, labels, weights, cfg)
     res = cfg.result
-    return VerifierLossOutput(
-        loss=loss,
-        stats=res["stats"],
-        terms=res["terms"],
-        weight_sum=res["weight_sum"],
-        chunk_size=res["chunk_size"],
-    )
+    return VerifierLossOutput(loss, res["stats"], res["terms"], res["weight_sum"], res["chunk_size"])

@@ -5,7 +5,7 @@
     python -m dflash.plan experiment=qwen3_8b_8gpu plan.world_size=1 plan.gpu=h100   # one GPU: co-located
 
 The training config and its overrides (``conf/plan_app.yaml`` composes ``conf/config.yaml``) plus
-``plan.*``. Prints the table of :mod:`dflash.plan.report` and ends with one JSON line. Needs no
+``plan.*``. Prints the table of :mod:`dflash.plan.tables` and ends with one JSON line. Needs no
 GPU and no network, builds nothing and writes nothing; ``data.path`` may stay unset. A bad value
 is one short message (exit status 2), as in every dflash app.
 """
@@ -22,7 +22,7 @@ from dflash.config import Config, PlanConfig, register_configs, to_config
 from dflash.config.checks import raise_problems
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.planner import make_plan
-from dflash.plan.report import fitting_overrides, render, summary
+from dflash.plan.tables import fitting_overrides, render, summary
 
 register_configs()
 

@@ -39,6 +39,14 @@ def at_step(cfg: FaultConfig, rank: int, step: int) -> None:
             time.sleep(3600)
 
 
+def slow_step(cfg: FaultConfig, rank: int, step: int) -> None:
+    """This drafter spends ``slow_s`` more seconds in step ``slow_at_step`` after receiving (and
+    ACKing) its packets, as a first step that compiles does."""
+    if cfg.slow_rank == rank and cfg.slow_at_step == step and cfg.slow_s > 0 and _armed(cfg):
+        log.warning("fault injection: rank %d spends %gs more in step %d", rank, cfg.slow_s, step)
+        time.sleep(cfg.slow_s)
+
+
 def perturb(cfg: FaultConfig, rank: int, step: int, model: torch.nn.Module) -> None:
     """Add 1e-3 to one weight of this drafter replica at ``perturb_at_step`` (replicas diverge)."""
     if cfg.perturb_rank == rank and cfg.perturb_at_step == step and _armed(cfg):

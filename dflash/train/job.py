@@ -45,6 +45,15 @@ def build_role(cfg: Config, setup, ctx, run_dir: Path, resume: LoadedCheckpoint 
     return DrafterTrainer(cfg, setup, ctx, run_dir, resume)
 
 
+def start_role(cfg: Config, setup, ctx, run_dir: Path, resume: LoadedCheckpoint | None) -> Role:
+    """After the process groups: one message on every link of this rank (an unreachable peer is
+    named now, before any model loads), then this rank's role."""
+    from dflash.distributed.collectives import warm_up_links
+
+    warm_up_links(setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, groups=ctx.link_groups)
+    return build_role(cfg, setup, ctx, run_dir, resume)
+
+
 def train(dcfg: DictConfig, run_dir: Path) -> int:
     """One rank's whole life; returns its exit code (0, or ``EXIT_STOPPED`` for an early stop).
 
@@ -112,11 +121,12 @@ def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> in
     if is_leader:
         atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(dcfg, resolve=True))
 
-    from dflash.distributed.collectives import shared_run_dir_problems, warm_up_links
+    from dflash.distributed.collectives import shared_run_dir_problems
     from dflash.distributed.process_group import destroy, init_distributed
 
     ctx = init_distributed(cfg.topology)
-    cleanup.callback(destroy, ctx)
+    # An error path aborts the communicators: a receive that will never be matched blocks a destroy.
+    cleanup.push(lambda exc_type, exc, tb: destroy(ctx, failed=exc_type is not None))
     blind = shared_run_dir_problems(ctx, run_dir, cfg.topology.init_timeout_s)
     if blind:
         raise UserError(
@@ -124,11 +134,8 @@ def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> in
             f"{setup.topology.describe(setup.topology.leader_rank)} wrote there. Put the run directory on a "
             f"filesystem every node mounts (NFS, Lustre, ...) and give every node the same hydra.run.dir"
         )
-    warm_up_links(
-        setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, control_group=ctx.control_group
-    )
     log.info("%s in %s", setup.topology.describe(ctx.rank), run_dir)
-    role = build_role(cfg, setup, ctx, run_dir, resume)
+    role = start_role(cfg, setup, ctx, run_dir, resume)
     cleanup.push(lambda exc_type, exc, tb: role.close(0 if exc_type is None else 1))
     return role.run()
 

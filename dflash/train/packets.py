@@ -3,20 +3,28 @@
 Used by the target ranks (which send the packet to its drafter) and by the co-located ranks
 (which train on it in the same process, through ``LocalPackets``). Samples whose hidden states are not finite are dropped
 from the packet and counted in it (``num_skipped_nonfinite``); the drafter never sees them.
+
+On CUDA the host waits for the device once per packet: for the per-sample finite flags, which
+decide the packet's size (``tests/unit/test_host_syncs.py`` counts it). Everything else is either
+host work on host tensors (the plan, the layout, the dropped samples' indices) or non-blocking
+host-to-device copies; a packed row (no padding) is used as it is, never gathered into a copy. The
+packet's ``forward_s`` is device time between two CUDA events around the forward on the current
+stream (``DeviceClock``), never a device-wide synchronize, which would also wait for this rank's
+pending sends and control receive, i.e. for its drafters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from typing import Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from dflash.config import Config
 from dflash.distributed.protocol import Packet
-from dflash.metrics import peak_memory_gib, reset_peak_memory
+from dflash.metrics import DeviceClock, peak_memory_gib, reset_peak_memory
 from dflash.targets.forward import build_batch, target_forward
 from dflash.train.setup import RunSetup
 
@@ -37,49 +45,54 @@ class PacketMaker:
         self.cfg, self.setup, self.model, self.device, self.own_peak = cfg, setup, model, device, own_peak
         self.pad_id = setup.tokenizer.pad_token_id if setup.tokenizer.pad_token_id is not None else 0
 
+    def _put(self, t: Tensor) -> Tensor:
+        """A host tensor on the device without waiting (a blocking copy synchronises the stream)."""
+        return t.to(self.device, non_blocking=True)
+
     def make(self, g: int, flags: int = 0) -> Packet:
         """Forward the samples of packet g and assemble the packet (non-finite samples dropped)."""
         ds = self.setup.dataset
         sample_idx = self.setup.plan.packet(g).tolist()
         samples = [ds.sample(i) for i in sample_idx]
+        lens = torch.tensor([s[0].numel() for s in samples], dtype=torch.long)
         if self.own_peak:
             reset_peak_memory(self.device)
-        t0 = time.perf_counter()
         ids, attn, pos, keep = build_batch(
             [s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id
         )
+        clock = DeviceClock(self.device)
+        clock.start()
         aux, final = target_forward(
             self.model,
-            ids.to(self.device),
-            None if attn is None else attn.to(self.device),
+            self._put(ids),
+            None if attn is None else self._put(attn),
             self.setup.layer_ids,
-            position_ids=pos.to(self.device),
+            position_ids=self._put(pos),
         )
-        aux = aux.reshape(-1, aux.shape[-1])[keep.to(self.device)]
-        final = final.reshape(-1, final.shape[-1])[keep.to(self.device)]
-        lens = torch.tensor([s[0].numel() for s in samples], dtype=torch.long)
+        aux, final = self._real_tokens(aux, keep), self._real_tokens(final, keep)
         if self.cfg.fault.nonfinite_sample_ids:
             aux = self._inject_nonfinite(aux, sample_idx, lens)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        forward_s = time.perf_counter() - t0
-        finite = _finite_per_sample(aux, final, lens)
+        clock.stop()
+        segments = self._put(torch.repeat_interleave(torch.arange(lens.numel()), lens))
+        finite = _finite_per_sample(aux, final, segments, lens.numel())  # the packet's one host sync
+        forward_s = clock.seconds()
         skipped = int((~finite).sum())
         input_ids = torch.cat([s[0] for s in samples])
         loss_mask = torch.cat([s[1] for s in samples])
         if skipped:
             tok_keep = torch.repeat_interleave(finite, lens)
-            aux, final = aux[tok_keep.to(self.device)], final[tok_keep.to(self.device)]
+            rows = self._put(tok_keep.nonzero().squeeze(1))
+            aux, final = aux.index_select(0, rows), final.index_select(0, rows)
             input_ids, loss_mask = input_ids[tok_keep], loss_mask[tok_keep]
             lens = lens[finite]
             sample_idx = [i for i, ok in zip(sample_idx, finite.tolist(), strict=True) if ok]
             log.warning("packet %d: dropped %d sample(s) with non-finite hidden states", g, skipped)
         return Packet(
             index=g,
-            input_ids=input_ids.to(self.device),
-            loss_mask=loss_mask.to(torch.uint8).to(self.device),
-            seq_lens=lens.to(self.device),
-            sample_ids=ds.sample_ids[torch.tensor(sample_idx, dtype=torch.long)].to(self.device),
+            input_ids=self._put(input_ids),
+            loss_mask=self._put(loss_mask.to(torch.uint8)),
+            seq_lens=self._put(lens),
+            sample_ids=self._put(ds.sample_ids[torch.tensor(sample_idx, dtype=torch.long)]),
             aux_hidden=aux.contiguous(),
             final_hidden=final.contiguous(),
             forward_s=forward_s,
@@ -88,24 +101,31 @@ class PacketMaker:
             num_skipped_nonfinite=skipped,
         )
 
-    def _inject_nonfinite(self, aux: torch.Tensor, sample_idx: list[int], lens: torch.Tensor) -> torch.Tensor:
+    def _real_tokens(self, x: Tensor, keep: Tensor) -> Tensor:
+        """``[B, L, D]`` -> ``[T, D]``, padding removed (``build_batch``'s ``keep``, strictly increasing):
+        a view when nothing is padded (a packed row, or rows of one length), else a gather."""
+        flat = x.reshape(-1, x.shape[-1])
+        if keep.numel() == flat.shape[0]:
+            return flat
+        return flat.index_select(0, self._put(keep))
+
+    def _inject_nonfinite(self, aux: Tensor, sample_idx: list[int], lens: Tensor) -> Tensor:
         """Fault injection: NaN hidden states for the configured source sample ids."""
         bad = set(self.cfg.fault.nonfinite_sample_ids)
         src = self.setup.dataset.sample_ids[torch.tensor(sample_idx, dtype=torch.long)].tolist()
         hit = torch.tensor([s in bad for s in src])
         if not hit.any():
             return aux
-        aux = aux.clone()
-        aux[torch.repeat_interleave(hit, lens).to(aux.device)] = float("nan")
-        return aux
+        rows = torch.repeat_interleave(hit, lens).nonzero().squeeze(1)
+        return aux.clone().index_fill_(0, self._put(rows), float("nan"))
 
 
-def _finite_per_sample(aux: torch.Tensor, final: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """[S] bool: every hidden value of the sample is finite."""
-    tok_ok = torch.isfinite(aux).all(dim=1) & torch.isfinite(final).all(dim=1)
-    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens).to(tok_ok.device)
-    bad = torch.zeros(lens.numel(), dtype=torch.long, device=tok_ok.device).index_add_(
-        0, seg, (~tok_ok).long()
+def _finite_per_sample(aux: Tensor, final: Tensor, segments: Tensor, num_samples: int) -> Tensor:
+    """[S] bool on the host: every hidden value of the sample is finite. ``segments`` [T] (on the
+    device) is each token's sample; one device-to-host copy of S flags."""
+    tok_bad = ~(torch.isfinite(aux).all(dim=1) & torch.isfinite(final).all(dim=1))
+    bad = torch.zeros(num_samples, dtype=torch.long, device=aux.device).index_add_(
+        0, segments, tok_bad.long()
     )
     return (bad == 0).cpu()
 
@@ -123,6 +143,8 @@ class PacketSource(Protocol):
 
     def set_timeout(self, seconds: float) -> None: ...
 
+    def first_step_done(self) -> None: ...
+
     def stop_all(self) -> int: ...
 
 
@@ -130,7 +152,10 @@ class LocalPackets:
     """The packet source of a co-located rank: ``recv(g)`` runs this rank's own target forward.
 
     Nothing is waited for (``last_wait_s`` stays 0; the forward time is the packet's ``forward_s``)
-    and nothing is in flight, so ``ack``/``prefetch`` do nothing and ``stop_all`` discards nothing.
+    and nothing is in flight, so ``ack``/``prefetch``/``first_step_done`` do nothing and
+    ``stop_all`` discards nothing. The hidden states come out of the target's ``inference_mode``
+    forward, which autograd cannot save for the drafter's backward: the drafter gets a copy (what a
+    drafter rank receives over the wire is an ordinary tensor already).
     """
 
     def __init__(self, maker: PacketMaker) -> None:
@@ -138,7 +163,10 @@ class LocalPackets:
         self.last_wait_s = 0.0
 
     def recv(self, g: int) -> Packet:
-        return self.maker.make(g)
+        packet = self.maker.make(g)
+        return dataclasses.replace(
+            packet, aux_hidden=packet.aux_hidden.clone(), final_hidden=packet.final_hidden.clone()
+        )
 
     def ack(self, g: int) -> None:
         pass
@@ -147,6 +175,9 @@ class LocalPackets:
         pass
 
     def set_timeout(self, seconds: float) -> None:
+        pass
+
+    def first_step_done(self) -> None:
         pass
 
     def stop_all(self) -> int:

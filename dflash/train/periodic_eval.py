@@ -34,7 +34,7 @@ from dflash.drafter.blocks import doc_ids_from_positions, eligible_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.eval.loading import eos_ids_of
-from dflash.eval.report import evaluate
+from dflash.eval.results import evaluate
 from dflash.eval.suite_run import (
     Decoder,
     benchmark_report,

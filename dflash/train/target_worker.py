@@ -46,7 +46,7 @@ class TargetWorker:
                 spec,
                 cfg.topology.init_timeout_s,
                 cfg.topology.max_in_flight,
-                control_group=ctx.control_group,
+                groups=ctx.link_groups[(ctx.rank, d)],
             )
             for d in linked_drafters(self.topology, ctx.rank)
         }
@@ -75,12 +75,20 @@ class TargetWorker:
             if any(link.stopped for link in self.links.values()):
                 break
             faults.at_step(self.cfg.fault, self.ctx.rank, g // self.topology.packets_per_step + 1)
-            link = self.links[self.topology.consumer_of(g)]
+            d = self.topology.consumer_of(g)
+            link = self.links[d]
             link.send(self.packets.make(g, FLAG_STOP_REQUESTED if self.stop_requested else 0))
-            if link.num_acked and link.timeout_s != drafter_timeout:
-                # The drafter has loaded and trained on this link's packets: init_timeout_s is over.
+            if link.peer_stepped and link.timeout_s != drafter_timeout:
+                # The drafter finished a step (an ACK on receipt comes before it; its first step loads
+                # and compiles): init_timeout_s is over for this link.
                 link.set_timeout(drafter_timeout)
-                set_timeout(self.ctx, drafter_timeout)
+                set_timeout(self.ctx, drafter_timeout, link=(self.ctx.rank, d))
+                log.info(
+                    "%s finished a step: %s waits at most %gs for it from now",
+                    link.peer_name,
+                    self.topology.describe(self.ctx.rank),
+                    drafter_timeout,
+                )
             sent += 1
         for link in self.links.values():
             link.wait_for_stop()

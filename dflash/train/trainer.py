@@ -194,7 +194,7 @@ class DrafterTrainer:
                 self.ctx.rank,
                 setup.packet_spec(self.target_dtype, self.device),
                 cfg.topology.init_timeout_s,
-                control_group=self.ctx.control_group,
+                groups=self.ctx.drafter_links(),
             )
             return None
         target = load_target(cfg.target, self.device, self.target_dtype)
@@ -348,6 +348,7 @@ class DrafterTrainer:
         faults.at_step(self.cfg.fault, self.ctx.rank, step + 1)
         self.optimizer.zero_grad(set_to_none=False)
         local = self._accumulate(step)
+        faults.slow_step(self.cfg.fault, self.ctx.rank, step + 1)
         if self.grads is not None:
             self.grads.finish(self.source_timeout)
         reduced = self._reduce(step, local, t0)
@@ -661,6 +662,7 @@ class DrafterTrainer:
                 if step == start:  # loading and compiling are over: from now on a slow peer is a dead peer
                     self.source.set_timeout(cfg.topology.step_timeout_s)
                     set_timeout(self.ctx, cfg.topology.step_timeout_s)
+                    self.source.first_step_done()  # the targets lower theirs once they hear of it
                 done = self.state.step == self.setup.num_steps
                 eval_due = self.state.step % cfg.eval.every == 0 or done if cfg.eval.every else False
                 if self.evaluator is not None and eval_due and not self._stopping():

@@ -133,7 +133,7 @@ def _target_loop(
         timeout,
         max_in_flight,
         start_index=None if lazy else start,
-        control_group=ctx.control_group,
+        groups=ctx.link_groups[(ctx.rank, 2)],
     )
     time.sleep(sleep_before)
     for g in topo.packets_of_target(ctx.rank, start, start + packets):
@@ -149,9 +149,7 @@ def _drafter_link(ctx, spec, timeout=20.0, start=0):
     from dflash.distributed.links import DrafterLink
     from dflash.distributed.topology import Topology
 
-    return DrafterLink(
-        Topology(2, 1, WORLD), 2, spec, timeout, start_index=start, control_group=ctx.control_group
-    )
+    return DrafterLink(Topology(2, 1, WORLD), 2, spec, timeout, start_index=start, groups=ctx.drafter_links())
 
 
 def _resume_world(ctx, next_packet, num_steps):
@@ -174,7 +172,7 @@ def sc_happy(ctx, tmp):
     from dflash.distributed.links import DrafterLink
     from dflash.distributed.topology import Topology
 
-    warm_up_links(Topology(2, 1, WORLD), ctx.rank, ctx.device, 20.0, control_group=ctx.control_group)
+    warm_up_links(Topology(2, 1, WORLD), ctx.rank, ctx.device, 20.0, groups=ctx.link_groups)
     n_a, n_b = 8, 24
     if ctx.role == "target":
         a = _target_loop(ctx, _spec(torch.float32), n_a)
@@ -196,7 +194,7 @@ def sc_happy(ctx, tmp):
     drained_a = link.stop_all()
     start_b, _ = _resume_world(ctx, n_a, n_b)
     link = DrafterLink(
-        ctx.topology, 2, _spec(torch.bfloat16), 20.0, control_group=ctx.control_group
+        ctx.topology, 2, _spec(torch.bfloat16), 20.0, groups=ctx.drafter_links()
     )  # start fixed by the first recv
     consumed_b = 5
     for g in range(start_b, start_b + consumed_b):
@@ -296,8 +294,8 @@ def sc_target_sleeps(ctx, tmp):
     import torch
     import torch.distributed as dist
 
+    from dflash.distributed import process_group
     from dflash.distributed.links import PeerError
-    from dflash.distributed.process_group import set_timeout
 
     if ctx.role == "target":
         try:
@@ -316,13 +314,15 @@ def sc_target_sleeps(ctx, tmp):
         link.recv(1)
     except PeerError as e:
         out.update(peer_error=str(e), elapsed=time.monotonic() - t0)
-    # The process-group timeout (init_timeout_s=30) lowered to 2 s bounds a collective that the
-    # targets never join. (On gloo it does not shorten blocking point-to-point receives: their
-    # timeout is fixed when the group is created; the transport passes explicit wait timeouts.)
-    set_timeout(ctx, 2.0)
+    # The process-group timeout (backend_timeout_s(init_timeout_s=30) = 120 s) lowered to
+    # backend_timeout_s(0.75) = 2 s (a 0.5 s margin here) bounds a collective that the targets never
+    # join. (On gloo it does not shorten blocking point-to-point receives: their timeout is fixed when
+    # the group is created; the transport passes explicit wait timeouts.)
+    process_group.BACKEND_TIMEOUT_MARGIN_S = 0.5
+    process_group.set_timeout(ctx, 0.75)
     t0 = time.monotonic()
     try:
-        dist.barrier(group=ctx.control_group)
+        dist.barrier()
     except RuntimeError as e:
         out.update(pg_timeout_error=str(e)[:300], pg_elapsed=time.monotonic() - t0)
     return out
@@ -341,7 +341,7 @@ def sc_two_drafters(ctx, tmp):
     start, num_steps = _resume_world(ctx, 6, 5)
     if ctx.role == "target":
         links = {
-            d: TargetLink(topo, 0, d, spec, 20.0, 2, control_group=ctx.control_group)
+            d: TargetLink(topo, 0, d, spec, 20.0, 2, groups=ctx.link_groups[(0, d)])
             for d in linked_drafters(topo, 0)
         }
         for g in topo.packets_of_target(0, start, start + num_steps * topo.packets_per_step):
@@ -350,7 +350,7 @@ def sc_two_drafters(ctx, tmp):
             link.wait_for_stop()
             link.send_end()
         return {"sent": {d: link.num_sent for d, link in links.items()}, "start": start}
-    link = DrafterLink(topo, ctx.rank, spec, 20.0, control_group=ctx.control_group)
+    link = DrafterLink(topo, ctx.rank, spec, 20.0, groups=ctx.drafter_links())
     first_step = start // topo.packets_per_step
     got, mismatched = [], []
     for step in range(first_step, first_step + num_steps):
@@ -457,5 +457,5 @@ def test_stuck_target_reported_after_timeout(tmp_path):
         "the target is dead or stuck"
     )
     assert 2.8 < d["elapsed"] < 6
-    # init.set_timeout lowered the process-group timeout from 30 s to 2 s (torch 2.13 _set_pg_timeout)
+    # set_timeout lowered the process-group timeout from 120 s to 2 s (torch 2.13 _set_pg_timeout)
     assert "pg_timeout_error" in d and 1.8 < d["pg_elapsed"] < 6, d

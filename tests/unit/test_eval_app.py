@@ -20,7 +20,7 @@ from dflash.drafter.export import export_drafter
 from dflash.drafter.model import DFlashDraftModel
 from dflash.eval.config import EvalAppConfig, register_eval_schema
 from dflash.eval.loading import load_for_eval, load_prompts
-from dflash.eval.report import build_report, evaluate, report_metrics, report_table
+from dflash.eval.results import build_report, evaluate, report_metrics, report_table
 
 LAYER_IDS = [1, 2, 4]  # conf/target/tiny.yaml
 QUESTIONS = ["def foo(x):", "import os", "class A:"]
@@ -99,7 +99,7 @@ def _overrides(target_dir, drafter, prompts, *extra) -> list[str]:
 
 
 def test_build_report_on_hand_made_results():
-    from dflash.eval.report import PromptResult
+    from dflash.eval.results import PromptResult
 
     a = PromptResult(0, 5, [1, 2, 3, 4, 5], [1, 3, 1], 0.01, 4, [1, 2, 3, 4, 5], 0.02)
     b = PromptResult(1, 7, [7, 8, 9], [2, 4], 0.02, 3, [7, 8, 0], 0.06)

@@ -16,7 +16,7 @@ from dflash.gpu_check.check import Check
 from dflash.gpu_check.figures import loss_figures, pytest_counts, step_figures
 from dflash.gpu_check.planner import find_gpu_spec
 from dflash.gpu_check.procs import run_proc
-from dflash.gpu_check.report import render
+from dflash.gpu_check.table import render
 
 
 def _check(

@@ -14,7 +14,7 @@ from dflash.plan.costs import PacketShape, packet_costs, target_rank_flop, tp_by
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.memory import GIB, target_active_params, target_memory, target_num_params, target_rank_params
 from dflash.plan.planner import make_plan
-from dflash.plan.report import override
+from dflash.plan.tables import override
 from dflash.plan.throughput import RoleTimes, disaggregated, placement, role_times
 from dflash.targets.tp import TpLayout
 
