@@ -232,6 +232,10 @@ def _eval_problems(cfg: Config, p: _Problems) -> None:
             ev.max_new_tokens >= 1,
             f"eval.max_new_tokens={ev.max_new_tokens}: must be >= 1, or set eval.every=0 (no eval)",
         )
+        p.need(
+            ev.max_samples is None or ev.max_samples >= 1,
+            f"eval.max_samples={ev.max_samples}: must be >= 1 or null (every row of each benchmark)",
+        )
         held_out = cfg.data.num_eval_prompts
         if held_out is not None and ev.num_prompts >= 1:
             p.need(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Protocol
@@ -87,6 +88,11 @@ def _setup_phase(cfg: Config, world_size: int, topology: Topology, rank: int, ru
     from dflash.train.setup import prepare
 
     with value_errors_are_user_errors():
+        if cfg.eval.every > 0 and cfg.eval.suite is not None:  # names and data, on every rank
+            from dflash.eval.suites import load_suite
+
+            ev = cfg.eval
+            load_suite(ev.suite, ev.data_dir, ev.max_samples, ev.seed, field_prefix="eval.")
         setup = prepare(cfg, world_size)
         resume = None
         if topology.role_of(rank) == "drafter":
@@ -141,6 +147,9 @@ def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> in
 
 
 def main() -> None:
+    from dflash.eval.suites import suite_overrides
+
+    sys.argv[1:] = suite_overrides(sys.argv[1:])  # eval.suite=gsm8k,mbpp: a list, not a Hydra sweep
     run_app("config", Config, train)
 
 
