@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import TinyTargetConfig
-from dflash.drafter.model import DrafterArch
-from dflash.eval.report import EvalReport
+from dflash.drafter.arch import DrafterArch
+from dflash.eval.results import EvalReport
 from dflash.files import atomic_write
 from dflash.serve_check.compare import Acceptance, CaseResult, judge
 from dflash.serve_check.config import ServeCheckConfig
@@ -271,7 +271,7 @@ def serve_check_task(dcfg: Any, check_dir: Path) -> int:
     """What ``python -m dflash.serve_check`` does (see the module docstring); 0 when every verdict passed."""
     from omegaconf import OmegaConf
 
-    from dflash.cli import value_errors_are_user_errors
+    from dflash.config.cli import value_errors_are_user_errors
     from dflash.metrics import progress_bar
 
     obj = OmegaConf.to_object(dcfg)

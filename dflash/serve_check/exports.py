@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash.drafter.arch import DrafterArch
 from dflash.drafter.export import export_drafter, load_into
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.model import DFlashDraftModel
 
 
 def sliding_layout(num_layers: int) -> list[str]:

@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from dflash.drafter.model import DrafterArch
+from dflash.drafter.arch import DrafterArch
 from dflash.eval.loading import eos_ids_of, target_embed_and_head
-from dflash.eval.report import EvalReport, evaluate
+from dflash.eval.results import EvalReport, evaluate
 from dflash.serve_check.exports import build_drafter
 from dflash.serve_check.runs import TrainedRun
 

@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 
 from dflash.config import Config, register_configs, to_config
 from dflash.distributed.launch import torchrun_command
+from dflash.drafter.arch import DrafterArch
 from dflash.drafter.export import export_drafter
-from dflash.drafter.model import DrafterArch
 from dflash.serve_check.exports import build_drafter
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def compose_training_config(overrides: list[str]) -> DictConfig:
     from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
 
-    from dflash.cli import compose_config
+    from dflash.config.cli import compose_config
 
     register_configs()
     if GlobalHydra.instance().is_initialized():
@@ -85,7 +85,7 @@ def run_key(overrides: list[str]) -> str:
 
 def load_run(run_dir: Path) -> TrainedRun:
     """Read a finished run; ``ValueError`` saying what is missing when it is not one."""
-    from dflash.checkpoint import latest_checkpoint, load_checkpoint
+    from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
 
     run_dir = Path(run_dir)
     for need in ("config.yaml", "drafter/config.json", "drafter/model.safetensors"):
