@@ -342,6 +342,35 @@ def check_known_keys(dcfg: DictConfig, schema: type) -> None:
         )
 
 
+def _plain_dotted_key(arg: str) -> str | None:
+    """The key of a plain ``a.b=value`` override (None: a group choice, a ``+``/``++``/``~`` or
+    ``hydra.`` override, ``key@package``, a flag)."""
+    key = arg.split("=", 1)[0]
+    if "=" not in arg or "." not in key or key.startswith(("-", "+", "~", "hydra.", "hydra/")) or "@" in key:
+        return None
+    return key
+
+
+def _walk_key(key: str, schema: type) -> tuple[str, int]:
+    """Where the dotted ``key`` leads in the schema: ``("field", n)`` a field (or a nested value of
+    a typed list), ``("free", n)`` inside a free-form ``dict`` field after ``n`` parts,
+    ``("unknown", n)`` no field at part ``n``."""
+    cls: Any = schema
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return "unknown", depth
+        hint = hints[part]
+        subs = [t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)]
+        if subs:
+            cls = subs[0]
+            continue
+        is_dict = typing.get_origin(hint) is dict or dict in typing.get_args(hint)
+        return ("free" if is_dict and depth < len(parts) - 1 else "field"), depth + 1
+    return "field", len(parts)
+
+
 def override_key_problems(args: list[str], schema: type) -> list[str]:
     """Command-line overrides ``a.b=value`` whose dotted key the schema does not have, each with the
     closest known key. Hydra's own message for one advises ``+a.b=value``, which adds a key the
@@ -351,26 +380,31 @@ def override_key_problems(args: list[str], schema: type) -> list[str]:
 
     out = []
     for arg in args:
-        key = arg.split("=", 1)[0]
-        if (
-            "=" not in arg
-            or "." not in key
-            or key.startswith(("-", "+", "~", "hydra.", "hydra/"))
-            or "@" in key
-        ):
+        key = _plain_dotted_key(arg)
+        if key is None:
             continue
+        where, depth = _walk_key(key, schema)
+        if where != "unknown":
+            continue
+        parts = key.split(".")
         cls: Any = schema
-        for depth, part in enumerate(key.split(".")):
-            hints = typing.get_type_hints(cls)
-            if part not in hints:
-                known = [f.name for f in dataclasses.fields(cls)]
-                close = difflib.get_close_matches(part, known, n=1)
-                where = ".".join(key.split(".")[:depth])
-                hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else ""
-                out.append(f"{key}{hint}")
-                break
-            subs = [t for t in (hints[part], *typing.get_args(hints[part])) if dataclasses.is_dataclass(t)]
-            if not subs:
-                break  # a leaf (or a free-form dict): Hydra checks the value
-            cls = subs[0]
+        for part in parts[:depth]:
+            hint = typing.get_type_hints(cls)[part]
+            cls = next(t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t))
+        close = difflib.get_close_matches(parts[depth], [f.name for f in dataclasses.fields(cls)], n=1)
+        prefix = ".".join(parts[:depth])
+        out.append(f"{key} (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else key)
     return out
+
+
+def free_form_overrides(args: list[str], schema: type) -> list[str]:
+    """The command line with every plain override of a key inside a free-form ``dict`` field
+    (``data.chat_template_kwargs.enable_thinking=false``) written ``++key=value`` (add or
+    override): Hydra's struct mode refuses a new key there without a ``+``, and refuses ``+`` for a
+    key an experiment already sets."""
+    return [
+        f"++{arg}"
+        if (key := _plain_dotted_key(arg)) is not None and _walk_key(key, schema)[0] == "free"
+        else arg
+        for arg in args
+    ]

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dflash.config import EXIT_USER_ERROR, UserError
-from dflash.config.checks import check_known_keys, override_key_problems
+from dflash.config.checks import check_known_keys, free_form_overrides, override_key_problems
 from dflash.config.secrets import config_secret_problems, install_log_redaction, redact
 
 log = logging.getLogger("dflash")
@@ -242,6 +242,7 @@ def run_app(config_name: str, schema: type, task: Task) -> None:
             setattr(sys, name, ConsoleStream(getattr(sys, name)))
     real_stderr = sys.stderr
     started = False
+    sys.argv[1:] = free_form_overrides(sys.argv[1:], schema)
     unknown = override_key_problems(sys.argv[1:], schema)
     if unknown:
         if rank == 0:

@@ -2,7 +2,7 @@
 
     python -m dflash.eval target=tiny drafter_path=/path/to/drafter prompts=/path/to/prompts.jsonl
     python -m dflash.eval target=qwen3_8b drafter_path=out/drafter prompts=gsm8k.jsonl \
-        num_prompts=128 max_new_tokens=2048 +data.chat_template_kwargs.enable_thinking=false
+        num_prompts=128 max_new_tokens=2048 data.chat_template_kwargs.enable_thinking=false
     torchrun --nproc_per_node=8 -m dflash.eval target=qwen3_8b drafter_path=out/drafter \
         suite=zlab max_samples=128 max_new_tokens=2048        # or suite=gsm8k,mt-bench, data_dir=...
 

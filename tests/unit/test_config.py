@@ -87,6 +87,19 @@ def test_an_unknown_dotted_override_names_the_closest_key_not_plus():
     ]
 
 
+def test_a_key_inside_chat_template_kwargs_is_set_without_a_plus():
+    """``data.chat_template_kwargs.enable_thinking=false`` (the README's spelling) adds the key to the
+    free-form dict, and overrides it where an experiment already set it."""
+    from dflash.config import Config
+    from dflash.config.checks import free_form_overrides
+
+    args = free_form_overrides(["data.chat_template_kwargs.enable_thinking=false", "train.max_steps=3"], Config)
+    assert args == ["++data.chat_template_kwargs.enable_thinking=false", "train.max_steps=3"]
+    assert _compose(args).data.chat_template_kwargs == {"enable_thinking": False}
+    twice = free_form_overrides(["data.chat_template_kwargs.enable_thinking=true"], Config)
+    assert _compose([*args, *twice]).data.chat_template_kwargs == {"enable_thinking": True}
+
+
 def test_typos_and_wrong_types_fail_at_compose_time():
     with pytest.raises(ConfigCompositionException):
         _compose(["topology.num_target=3"])

@@ -232,7 +232,7 @@ def test_transformers_serve_regeneration_equals_greedy_and_survives_a_server_res
 )
 def test_vllm_serve_regeneration_equals_greedy_and_survives_a_server_restart(tiny_target_dir, tmp_path):
     """The README's commands: the target served by vLLM, regenerated with
-    ``+data.chat_template_kwargs.enable_thinking=false`` (sent to vLLM's chat template, which the tiny
+    ``data.chat_template_kwargs.enable_thinking=false`` (sent to vLLM's chat template, which the tiny
     template ignores: the request must still be accepted)."""
     from dflash.serve_check.vllm_side import vllm_env
 
@@ -246,5 +246,5 @@ def test_vllm_serve_regeneration_equals_greedy_and_survives_a_server_restart(tin
         tiny_target_dir,
         tmp_path,
         strip=False,
-        extra=("+data.chat_template_kwargs.enable_thinking=false",),
+        extra=("data.chat_template_kwargs.enable_thinking=false",),
     )

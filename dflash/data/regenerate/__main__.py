@@ -1,7 +1,7 @@
 """``python -m dflash.data.regenerate``: regenerate every assistant turn with the target.
 
     python -m dflash.data.regenerate input=chat.jsonl output=regen.jsonl \
-        endpoint=http://127.0.0.1:8000/v1 model=Qwen/Qwen3-8B +data.chat_template_kwargs.enable_thinking=false
+        endpoint=http://127.0.0.1:8000/v1 model=Qwen/Qwen3-8B data.chat_template_kwargs.enable_thinking=false
     python -m dflash.data.regenerate input=chat.jsonl output=regen.jsonl backend=hf model=/path/to/target
 
 Config: ``conf/regenerate.yaml``, schema ``dflash.data.regenerate.config.RegenerateConfig``.
