@@ -68,18 +68,27 @@ def _topology_problems(cfg: Config, world_size: int, p: _Problems) -> None:
             f"topology.num_targets={t.num_targets}: need at least 1 target; set topology.num_targets=1 or more, "
             f"or topology=colocated (target and drafter on every rank)",
         )
-        drafters = t.num_drafters if t.num_drafters is not None else world_size - t.num_targets
+        k = max(t.target_tp, 1)
+        target_ranks = t.num_targets * k
+        drafters = t.num_drafters if t.num_drafters is not None else world_size - target_ranks
         if t.num_drafters is not None:
             p.need(drafters >= 1, f"topology.num_drafters={t.num_drafters}: need at least 1 drafter")
-        ranks = t.num_targets + drafters
+        ranks = target_ranks + drafters
         if world_size != ranks or drafters < 1:
-            fix = f"launch with torchrun --nproc_per_node {max(ranks, t.num_targets + 1)}"
-            if world_size > 1 and world_size > (t.num_drafters or 1):
-                fix += f", or set topology.num_targets={world_size - (t.num_drafters or 1)} for this launch"
+            fix = f"launch with torchrun --nproc_per_node {max(ranks, target_ranks + 1)}"
+            fit = (world_size - (t.num_drafters or 1)) // k
+            if world_size > 1 and fit >= 1:
+                fix += f", or set topology.num_targets={fit} for this launch"
+            targets = f"topology.num_targets={t.num_targets}" + (
+                f" x topology.target_tp={k}" if k > 1 else ""
+            )
             p.append(
-                f"topology.num_targets={t.num_targets} + topology.num_drafters={t.num_drafters} = {ranks} ranks but "
+                f"{targets} + topology.num_drafters={t.num_drafters} = {ranks} ranks but "
                 f"the launch has WORLD_SIZE={world_size}; {fix}, or topology=colocated (any world size)"
             )
+    from dflash.targets.tp import tp_config_problems  # no heavy import: transformers only for target.shape
+
+    p.extend(tp_config_problems(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size))
     p.need(t.max_in_flight >= 1, f"topology.max_in_flight={t.max_in_flight}: must be >= 1")
     p.need(
         t.init_timeout_s > 0 and t.step_timeout_s > 0,

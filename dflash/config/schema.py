@@ -121,14 +121,14 @@ class TopologyConfig:
     # Which rank makes a packet does not change what is trained: only how many packets an optimizer
     # step takes (num_drafters x optim.grad_accum_steps) is part of the resume contract.
     num_targets: int = field(default=2, metadata=FREE)
-    """Target ranks 0..N-1 (frozen target copies); 0 with colocated."""
+    """Target replicas (frozen target copies) on ranks 0..N*target_tp-1; 0 with colocated."""
     num_drafters: int | None = field(default=1, metadata=derived("topology.packets_per_step"))
-    """Drafter ranks N..N+M-1, training data-parallel; rank N is the leader (checkpoints, W&B).
-    None = every rank the targets leave (WORLD_SIZE - num_targets)."""
+    """Drafter ranks N*k..N*k+M-1 (k = target_tp), training data-parallel; the first is the leader
+    (checkpoints, W&B). None = every rank the targets leave (WORLD_SIZE - num_targets x target_tp)."""
     drafter_nodes: int | None = field(default=None, metadata=FREE)
     """Several nodes: the last ``drafter_nodes`` nodes hold only drafters (their gradient all-reduce
     stays on NVLink), the nodes before them only targets. Sets num_drafters = drafter_nodes x
-    LOCAL_WORLD_SIZE and num_targets = the rest; leave num_drafters=null."""
+    LOCAL_WORLD_SIZE and num_targets = the rest (in replicas of target_tp); leave num_drafters=null."""
     colocated: bool = field(default=False, metadata=FREE)
     """Every rank holds the target and a drafter replica and makes its own packets (no send/recv):
     one GPU, small hosts. Needs num_targets=0; num_drafters=null (the world) or WORLD_SIZE."""
@@ -146,7 +146,9 @@ class TopologyConfig:
     target_tp: int = field(default=1, metadata=FREE)
     """Ranks per target replica: each of the num_targets replicas holds one target sharded over
     target_tp consecutive ranks (tensor parallel; experts split by expert where transformers can),
-    so the world is num_targets x target_tp + num_drafters. Must divide the GPUs of a node."""
+    so the world is num_targets x target_tp + num_drafters; the replica's first rank sends its
+    packets. On several nodes it must divide the GPUs of a node (a replica never spans nodes).
+    Not with colocated or eval.every > 0 (both run the whole target on one rank)."""
 
 
 @dataclass
@@ -569,8 +571,9 @@ def register_configs() -> None:
 
 def planned_world_size(t: TopologyConfig) -> int:
     """The world size the topology describes, for tools that run outside torchrun (``prepare``):
-    targets + drafters; a co-located or open-ended topology counts one drafter."""
-    return t.num_targets + (t.num_drafters if t.num_drafters is not None else 1)
+    targets (replicas x ``target_tp`` ranks) + drafters; a co-located or open-ended topology counts
+    one drafter."""
+    return t.num_targets * t.target_tp + (t.num_drafters if t.num_drafters is not None else 1)
 
 
 class UserError(ValueError):

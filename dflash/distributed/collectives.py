@@ -1,5 +1,6 @@
 """The run's collectives: ``warm_up_links`` and ``agree_on_start`` (every rank); among the drafters
-``all_reduce_sum`` / ``all_reduce_max`` (step statistics) and ``gather_lists`` (the ledger).
+``all_reduce_sum`` / ``all_reduce_max`` (step statistics) and ``gather_lists`` (the ledger); among
+the ranks of a tensor-parallel target replica ``replica_next_packet`` (the packet they make next).
 
 ``warm_up_links`` runs right after the process groups start (``dflash.train``), before any model
 loads: it exchanges one message on every (target, drafter) link in both directions, on the link's
@@ -69,6 +70,28 @@ def agree_on_start(
     if start < 0:
         raise ValueError(f"{topology.describe(topology.leader_rank)} resumes at packet {start} < 0")
     return start, steps
+
+
+def replica_next_packet(ctx: DistContext, g: int, stop_requested: bool, timeout_s: float) -> tuple[int, bool]:
+    """Every rank of a tensor-parallel target replica, before each forward: ``(packet, stop)``, the
+    packet the replica makes next (-1: it is done) and whether any rank of it asked to stop.
+
+    The replica's sender passes its next packet as ``g`` (or -1); the others' ``g`` is ignored. One
+    all-reduce (sum) of two int64 over ``ctx.tp_group``: the sender's ``g`` (the others add 0) and
+    the number of ranks with ``stop_requested``, so that a stop signal to any rank of the replica
+    reaches the drafters through the sender's next packet. A rank that waits longer than
+    ``timeout_s`` (the sender is dead or stuck), or whose peer died, raises ``PeerError`` naming
+    the replica's ranks.
+    """
+    topo = ctx.topology
+    assert topo is not None and ctx.tp_group is not None, "replica_next_packet outside a TP replica"
+    ranks = topo.replica_ranks(ctx.rank)
+    mine = torch.tensor([g if ctx.rank == ranks[0] else 0, int(stop_requested)], dtype=torch.int64)
+    mine = mine.to(ctx.device, non_blocking=True)
+    work = dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=ctx.tp_group, async_op=True)
+    _collective_wait(ctx, work, "the replica's next packet (all_reduce)", ranks, timeout_s)
+    nxt, stops = (int(x) for x in mine.tolist())  # one host sync per packet
+    return nxt, stops > 0
 
 
 def all_reduce_sum(ctx: DistContext, tensor: Tensor, timeout_s: float | None = None) -> Tensor:

@@ -6,7 +6,10 @@ collectives of every rank: ``agree_on_start``, the run-directory check) every ra
 global order (``new_group`` is collective over the world):
 - the drafter-only group (the drafters' gradient all-reduce and step statistics);
 - for every linked (target, drafter) pair two 2-rank groups, ``LinkGroups.data`` (target -> drafter
-  packets) and ``LinkGroups.control`` (drafter -> target ACK/STOP).
+  packets) and ``LinkGroups.control`` (drafter -> target ACK/STOP); only a replica's sender has links;
+- with ``topology.target_tp`` = k > 1, one group per target replica (its k ranks,
+  ``new_replica_groups``): the tensor-parallel collectives of the sharded target's forward and the
+  per-packet agreement of the replica (``dflash.distributed.collectives.replica_next_packet``).
 
 Why one group per pair and direction (torch 2.13, ``ProcessGroupNCCL::pointToPoint`` in
 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp): with eager initialisation (``device_id`` given to
@@ -22,16 +25,17 @@ queues in front of another link's traffic, and the eager world and drafter commu
 for the collectives. ``tests/nccl_sim.py`` models exactly these rules.
 
 Timeouts: the links and collectives wait with explicit timeouts (``topology.init_timeout_s`` until
-the first step, then ``topology.step_timeout_s``; a target waits twice that for a drafter) and name
-the peer in a ``PeerError``. Every group is given ``backend_timeout_s`` of that, strictly above it:
-NCCL's watchdog (``WorkNCCL::checkTimeout``) and a blocking ``Work.wait(timeout)`` both count from
-the op's creation, and a watchdog that fires first tears the process down (the default
-``TORCH_NCCL_ASYNC_ERROR_HANDLING``) before the ``PeerError`` is logged. ``set_timeout`` changes both
-with torch 2.13's ``torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)``, the default
-timeout of later work of a group's gloo/NCCL backend. Measured on gloo (torch 2.13 CPU): it bounds
-later collectives (a barrier nobody joins fails after the new 2 s instead of 30 s), but NOT blocking
-point-to-point receives, whose timeout stays the one the group was created with
-(``Backend.set_timeout`` behaves the same): the links never rely on it.
+the first step, then ``topology.step_timeout_s``; a target waits twice that for a drafter, a rank of
+a replica ``replica_wait_s`` for its sender) and name the peer in a ``PeerError``. Every group is
+given ``backend_timeout_s`` of that, strictly above it: NCCL's watchdog (``WorkNCCL::checkTimeout``)
+and a blocking ``Work.wait(timeout)`` both count from the op's creation, and a watchdog that fires
+first tears the process down (the default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) before the
+``PeerError`` is logged. ``set_timeout`` changes both with torch 2.13's
+``torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)``, the default timeout of later
+work of a group's gloo/NCCL backend. Measured on gloo (torch 2.13 CPU): it bounds later collectives
+(a barrier nobody joins fails after the new 2 s instead of 30 s), but NOT blocking point-to-point
+receives, whose timeout stays the one the group was created with (``Backend.set_timeout`` behaves
+the same): the links never rely on it.
 
 Shutdown: ``destroy(ctx, failed=True)`` (an error path) aborts every communicator
 (``_abort_process_group``: ``ncclCommAbort``, which never waits) instead of ``destroy_process_group``,
@@ -80,6 +84,17 @@ def backend_timeout_s(wait_timeout_s: float) -> float:
     return 2.0 * float(wait_timeout_s) + BACKEND_TIMEOUT_MARGIN_S
 
 
+def replica_wait_s(topology_cfg: TopologyConfig) -> float:
+    """How long a rank of a tensor-parallel replica waits for its sender between two packets.
+
+    Between two packets the sender may wait for a drafter's ACK (``max_in_flight`` backpressure) up
+    to ``init_timeout_s`` until that drafter's first step, then twice ``step_timeout_s``; the others
+    wait ``step_timeout_s`` longer, so that a stuck drafter is named by the sender waiting on it,
+    not by the replica as a stuck sender."""
+    t = topology_cfg
+    return max(float(t.init_timeout_s), 2.0 * float(t.step_timeout_s)) + float(t.step_timeout_s)
+
+
 @dataclass
 class DistContext:
     rank: int
@@ -91,6 +106,12 @@ class DistContext:
     """The drafter-only group on drafter ranks; GroupMember.NON_GROUP_MEMBER on targets."""
     link_groups: dict[tuple[int, int], LinkGroups] = field(default_factory=dict)
     """(target rank, drafter rank) -> the two 2-rank groups of that link, for the links of this rank."""
+    tp_group: Any = None
+    """The group of this target rank's tensor-parallel replica (``topology.target_tp`` > 1); None
+    on drafters and with one rank per target."""
+    tp_wait_s: float = 0.0
+    """How long a rank of a replica waits for its sender (``replica_wait_s``); the replica group's
+    timeout is ``backend_timeout_s`` of it."""
     timeout_s: float = 0.0
     """What the links and collectives wait for at most now; every group's timeout is
     ``backend_timeout_s`` of it."""
@@ -160,8 +181,8 @@ def attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
 
 
 def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = None) -> DistContext:
-    """Initialise the default process group from the torchrun environment, plus the drafter group
-    and the groups of every link (see the module docstring)."""
+    """Initialise the default process group from the torchrun environment, plus the drafter group,
+    the groups of every link and of every tensor-parallel replica (see the module docstring)."""
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     topology = Topology.from_config(topology_cfg, world_size)
@@ -185,6 +206,10 @@ def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = 
         control = dist.new_group([t, d], timeout=timeout)
         if rank in (t, d):
             link_groups[(t, d)] = LinkGroups(data, control)
+    tp_group, tp_wait_s = None, replica_wait_s(topology_cfg)
+    if topology.target_tp > 1:
+        tp_timeout = timedelta(seconds=backend_timeout_s(tp_wait_s))
+        tp_group = new_replica_groups(topology.num_targets, topology.target_tp, timeout=tp_timeout)
     ctx = DistContext(
         rank=rank,
         world_size=world_size,
@@ -193,6 +218,8 @@ def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = 
         backend=backend,
         drafter_group=drafter_group,
         link_groups=link_groups,
+        tp_group=tp_group,
+        tp_wait_s=tp_wait_s,
         timeout_s=timeout_s,
         topology=topology,
     )
@@ -218,13 +245,16 @@ def replica_ranks(num_replicas: int, tp_size: int, first_rank: int = 0) -> list[
     ]
 
 
-def new_replica_groups(num_replicas: int, tp_size: int, first_rank: int = 0) -> Any:
+def new_replica_groups(
+    num_replicas: int, tp_size: int, first_rank: int = 0, timeout: timedelta | None = None
+) -> Any:
     """Create one process group per target replica (a collective: every rank of the world calls it,
-    replicas in order) and return this rank's, or None on a rank outside every replica."""
+    replicas in order) and return this rank's, or None on a rank outside every replica.
+    ``timeout``: the groups' backend timeout (None: the default group's)."""
     mine = None
     rank = dist.get_rank()
     for ranks in replica_ranks(num_replicas, tp_size, first_rank):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine
@@ -239,7 +269,8 @@ def set_timeout(ctx: DistContext, seconds: float, link: tuple[int, int] | None =
     (only the two groups of ``link`` when given) gets ``backend_timeout_s(seconds)`` with torch
     2.13's ``_set_pg_timeout``. That bounds collectives and, on NCCL, the watchdog of later work; on
     gloo it does not shorten blocking point-to-point receives (see the module docstring). Links of
-    ``dflash.distributed.links`` take their own ``set_timeout``."""
+    ``dflash.distributed.links`` take their own ``set_timeout``. A replica's group keeps the
+    timeout of ``replica_wait_s`` unless ``seconds`` is longer."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     timeout = timedelta(seconds=backend_timeout_s(seconds))
@@ -249,6 +280,9 @@ def set_timeout(ctx: DistContext, seconds: float, link: tuple[int, int] | None =
         pairs = [g for lg in ctx.link_groups.values() for g in (lg.data, lg.control)]
         groups = [None, ctx.drafter_group, *pairs]
         ctx.timeout_s = float(seconds)
+        if _member(ctx.tp_group):
+            wait = max(float(seconds), ctx.tp_wait_s)
+            _set_pg_timeout(timedelta(seconds=backend_timeout_s(wait)), ctx.tp_group)
     for group in groups:
         if group is None or _member(group):
             _set_pg_timeout(timeout, group)

@@ -1,5 +1,6 @@
-"""The check's orchestrator: detects the device, plans the time budgets, runs parts kernels, loss, colocated and split (one method
-each, a crash or hang in one reported while the others still run) and writes the JSON summary."""
+"""The check's orchestrator: detects the device, plans the time budgets, runs parts kernels, loss, colocated,
+split and tp (one method each, a crash or hang in one reported while the others still run) and writes the
+JSON summary."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from dflash.gpu_check.planner import (
 )
 from dflash.gpu_check.probe import probe_target
 from dflash.gpu_check.procs import Proc, child_env, run_proc
-from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO
+from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO, TRAIN_PARTS
 from dflash.gpu_check.table import header, render
 from dflash.gpu_check.targets import judged_targets
 
@@ -66,19 +67,24 @@ class Check:
             steps.append("kernels")
         if "loss" in self.parts:
             steps.append("loss")
-        if {"colocated", "split"} & set(self.parts):
+        if {"colocated", "split", "tp"} & set(self.parts):
             steps.append("setup")
         if "colocated" in self.parts:
             steps += ["target_probe", "colocated"]
-        if "split" in self.parts and self.multi_gpu:
-            steps.append("split")
+        for part in ("split", "tp"):
+            if part in self.parts and self.gpus_for(part):
+                steps.append(part)
         self.plan = steps
         self.total_s = self.args.total_budget or sum(b[s] for s in steps)
 
     @property
     def multi_gpu(self) -> bool:
         """Whether part split can run: 2+ GPUs, or a dry run (gloo on CPU)."""
-        return self.dry or self.device.get("count", 0) >= 2
+        return self.gpus_for("split")
+
+    def gpus_for(self, part: str) -> bool:
+        """Whether training part ``part`` can run: one GPU per rank, or a dry run (gloo on CPU)."""
+        return self.dry or self.device.get("count", 0) >= TRAIN_PARTS[part].nproc
 
     def timeout(self, step: str) -> float:
         """This step's budget plus what the earlier steps left unused (never the later steps' share);
@@ -253,11 +259,11 @@ class Check:
         return res
 
     def train_part(self, part: str, inputs: Inputs) -> dict[str, Any]:
-        """A torchrun training run of part colocated (co-located, 1 rank) or d (1 target + 1 drafter): its
-        steady-state figures, the planner's figures on it, and on failure the ranks' logs."""
+        """A torchrun training run of part colocated (co-located, 1 rank), split (1 target + 1 drafter)
+        or tp (1 target replica of 2 ranks + 1 drafter): its steady-state figures, the planner's
+        figures on it, and on failure the ranks' logs."""
         colocated = part == "colocated"
-        nproc = 1 if colocated else 2
-        topo = ["topology=colocated"] if colocated else ["topology.num_targets=1", "topology.num_drafters=1"]
+        nproc, topo = TRAIN_PARTS[part].nproc, TRAIN_PARTS[part].topology
         steps = self.profile.steps[part]
         run_dir = self.work / f"run_{part}"
         overrides = [*self.base_overrides(inputs), *topo, f"train.max_steps={steps}"]
@@ -266,7 +272,7 @@ class Check:
         proc = self.run(part, cmd, env={**self.env, "TORCH_LOGS": self.env.get("TORCH_LOGS", "recompiles")})
         rows = metrics_rows(run_dir)
         res: dict[str, Any] = {
-            "mode": "co-located, 1 rank" if colocated else "1 target + 1 drafter",
+            "mode": TRAIN_PARTS[part].mode,
             "backend": "gloo" if self.dry else "nccl",
             "command": "torchrun --standalone --nproc_per_node "
             + f"{nproc} -m dflash.train "
@@ -291,10 +297,10 @@ class Check:
             except Exception as e:  # the figures must not hide the run's own outcome
                 res["figures_error"] = f"{type(e).__name__}: {e}"
             peaks = res.get("peak_mem_gib", {})
-            res["peak_mem_gib_by_role"] = (
+            res["peak_mem_gib_by_role"] = (  # a replica's memory: its sender's (rank 0)
                 {"colocated": peaks.get("0")}
                 if colocated
-                else {"target": peaks.get("0"), "drafter": peaks.get("1")}
+                else {"target": peaks.get("0"), "drafter": peaks.get(str(nproc - 1))}
             )
         if proc.timed_out or proc.rc != 0 or len(rows) != steps or "figures_error" in res:
             if proc.out_of_memory():
@@ -325,6 +331,19 @@ class Check:
         if not self.multi_gpu:
             return {"status": "skipped", "note": f"{self.device.get('count', 0)} GPU: needs 2+", "ran": False}
         return self.train_part("split", self.ensure_inputs())
+
+    def part_tp(self) -> dict[str, Any]:
+        """The training run with a tensor-parallel target replica (the random target sharded over 2
+        GPUs with transformers' TP plan, NCCL) + 1 drafter; skipped with fewer than 3 GPUs (NCCL
+        holds one rank per GPU: the replica's 2 and the drafter's)."""
+        if not self.gpus_for("tp"):
+            count = self.device.get("count", 0)
+            return {
+                "status": "skipped",
+                "note": f"{count} GPU: needs 3+ (a 2-GPU replica + a drafter)",
+                "ran": False,
+            }
+        return self.train_part("tp", self.ensure_inputs())
 
     # ------------------------------------------------------------- output
     def summary(self, done: bool) -> dict[str, Any]:
@@ -359,8 +378,8 @@ class Check:
         return out
 
     def ensure_inputs(self) -> Inputs:
-        """The inputs of the colocated and split parts, set up by the first part that asks."""
-        with self.setup_lock:  # the colocated and split parts share one target directory and data file
+        """The inputs of the training parts, set up by the first part that asks."""
+        with self.setup_lock:  # the training parts share one target directory and data file
             if self.inputs is None:
                 self.inputs = self.setup()
             return self.inputs

@@ -27,9 +27,14 @@ colocated. A co-located training run at real size (``topology=colocated``, ``exp
    weights, the largest tensor it makes and every tensor with a vocabulary-sized last dimension (none:
    the lm_head never runs), against ``model(...)`` on the same packet.
 split. With 2+ GPUs: the disaggregated 1 target + 1 drafter over NCCL for 20 steps, the same figures.
+tp. With 3+ GPUs: one tensor-parallel target replica on GPUs 0-1 (``topology.target_tp=2``: the random
+   target sharded with transformers' TP plan, every rank building only its shard) + 1 drafter on GPU 2
+   over NCCL for 20 steps: the same figures, the target's per rank (its share of the FLOPs and the
+   planner's memory of one rank). NCCL holds one rank per GPU, so 2 GPUs cannot hold a replica of 2
+   and a drafter: skipped there.
 
 ``--dry-run`` runs every part through the same code at tiny sizes on CPU in fp32 (the tiny target's
-shape, gloo for part split, CUDA hidden), so the GPU path cannot rot between GPU sessions. Output: a
+shape, gloo for parts split and tp, CUDA hidden), so the GPU path cannot rot between GPU sessions. Output: a
 table, then ONE JSON line ``{"parts": ..., "targets": ..., "device": ..., "dry_run": ..., "passed": ...}``
 (also written to ``--out``, after every part). The exit code is 1 when a part failed; a performance
 target missed is reported ("targets"), not a failure.
@@ -63,7 +68,7 @@ def main() -> None:
     p.add_argument(
         "--parts",
         default=",".join(PARTS),
-        help="comma list of parts to run (default kernels,loss,colocated,split)",
+        help=f"comma list of parts to run (default {','.join(PARTS)})",
     )
     p.add_argument(
         "--total-budget",

@@ -25,12 +25,12 @@ def header(chk: Check) -> str:
         )
         where = f"{d.get('name')} x{d.get('count')} ({spec}), torch {d.get('torch')}, CUDA {d.get('cuda_version')}"
     budgets = ", ".join(f"{s} {chk.profile.budgets[s]:g}" for s in chk.plan)
-    skipped = [p for p in chk.parts if p == "split" and not chk.multi_gpu]
+    skipped = [p for p in chk.parts if p in ("split", "tp") and not chk.gpus_for(p)]
     return (
         f"dflash GPU check: {where}\n"
         f"budgets (s): {budgets}; total {chk.total_s:g} "
         + ("(parts side by side)" if chk.concurrent else "(unused time passes to the next part)")
-        + (f"; part split skipped: {chk.device.get('count', 0)} GPU" if skipped else "")
+        + "".join(f"; part {p} skipped: {chk.device.get('count', 0)} GPU" for p in skipped)
         + f"\nwork dir: {chk.work}"
     )
 
@@ -95,7 +95,7 @@ def _part_lines(part: str, r: dict[str, Any]) -> tuple[str, list[str]]:
                 + first
             )
         return first, more
-    if part in ("colocated", "split"):
+    if part in ("colocated", "split", "tp"):
         if r.get("status") == "skipped":
             return r.get("note", ""), []
         more = []
@@ -124,9 +124,12 @@ def _part_lines(part: str, r: dict[str, Any]) -> tuple[str, list[str]]:
             )
             p = r.get("planner") or {}
             if p:
+                flop = _f(p["target_tflop_per_packet"])
+                if "target_rank_tflop_per_packet" in p:  # a TP replica: one rank's share
+                    flop = f"{_f(p['target_rank_tflop_per_packet'])} per rank of {flop}"
                 more.append(
                     f"MFU (planner FLOP / measured s / {p['gpu_spec']} peak): target {_f(p['target_mfu'])} "
-                    f"({_f(p['target_tflop_per_packet'])} TFLOP/packet in {_f(r['target_s_per_packet'])} s), drafter "
+                    f"({flop} TFLOP/packet in {_f(r['target_s_per_packet'])} s), drafter "
                     f"{_f(p['drafter_mfu'])} ({_f(p['drafter_tflop_per_packet'])} TFLOP in {_f(r['drafter_s_per_packet'])} s); "
                     f"planner at {p['planner_s_per_packet']['mfu']:g} MFU: {_f(p['planner_samples_per_s'])} samples/s"
                 )

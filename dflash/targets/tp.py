@@ -183,10 +183,12 @@ def tp_problems(
     return problems
 
 
-def tp_config_problems(cfg: Config, local_world_size: int) -> list[str]:
+def tp_config_problems(cfg: Config, local_world_size: int, world_size: int | None = None) -> list[str]:
     """What the config alone shows wrong with ``topology.target_tp`` (no model, no process group):
-    a replica must fit inside a node of ``local_world_size`` ranks, co-located ranks and the periodic
-    eval hold the whole target, and the planner shape (``target.shape``, when given) must split."""
+    a replica must fit inside a node of ``local_world_size`` ranks (k must divide it, unless the
+    launch of ``world_size`` ranks is one node: then no replica can span two), co-located ranks and
+    the periodic eval hold the whole target, and the planner shape (``target.shape``, when given)
+    must split."""
     k, t = cfg.topology.target_tp, cfg.topology
     if k == 1:
         return []
@@ -198,7 +200,8 @@ def tp_config_problems(cfg: Config, local_world_size: int) -> list[str]:
             f"topology.colocated=true with topology.target_tp={k}: a co-located rank runs the whole target "
             "for its own packets; set topology.target_tp=1, or topology.colocated=false for replicas of k GPUs"
         )
-    if local_world_size % k:
+    one_node = world_size is not None and world_size <= local_world_size
+    if local_world_size % k and not one_node:
         problems.append(
             f"topology.target_tp={k} must divide the ranks of a node (LOCAL_WORLD_SIZE={local_world_size}): "
             f"a replica never spans nodes; use a divisor of {local_world_size}"
@@ -318,9 +321,12 @@ def replica_peer_errors(me: str, replica: list[str]) -> Iterator[None]:
     """Inside the block (a forward of a sharded target), a failed collective is a
     :class:`dflash.distributed.links.PeerError` naming ``me`` and the ranks of the replica, as any
     dead or stuck peer is named: a rank of a replica that dies makes the others' next all-reduce fail
-    (gloo at once, "Connection reset by peer"; NCCL when its watchdog times the collective out)."""
+    (gloo at once, "Connection reset by peer"; NCCL when its watchdog times the collective out).
+    With two ranks the other one is named as the dead or stuck rank."""
     from dflash.distributed.links import PeerError, short_error
 
+    others = [r for r in replica if r != me]
+    culprit = f"{others[0]} is" if len(others) == 1 else "a rank of this replica is"
     try:
         yield
     except RuntimeError as e:
@@ -328,7 +334,7 @@ def replica_peer_errors(me: str, replica: list[str]) -> Iterator[None]:
             raise
         raise PeerError(
             f"{me}: the tensor-parallel all-reduce of the target forward among [{', '.join(replica)}] failed "
-            f"({short_error(e)}); a rank of this replica is dead or stuck"
+            f"({short_error(e)}); {culprit} dead or stuck"
         ) from e
 
 

@@ -49,6 +49,27 @@ class PacketMaker:
         """A host tensor on the device without waiting (a blocking copy synchronises the stream)."""
         return t.to(self.device, non_blocking=True)
 
+    def _batch(self, samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """``build_batch`` of the samples' token ids (host tensors)."""
+        return build_batch([s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id)
+
+    def _forward(self, ids: Tensor, attn: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """The headless target forward of one batch: ``(aux [B, L, n_tap*H], final [B, L, H])``."""
+        return target_forward(
+            self.model,
+            self._put(ids),
+            None if attn is None else self._put(attn),
+            self.setup.layer_ids,
+            position_ids=self._put(pos),
+        )
+
+    def forward_only(self, g: int) -> None:
+        """Run the target forward of packet g and discard it: a rank of a tensor-parallel replica
+        that is not its sender takes part in the sharded forward (its collectives), nothing else."""
+        ds = self.setup.dataset
+        ids, attn, pos, _ = self._batch([ds.sample(i) for i in self.setup.plan.packet(g).tolist()])
+        self._forward(ids, attn, pos)
+
     def make(self, g: int, flags: int = 0) -> Packet:
         """Forward the samples of packet g and assemble the packet (non-finite samples dropped)."""
         ds = self.setup.dataset
@@ -57,18 +78,10 @@ class PacketMaker:
         lens = torch.tensor([s[0].numel() for s in samples], dtype=torch.long)
         if self.own_peak:
             reset_peak_memory(self.device)
-        ids, attn, pos, keep = build_batch(
-            [s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id
-        )
+        ids, attn, pos, keep = self._batch(samples)
         clock = DeviceClock(self.device)
         clock.start()
-        aux, final = target_forward(
-            self.model,
-            self._put(ids),
-            None if attn is None else self._put(attn),
-            self.setup.layer_ids,
-            position_ids=self._put(pos),
-        )
+        aux, final = self._forward(ids, attn, pos)
         aux, final = self._real_tokens(aux, keep), self._real_tokens(final, keep)
         if self.cfg.fault.nonfinite_sample_ids:
             aux = self._inject_nonfinite(aux, sample_idx, lens)

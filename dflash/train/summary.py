@@ -115,23 +115,27 @@ def summary_table(
     return "\n".join(["dflash run summary", bar, *(f"{k:<{width}}  {v}" for k, v in rows), bar])
 
 
-def best_split(world: int, t_target: float, t_drafter: float) -> tuple[int, float]:
-    """The number of targets N (1..world-1) that maximises ``min(N / t_target, (world - N) / t_drafter)``
-    packets/s, and that rate (one packet costs ``t_target`` s on a target, ``t_drafter`` s on a drafter)."""
-    rates = {n: min(n / t_target, (world - n) / t_drafter) for n in range(1, world)}
-    n = max(rates, key=lambda k: rates[k])
+def best_split(world: int, t_target: float, t_drafter: float, target_tp: int = 1) -> tuple[int, float]:
+    """The number of targets N (1..) that maximises ``min(N / t_target, (world - N*k) / t_drafter)``
+    packets/s with at least one drafter, and that rate (one packet costs ``t_target`` s on a target
+    replica of ``target_tp`` = k ranks, ``t_drafter`` s on a drafter)."""
+    k = target_tp
+    rates = {n: min(n / t_target, (world - n * k) / t_drafter) for n in range(1, (world - 1) // k + 1)}
+    n = max(rates, key=lambda x: rates[x])
     return n, rates[n]
 
 
-def _split(n: int, m: int) -> str:
-    return f"{n} target{'s' * (n != 1)} + {m} drafter{'s' * (m != 1)}"
+def _split(n: int, m: int, k: int = 1) -> str:
+    targets = f"{n} target{'s' * (n != 1)}" if k == 1 else f"{n} target replica{'s' * (n != 1)} x {k} ranks"
+    return f"{targets} + {m} drafter{'s' * (m != 1)}"
 
 
 def balance_line(
-    rows: list[dict[str, float]], num_targets: int, num_drafters: int, colocated: bool
+    rows: list[dict[str, float]], num_targets: int, num_drafters: int, colocated: bool, target_tp: int = 1
 ) -> str | None:
     """Where the time went, from the measured per-packet times of the last half of the logged steps,
-    and what the best split of the same number of GPUs would give (``best_split``)."""
+    and what the best split of the same number of GPUs would give (``best_split``; ``num_targets``
+    replicas of ``target_tp`` ranks)."""
     tail = rows[len(rows) // 2 :]
     if not tail:
         return None
@@ -161,18 +165,19 @@ def balance_line(
             n, rate = best_split(world, t_t, t_d)
             line += f"; disaggregated {_split(n, world - n)} would be ~{rate * (t_t + t_d) / world:.2f}x this"
         return line
-    world = num_targets + num_drafters
+    k = target_tp
+    world = num_targets * k + num_drafters
     busy = share("perf/target_busy_frac")
     waited = share("comm/recv_wait_frac")
     now = min(num_targets / t_t, num_drafters / t_d)
-    n, rate = best_split(world, t_t, t_d)
+    n, rate = best_split(world, t_t, t_d, k)
     line = (
         f"targets busy {100 * busy:.0f}% (idle {100 * (1 - busy):.0f}%), drafters waited {100 * waited:.0f}%"
     )
     if n == num_targets:
-        return line + f": {_split(num_targets, num_drafters)} is the best split of {world} ranks"
+        return line + f": {_split(num_targets, num_drafters, k)} is the best split of {world} ranks"
     return line + (
-        f": {_split(n, world - n)} would be ~{rate / now:.1f}x faster "
+        f": {_split(n, world - n * k, k)} would be ~{rate / now:.1f}x faster "
         f"(measured {t_t:.3g}s per target forward, {t_d:.3g}s per drafter packet)"
     )
 

@@ -135,7 +135,7 @@ class DrafterTrainer:
         self.topology = setup.topology
         self.device = ctx.device
         self.is_leader = ctx.rank == self.topology.leader_rank
-        self.drafter_index = ctx.rank - self.topology.num_targets
+        self.drafter_index = self.topology.drafter_index(ctx.rank)
         self.stop_requested = False
         """This rank got a stop signal (it joins the next step's agreement)."""
         self.stop_agreed = False
@@ -395,7 +395,7 @@ class DrafterTrainer:
         c = local.sums.counters
         c["wait_s"] += self.source.last_wait_s
         c["target_s"] += packet.forward_s
-        slot = 0 if self.topology.colocated else self.topology.producer_of(packet.index)
+        slot = 0 if self.topology.colocated else self.topology.producer_replica(packet.index)
         local.target_fwd[slot] += packet.forward_s
         local.target_packets[slot] += 1
         local.target_mem[slot] = max(float(local.target_mem[slot]), packet.peak_mem_bytes / 2**30)
@@ -536,7 +536,7 @@ class DrafterTrainer:
             for t in range(topo.num_targets):
                 if r.target_packets[t] > 0:
                     m[f"perf/target_{t}/forward_s"] = float(r.target_fwd[t])
-                    m[f"mem/peak_gib/rank_{t}"] = float(r.target_mem[t])
+                    m[f"mem/peak_gib/rank_{topo.sender_ranks[t]}"] = float(r.target_mem[t])
         for d, rank in enumerate(topo.drafter_ranks):
             m[f"mem/peak_gib/rank_{rank}"] = float(r.drafter_mem[d])
         for reason, n in sorted(self.state.skipped.items()):
@@ -612,7 +612,7 @@ class DrafterTrainer:
     def balance(self) -> str | None:
         """The leader's end-of-run line on where the time went (``summary.balance_line``)."""
         t = self.topology
-        return balance_line(self.summary.rows, t.num_targets, t.num_drafters, t.colocated)
+        return balance_line(self.summary.rows, t.num_targets, t.num_drafters, t.colocated, t.target_tp)
 
     # ---------------------------------------------------------------- main loop
     def _stopping(self) -> bool:

@@ -17,6 +17,7 @@ from dflash.config import (
     UserError,
     contract_values,
     dataset_settings,
+    planned_world_size,
     register_configs,
     schema_leaves,
     to_config,
@@ -43,7 +44,7 @@ def test_required_experiments_exist():
 def test_every_experiment_composes_and_validates(experiment):
     cfg = _compose([f"experiment={experiment}", "data.path=/data/chat.jsonl"])
     assert cfg.name == experiment
-    validate(cfg, cfg.topology.num_targets + cfg.topology.num_drafters)
+    validate(cfg, planned_world_size(cfg.topology))
 
 
 def test_default_is_the_embedded_cpu_run():

@@ -7,7 +7,9 @@ forward returns random hidden states after ``FORWARD_S`` of "compute", the draft
 tiny function of its real parameters after ``DRAFTER_S`` (so the gradient all-reduce runs). Each
 case passes when no rank deadlocks under the strict model, every rank ends with 0, every wait is
 shorter than its group's timeout by ``BACKEND_TIMEOUT_MARGIN_S``, and a target's packet time is
-the forward's own: no wait for a peer while a packet is made and timed.
+the forward's own: no wait for a peer while a packet is made and timed. ``NxK:M`` splits run target
+replicas of K ranks (``topology.target_tp``): the stub forward all-reduces over the replica's group
+as a sharded forward does, and the replica agrees on every packet before it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from dflash.distributed.topology import links
 FORWARD_S = 0.004
 DRAFTER_S = 0.012
 STEPS = 8
-SPLITS = ["1:2", "1:3", "2:3", "3:5", "4:4", "7:1", "colocated:2"]
+SPLITS = ["1:2", "1:3", "2:3", "3:5", "4:4", "7:1", "colocated:2", "2x2:1", "1x2:2", "2x3:3"]
+TP_REGION = "tensor-parallel forward"
+"""Where the stub forward waits for the other ranks of its replica (its own collectives, not a peer)."""
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +50,11 @@ def _config(split: str, time_phases: bool, stop_after: int | None, cache: Path):
     from dflash.config.cli import compose_config
 
     a, b = split.split(":")
+    n, _, k = a.partition("x")
     topo = (
         ["topology=colocated"]
         if a == "colocated"
-        else [f"topology.num_targets={a}", f"topology.num_drafters={b}"]
+        else [f"topology.num_targets={n}", f"topology.target_tp={k or 1}", f"topology.num_drafters={b}"]
     )
     overrides = [
         *FAST,
@@ -67,7 +72,8 @@ def _config(split: str, time_phases: bool, stop_after: int | None, cache: Path):
     register_configs()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_CACHE_DIR", str(cache))
-        return to_config(compose_config("config", overrides)), int(b) if a == "colocated" else int(a) + int(b)
+        world = int(b) if a == "colocated" else int(n) * int(k or 1) + int(b)
+        return to_config(compose_config("config", overrides)), world
 
 
 class _ThreadEnv(dict):
@@ -105,6 +111,29 @@ def _fake_objective(self, packet):
     return ObjectiveOutput(loss=loss, num_rows=1, **sums)
 
 
+def _stub_target(cfg, device, dtype, tp_group=None) -> torch.nn.Module:
+    """Stands for ``load_target``: a module that only knows its replica's group."""
+    stub = torch.nn.Identity()
+    stub.tp_group = tp_group
+    return stub
+
+
+def _stub_forward(sim: NcclSim, dtype: torch.dtype, hidden: int, taps: int):
+    """Stands for ``target_forward``: ``FORWARD_S`` of compute, random hidden states and, on a
+    replica's rank, two all-reduces over its group (a sharded forward's rowwise layers)."""
+
+    def forward(model, input_ids, attention_mask, layer_ids, position_ids=None):
+        time.sleep(FORWARD_S)
+        b, t = input_ids.shape
+        if model.tp_group is not None:
+            with sim.in_region(TP_REGION):
+                for _ in range(2):
+                    sim.all_reduce(torch.zeros(b, t, hidden), group=model.tp_group)
+        return torch.randn(b, t, taps * hidden).to(dtype), torch.randn(b, t, hidden).to(dtype)
+
+    return forward
+
+
 def run_job(
     split: str,
     time_phases: bool,
@@ -128,22 +157,22 @@ def run_job(
     )
     sim = NcclSim(world, min_margin_s=BACKEND_TIMEOUT_MARGIN_S)
     dtype = torch_dtype(cfg.target.dtype, torch.device("cuda"))
-    hidden, taps = setup.meta.hidden_size, len(setup.layer_ids)
-
-    def fake_forward(model, input_ids, attention_mask, layer_ids, position_ids=None):
-        time.sleep(FORWARD_S)
-        b, t = input_ids.shape
-        return torch.randn(b, t, taps * hidden).to(dtype), torch.randn(b, t, hidden).to(dtype)
-
+    fake_forward = _stub_forward(sim, dtype, setup.meta.hidden_size, len(setup.layer_ids))
     made: list[tuple[int, int, float, float]] = []
-    real_make = packets.PacketMaker.make
+    forwarded: dict[int, list[int]] = {}
+    real_make, real_forward_only = packets.PacketMaker.make, packets.PacketMaker.forward_only
 
     def make(self, g, flags=0):
         t0 = time.perf_counter()
         with sim.in_region(f"making packet {g}"):
             pkt = real_make(self, g, flags)
         made.append((sim._rank(), g, pkt.forward_s, time.perf_counter() - t0))
+        forwarded.setdefault(sim._rank(), []).append(g)
         return pkt
+
+    def forward_only(self, g):
+        real_forward_only(self, g)
+        forwarded.setdefault(sim._rank(), []).append(g)
 
     no_signals = SimpleNamespace(signal=lambda s, h: None, Signals=signal.Signals)
     monkeypatch.setattr(process_group, "os", SimpleNamespace(environ=_ThreadEnv(sim.local)))
@@ -152,10 +181,11 @@ def run_job(
     )
     monkeypatch.setattr(target_worker, "signal", no_signals)
     monkeypatch.setattr(trainer, "signal", no_signals)
-    monkeypatch.setattr(target_worker, "load_target", lambda *a, **k: torch.nn.Identity())
-    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: torch.nn.Identity())
+    monkeypatch.setattr(target_worker, "load_target", _stub_target)
+    monkeypatch.setattr(trainer, "load_target", _stub_target)
     monkeypatch.setattr(packets, "target_forward", fake_forward)
     monkeypatch.setattr(packets.PacketMaker, "make", make)
+    monkeypatch.setattr(packets.PacketMaker, "forward_only", forward_only)
     monkeypatch.setattr(trainer.DrafterTrainer, "_forward_packet", _fake_objective)
 
     def rank_main(rank: int) -> dict:
@@ -172,6 +202,7 @@ def run_job(
             out["step"] = role.state.step
         elif isinstance(role, target_worker.TargetWorker):
             out["stopped"] = {d: link.stopped for d, link in role.links.items()}
+            out["forwarded"] = forwarded.get(rank, [])
         return out
 
     with sim.patch(monkeypatch, [collectives, grad_reducer, links, process_group]):
@@ -207,14 +238,23 @@ def test_job_under_nccl_ordering(
     assert [results[d]["step"] for d in topo.drafter_ranks] == [steps] * topo.num_drafters
     assert sim.watchdog_races == []
     assert not sim.aborted and sim.destroyed == set(range(topo.world_size))
-    # Making and timing a packet never waits for a peer, and forward_s is the forward's own time.
-    waits = {r: w for r, w in sim.region_blocked.items() if w}
-    assert waits == {}, waits
+    # Making and timing a packet never waits for a peer (only, in a replica, for the collectives of
+    # its sharded forward), and forward_s is the forward's own time.
+    waits = {r: [x for x in w if not x[0].startswith(TP_REGION)] for r, w in sim.region_blocked.items()}
+    assert {r: w for r, w in waits.items() if w} == {}, waits
     assert len(made) >= steps * topo.packets_per_step
     for rank, g, forward_s, wall_s in made:
         assert FORWARD_S <= forward_s <= wall_s, (rank, g, forward_s, wall_s)
     if not topo.colocated:  # every link got its drafter's STOP (then sent END)
         assert all(all(results[t]["stopped"].values()) for t in topo.target_ranks)
+        assert [bool(results[t]["stopped"]) for t in topo.target_ranks] == [
+            t in topo.sender_ranks for t in topo.target_ranks
+        ]  # only a replica's sender has links
+    if topo.target_tp > 1:  # every rank of a replica ran every packet of the replica, in lockstep
+        forwarded = {t: results[t]["forwarded"] for t in topo.target_ranks}
+        for s in topo.sender_ranks:
+            assert len({len(forwarded[r]) for r in topo.replica_ranks(s)}) == 1, forwarded
+            assert all(forwarded[r] == forwarded[s] for r in topo.replica_ranks(s)), forwarded
 
 
 def test_simulator_reports_a_cycle(one_thread):
