@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dflash.drafter.arch import DrafterArch
@@ -156,6 +157,11 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """Block-diffusion drafter conditioned on tapped target hidden states."""
 
+    checkpoint_layers: bool = False
+    """Per-layer activation checkpointing (``drafter.activation_checkpointing``; set it on the instance): in
+    training each layer keeps only its inputs and runs its forward again in backward (non-reentrant
+    ``torch.utils.checkpoint``); the results are the same."""
+
     def __init__(self, arch: DrafterArch) -> None:
         super().__init__()
         self.arch = arch
@@ -212,9 +218,13 @@ class DFlashDraftModel(nn.Module):
         x = noise_embeds.to(self.fc.weight.dtype)
         rope_q = self.rotary_emb(x, block_positions)
         rope_ctx = self.rotary_emb(x, context_positions)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(self.layers):
             mask = None if masks is None else masks[self.arch.layer_types[i]]
-            x = layer(x, context, rope_q, rope_ctx, mask, cache, i)
+            if recompute:
+                x = checkpoint(layer, x, context, rope_q, rope_ctx, mask, cache, i, use_reentrant=False)
+            else:
+                x = layer(x, context, rope_q, rope_ctx, mask, cache, i)
         return self.norm(x)
 
 

@@ -66,6 +66,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from dflash.loss.device import kernel_device
 from dflash.loss.kernels import LN2, LOG2E, block_math_exp2, get_block_math
 from dflash.loss.workspace import acquire_workspace, return_workspace
 
@@ -149,7 +150,7 @@ def _device_mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     """``out = a @ b`` with ``out``'s (fp32/fp64) accumulation and output, never a low-precision output."""
     if a.dtype == out.dtype and b.dtype == out.dtype:
         return torch.mm(a, b, out=out)
-    if a.dtype == b.dtype and a.device.type == "cuda":
+    if a.dtype == b.dtype and kernel_device(a.device) == "cuda":
         try:
             return torch.mm(a, b, out_dtype=out.dtype, out=out)
         except (RuntimeError, TypeError):  # pragma: no cover - older torch / arch
@@ -242,7 +243,7 @@ class _ChunkLoop:
     def __init__(self, w: Tensor, rows: _Rows, chunk: int, cdt: torch.dtype, cfg: _Cfg) -> None:
         device, vocab, hid = w.device, w.shape[0], w.shape[1]
         self.cfg, self.rows, self.w, self.cdt = cfg, rows, w, cdt
-        self.on_cuda = device.type == "cuda"
+        self.on_cuda = kernel_device(device) == "cuda"
         # GEMM operand for the projections: W itself, or (CPU, low precision) an fp32 copy made once.
         self.w_mm = w if w.dtype == cdt or self.on_cuda else w.to(cdt)
         self.w_t = self.w_mm.t()
@@ -263,7 +264,7 @@ class _ChunkLoop:
         # CPU, T = 1, fp32/fp64 GEMM operands: base-2 logits from (h / ln 2) @ W^T and the exp2 path
         self.use_exp2 = (
             _CPU_EXP2
-            and device.type == "cpu"
+            and kernel_device(device) == "cpu"
             and cfg.temperature == 1.0
             and not cfg.compile
             and self.w_mm.dtype == cdt
@@ -601,7 +602,7 @@ def _checked_settings(
         vce=vce,
         temperature=temperature,
         chunk=chunk or default_chunk_size(vocab, tuning["mem_budget_gib"], h_v is not None, 8 if wide else 4),
-        row_block=row_block or (_CUDA_ROW_BLOCK if h_d.device.type == "cuda" else _CPU_ROW_BLOCK),
+        row_block=row_block or (_CUDA_ROW_BLOCK if kernel_device(h_d.device) == "cuda" else _CPU_ROW_BLOCK),
         need_grad=torch.is_grad_enabled() and h_d.requires_grad,
         compile=bool(tuning["compile"]),
         normalizer=None if normalizer is None else float(normalizer),

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflash.loss.device import kernel_device
+
 __all__ = ["acquire_workspace", "release_workspace", "return_workspace"]
 
 _HUGE_PAGE = 2 << 20
@@ -56,7 +58,7 @@ def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     item = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * item
     if (
-        device.type != "cpu"
+        kernel_device(device) != "cpu"
         or nbytes < 8 * _HUGE_PAGE
         or _libc_madvise is False
         or not sys.platform.startswith("linux")
@@ -80,7 +82,7 @@ def acquire_workspace(numel: int, dtype: torch.dtype, device: torch.device, keep
     workspace is kept between calls, as the CUDA caching allocator does on GPUs. A
     concurrent call finds the cache empty and allocates its own.
     """
-    if keep and device.type == "cpu":
+    if keep and kernel_device(device) == "cpu":
         with _WS_LOCK:
             ws = _WS_CACHE.pop((device, dtype), None)
         if ws is not None and ws.numel() >= numel:
@@ -91,7 +93,7 @@ def acquire_workspace(numel: int, dtype: torch.dtype, device: torch.device, keep
 
 def return_workspace(ws: Tensor, keep: bool) -> None:
     """Keep ``ws`` for the next call (CPU, ``keep``) unless a larger one is already kept."""
-    if keep and ws.device.type == "cpu":
+    if keep and kernel_device(ws.device) == "cpu":
         key = (ws.device, ws.dtype)
         with _WS_LOCK:
             cur = _WS_CACHE.get(key)

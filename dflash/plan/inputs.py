@@ -24,7 +24,7 @@ from dflash.data.sources import EMBEDDED, resolve_data_path
 from dflash.drafter.arch import DrafterArch, build_arch
 from dflash.loss.verifier import default_chunk_size
 from dflash.plan.costs import AttentionKind, PacketShape
-from dflash.plan.memory import AUTOCAST_ACT_BYTES, RunDtypes
+from dflash.plan.memory import RunDtypes
 from dflash.targets.loader import TargetMeta, read_target_meta, resolve_layer_ids
 
 GPU_DIR = Path(__file__).resolve().parents[2] / "conf" / "gpu"
@@ -242,8 +242,7 @@ def run_dtypes(cfg: Config) -> RunDtypes:
     def width(name: str) -> int:
         return 4 if name == "float32" or (name == "auto" and not gpu) else 2
 
-    activation = AUTOCAST_ACT_BYTES if width(cfg.drafter.dtype) == 2 else 4.0
-    return RunDtypes(target_bytes=width(cfg.target.dtype), activation_bytes=activation)
+    return RunDtypes(target_bytes=width(cfg.target.dtype), autocast=width(cfg.drafter.dtype) == 2, cuda=gpu)
 
 
 def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:

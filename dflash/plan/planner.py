@@ -7,18 +7,28 @@ from dataclasses import dataclass
 
 from dflash.config import Config, GpuSpec, TargetShape
 from dflash.plan.costs import PacketCosts, packet_costs, target_rank_flop, tp_bytes_per_token
+from dflash.plan.fit import CheckpointDecision, decide_checkpointing, num_drafters, role_memory
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs
-from dflash.plan.memory import GIB, drafter_num_params, memory_per_role, target_memory
+from dflash.plan.memory import GIB, DrafterSettings, drafter_num_params, target_memory
 from dflash.plan.throughput import RoleTimes, Split, best_split, colocated, disaggregated, role_times
 from dflash.targets.tp import TpLayout, tp_layout, tp_problems
 
 ROLES = ("target", "drafter", "colocated")
 FIT_HINTS = {
     "target": "lower data.token_budget (activations and a dense mask grow with it) or use a larger GPU",
-    "drafter": "lower drafter.max_anchors_per_packet (activations grow with the blocks per packet) or "
-    "data.token_budget",
+    "drafter": "lower drafter.max_anchors_per_packet (activations grow with the blocks per packet)",
     "colocated": "lower drafter.max_anchors_per_packet, or (2+ GPUs) run disaggregated",
 }
+
+
+def fit_hint(role: str, settings: DrafterSettings) -> str:
+    """What to change when ``role`` does not fit: the drafter's levers not yet in use, then FIT_HINTS."""
+    if role == "target":
+        return FIT_HINTS[role]
+    levers = [] if settings.checkpoint else ["drafter.activation_checkpointing=layers"]
+    if settings.shard != "full" and (role == "colocated" or settings.num_drafters > 1):
+        levers.append("drafter.shard=full")
+    return f"set {' and '.join(levers)}, or {FIT_HINTS[role]}" if levers else FIT_HINTS[role]
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,9 @@ class Plan:
     """GiB by item for each of :data:`ROLES` (the target on one GPU)."""
     capacity_gib: float
     """What one GPU offers to tensors: HBM minus ``plan.reserved_gib``."""
+    settings: DrafterSettings
+    """The drafter's memory levers the estimates assume (``auto`` checkpointing resolved)."""
+    checkpointing: CheckpointDecision
     fits: dict[str, bool]
     """Whether each role's memory fits ``capacity_gib`` (the target on one GPU)."""
     times: RoleTimes
@@ -121,13 +134,14 @@ def _warnings(
     cfg: Config,
     gpu: GpuSpec,
     world: int,
+    settings: DrafterSettings,
 ) -> list[str]:
     """A warning for every role that fits no GPU (the target: on one GPU, naming the replicas that fit)."""
     warnings = []
     for role in ROLES if world > 1 else ("colocated",):
         if plan_fits[role]:
             continue
-        hint = FIT_HINTS[role]
+        hint = fit_hint(role, settings)
         if role == "target":
             fitting = [k for k, ok in replica_fits.items() if ok and k > 1]
             hint = (
@@ -155,17 +169,10 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         verifier_metrics=VERIFIER_METRICS,
         hidden_dtype_bytes=inputs.dtypes.target_bytes,
     )
-    memory = memory_per_role(
-        inputs.target.shape,
-        inputs.arch,
-        inputs.packet,
-        target_attention=inputs.target_attention,
-        max_in_flight=cfg.topology.max_in_flight,
-        loss_chunk_rows=inputs.loss_chunk_rows,
-        verifier_logits=inputs.verifier_logits,
-        dtypes=inputs.dtypes,
-    )
     capacity = gpu.hbm_gb * 1e9 / GIB - p.reserved_gib
+    decision = decide_checkpointing(cfg, inputs, capacity, world_size=world)
+    settings = DrafterSettings(decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world))
+    memory = role_memory(cfg, inputs, settings)
     fits = {role: sum(memory[role].values()) <= capacity for role in ROLES}
     layouts = tp_layouts(inputs.target.shape, gpu, world)
     replica_memory, work, sent = _replicas(cfg, inputs, costs, layouts)
@@ -178,6 +185,8 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         drafter_params=drafter_num_params(inputs.arch),
         grad_accum_steps=cfg.optim.grad_accum_steps,
         replicas=work,
+        # checkpointed layers run their forward again: a third of their forward + backward
+        recompute_flop=costs.drafter_layers_flop / 3 if settings.checkpoint else 0.0,
     )
     splits = [
         disaggregated(times, costs.payload_bytes, gpu, world, n, replica_fits[k] and fits["drafter"], k)
@@ -205,6 +214,8 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         costs=costs,
         memory=memory,
         capacity_gib=capacity,
+        settings=settings,
+        checkpointing=decision,
         fits=fits,
         times=times,
         splits=splits,
@@ -213,7 +224,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         configured=configured,
         world_size=world,
         warnings=list(inputs.target.problems)
-        + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world),
+        + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world, settings),
         layouts=layouts,
         replica_memory={1: memory["target"], **replica_memory},
         replica_fits=replica_fits,

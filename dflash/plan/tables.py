@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
@@ -11,6 +11,9 @@ from dflash.plan.inputs import attention_kinds, typical_packet
 from dflash.plan.memory import target_active_params, target_num_params
 from dflash.plan.planner import ROLES, Plan, make_plan
 from dflash.plan.throughput import Split, placement
+
+if TYPE_CHECKING:  # the rehearsal imports torch; the plain planner does not
+    from dflash.plan.rehearse import RoleMeasurement
 
 TERA = 1e12
 
@@ -112,6 +115,7 @@ def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None
         "mfu_drafter": plan.times.mfu_drafter,
         "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
         "target_rank_memory_gib": {str(k): round(sum(m.values()), 2) for k, m in plan.replica_memory.items()},
+        "activation_checkpointing": plan.settings.checkpoint,
         "fits": dict(plan.fits),
         "fits_with": dict(fixes or {}),
         "warnings": plan.warnings,
@@ -179,7 +183,11 @@ def _packet_lines(plan: Plan) -> list[str]:
 
 def _memory_lines(plan: Plan) -> list[str]:
     gpu = plan.inputs.gpu
-    lines = [f"Memory per GPU, GiB (capacity {plan.capacity_gib:.1f}: {gpu.hbm_gb:g} GB minus reserved)"]
+    lines = [
+        f"Memory per GPU, GiB (capacity {plan.capacity_gib:.1f}: {gpu.hbm_gb:g} GB minus reserved)",
+        f"  {plan.checkpointing.reason}; drafter.shard={plan.settings.shard} "
+        f"({plan.settings.num_drafters} drafter{'s' if plan.settings.num_drafters > 1 else ''})",
+    ]
     rows = [(role, plan.memory[role], plan.fits[role]) for role in ROLES]
     rows[1:1] = [(f"target/{k}", plan.replica_memory[k], plan.replica_fits[k]) for k in plan.layouts]
     for role, items, fits in rows:
@@ -275,4 +283,41 @@ def render(plan: Plan, name: str, fixes: dict[str, str] | None = None) -> str:
     lines = _inputs_lines(plan, name) + _packet_lines(plan) + _memory_lines(plan) + _tp_lines(plan)
     lines += _split_lines(plan) + _verdict_lines(plan, name, fixes or {})
     lines += [f"WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def measured_summary(plan: Plan, measured: dict[str, RoleMeasurement]) -> dict[str, Any]:
+    """The JSON keys of a rehearsal: measured and estimated GiB per role (same keys)."""
+    return {
+        "measured_gib": {role: round(m.peak_gib, 2) for role, m in measured.items()},
+        "estimated_gib": {role: round(sum(plan.memory[role].values()), 2) for role in measured},
+    }
+
+
+def render_measured(plan: Plan, measured: dict[str, RoleMeasurement], top: int = 10) -> str:
+    """Measured beside estimated GiB per role and item, the largest tensors at each peak, the limits."""
+    from dflash.plan.rehearse import LIMITS, measured_items
+
+    ckpt = "with" if plan.settings.checkpoint else "without"
+    lines = [
+        f"Rehearsed at real size (one step per role on CPU fake tensors, GPU code paths; {ckpt} "
+        "activation checkpointing), GiB measured / estimated:"
+    ]
+    for role, m in measured.items():
+        est = plan.memory[role]
+        total = sum(est.values())
+        items = measured_items(role, m.by_term)
+        keys = list(est) + [k for k in items if k not in est]
+        parts = ", ".join(f"{k} {items.get(k, 0.0):.2f}/{est.get(k, 0.0):.2f}" for k in keys)
+        lines.append(
+            f"  {role:<9} {m.peak_gib:7.2f} / {total:7.2f} ({(total / m.peak_gib - 1) * 100:+.1f}%, "
+            f"{m.seconds:.0f} s)  {parts}"
+        )
+    for role, m in measured.items():
+        lines.append(f"  largest tensors live at the {role} peak:")
+        lines += [f"    {a.nbytes / 2**30:6.3f} GiB {a.term:<15} {a.what}" for a in m.largest[:top]]
+        lines += [f"    NOTE: {n}" for n in m.notes]
+    lines.append(
+        f"  {LIMITS}; add them to the measured figure ({plan.capacity_gib:.1f} GiB is after reserving them)"
+    )
     return "\n".join(lines)

@@ -106,14 +106,16 @@ def role_times(
     drafter_params: int,
     grad_accum_steps: int,
     replicas: dict[int, tuple[float, float]] | None = None,
+    recompute_flop: float = 0.0,
 ) -> RoleTimes:
     """``t = FLOP / (peak * MFU)`` for each role on one GPU of ``gpu``; ``replicas``: ``k ->
-    (FLOPs of one rank, bytes one rank sends)`` per packet of a ``k``-GPU tensor-parallel replica."""
+    (FLOPs of one rank, bytes one rank sends)`` per packet of a ``k``-GPU tensor-parallel replica;
+    ``recompute_flop``: what activation checkpointing runs again per packet (the layers' forward)."""
     peak = gpu.bf16_tflops * 1e12
     nvlink = gpu.nvlink_gbps / 2 * 1e9
     return RoleTimes(
         target_s=costs.target_flop / (peak * mfu_target),
-        drafter_s=costs.drafter_flop / (peak * mfu_drafter),
+        drafter_s=(costs.drafter_flop + recompute_flop) / (peak * mfu_drafter),
         mfu_target=mfu_target,
         mfu_drafter=mfu_drafter,
         drafter_params=drafter_params,
