@@ -291,8 +291,9 @@ def target_model(cfg: Config, inputs: PlanInputs, dtype: torch.dtype) -> PreTrai
 
 
 def hf_config(inputs: PlanInputs) -> Any:
-    """A transformers config of ``target.shape``: ``qwen3``, or ``qwen3_5_text`` for a hybrid target (a
-    full-attention layer every ``L / (L - linear)`` layers, the Qwen3.5/3.6 layout)."""
+    """A transformers config of ``target.shape``: its ``model_type`` (default ``qwen3``, ``qwen3_moe`` with
+    experts), or ``qwen3_5_text`` for a hybrid target (a full-attention layer every ``L / (L - linear)``
+    layers, the Qwen3.5/3.6 layout)."""
     from transformers import AutoConfig
 
     s = inputs.target.shape
@@ -307,8 +308,15 @@ def hf_config(inputs: PlanInputs) -> Any:
         tie_word_embeddings=s.tie_word_embeddings,
         max_position_embeddings=max(40960, inputs.packet.tokens),
     )
+    if s.num_experts:
+        common.update(
+            num_experts=s.num_experts,
+            num_experts_per_tok=s.num_experts_per_tok,
+            moe_intermediate_size=s.moe_intermediate_size,
+            shared_expert_intermediate_size=s.shared_expert_intermediate_size,
+        )
     if not s.num_linear_layers:
-        return AutoConfig.for_model("qwen3", **common)
+        return AutoConfig.for_model(s.model_type or ("qwen3_moe" if s.num_experts else "qwen3"), **common)
     every = s.num_layers // (s.num_layers - s.num_linear_layers)
     return AutoConfig.for_model(
         "qwen3_5_text",
