@@ -84,11 +84,11 @@ def planner_figures(
         "target_tflop_per_packet": round(costs.target_flop / 1e12, 4),
         "drafter_tflop_per_packet": round(costs.drafter_flop / 1e12, 4),
         "attention": {"target": t_kind, "drafter": d_kind},
-        "memory_gib": {role: round(sum(items.values()), 2) for role, items in plan.memory.items()},
+        "memory_gib": {role: round_sig(sum(items.values())) for role, items in plan.memory.items()},
         "capacity_gib": round(plan.capacity_gib, 1),
     }
     if k > 1 and k in plan.replica_memory:
-        out["memory_gib"]["target_rank"] = round(sum(plan.replica_memory[k].values()), 2)
+        out["memory_gib"]["target_rank"] = round_sig(sum(plan.replica_memory[k].values()))
         out["target_rank_tflop_per_packet"] = round(target_flop / 1e12, 4)
     for role, flop, sec in (("target", target_flop, t_s), ("drafter", costs.drafter_flop, d_s)):
         tflops = flop / sec / 1e12 if sec > 0 else 0.0
