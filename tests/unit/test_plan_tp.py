@@ -75,9 +75,10 @@ def test_a_tp_rank_holds_its_split_parts_and_sends_its_all_reduces():
     packet = PacketShape(tokens=6, num_seqs=2, num_anchors=2)
     mem = target_memory(MOE, packet, 2, attention="sparse", max_in_flight=1, dtypes=_dtypes(), layout=EP2)
     assert mem["weights"] == pytest.approx(target_rank_params(MOE, EP2) * 2 / GIB)
-    # working set per token: 4*8 + (2*8 + 2*4)/2 (attention halved) + 3*2*6/2 (experts halved)
-    # + 3*3 (shared) + 4 (router logits), 2 bytes each
-    assert mem["activations"] == pytest.approx(6 * (32 + 12 + 18 + 9 + 4) * 2 / GIB)
+    # the tap buffer (6 tokens x 2 taps x 8) and the larger layer working set per token: the MoE MLP's
+    # 4*8 + 3*2*6/2 (experts halved) + 3*3 (shared) + 4 (router logits), above attention's
+    # 3*8 + (3*8 + 4)/2 (q, the repeated k and v, and k, halved); 2 bytes each
+    assert mem["activations"] == pytest.approx((6 * 2 * 8 + 6 * (32 + 18 + 9 + 4)) * 2 / GIB)
     # all-reduces of [T, H]: attention and experts in both layers, the embedding once = 5, each
     # sending 2*(2-1)/2 * 8 * 2 bytes per token
     assert tp_bytes_per_token(MOE, EP2, 2) == {"all_reduce": 5 * 16.0, "gather": 0.0}
