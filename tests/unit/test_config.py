@@ -94,7 +94,9 @@ def test_a_key_inside_chat_template_kwargs_is_set_without_a_plus():
     from dflash.config import Config
     from dflash.config.checks import free_form_overrides
 
-    args = free_form_overrides(["data.chat_template_kwargs.enable_thinking=false", "train.max_steps=3"], Config)
+    args = free_form_overrides(
+        ["data.chat_template_kwargs.enable_thinking=false", "train.max_steps=3"], Config
+    )
     assert args == ["++data.chat_template_kwargs.enable_thinking=false", "train.max_steps=3"]
     assert _compose(args).data.chat_template_kwargs == {"enable_thinking": False}
     twice = free_form_overrides(["data.chat_template_kwargs.enable_thinking=true"], Config)
