@@ -453,9 +453,8 @@ class DrafterTrainer:
         c = local.sums.counters
         c["stop"] += float(self.stop_requested)
         c["anchors_offered"] = float(local.anchors_offered)
-        c["busy_s"] = (
-            time.perf_counter() - t0 - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
-        )
+        c["wall_s"] = time.perf_counter() - t0
+        c["busy_s"] = c["wall_s"] - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
         if self._logged(step + 1):  # the cost model runs for the rows that are logged, not per packet
             for shape in local.shapes:
                 costs = self._costs(shape)

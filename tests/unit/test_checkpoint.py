@@ -25,6 +25,7 @@ from dflash.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from dflash.files import file_digest
 from dflash.train.rng_state import capture_rng_state, restore_rng_state
 from dflash.train.run_dir import check_contract
 
@@ -330,8 +331,7 @@ class _Evil:
 def _reseal(path: Path, fname: str) -> None:
     """Rewrite COMPLETE so that ``fname`` passes the checksum (an attacker who can edit both)."""
     marker = json.loads((path / MARKER).read_text())
-    size, digest = ckpt_mod._file_digest(path / fname)
-    marker["files"][fname] = {"size": size, "sha256": digest}
+    marker["files"][fname] = file_digest(path / fname)
     (path / MARKER).write_text(json.dumps(marker))
 
 
