@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dflash.train.checkpoint as ckpt_mod
+from dflash.files import file_digest
 from dflash.train.checkpoint import (
     MARKER,
     CheckpointError,
@@ -25,7 +26,6 @@ from dflash.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from dflash.files import file_digest
 from dflash.train.rng_state import capture_rng_state, restore_rng_state
 from dflash.train.run_dir import check_contract
 
