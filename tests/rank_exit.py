@@ -27,7 +27,8 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     # A session of its own: torchrun signals this wrapper's whole process group, the child only via on_signal.
     child = subprocess.Popen(
         [sys.executable, "-m", "dflash.train", *sys.argv[1:]],
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
         start_new_session=True,
     )
 

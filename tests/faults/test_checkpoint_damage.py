@@ -53,4 +53,4 @@ def test_damaged_newest_checkpoints_fall_back_to_the_last_good_one(
         equal_loss_steps="5-12",
         silent_loads=0,
     )
-    assert no_leftover_processes(run_dir)
+    assert no_leftover_processes(run)

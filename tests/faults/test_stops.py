@@ -37,7 +37,6 @@ def test_sigterm_during_a_long_eval_checkpoints_within_seconds(tmp_path, run_cac
         [*TWO, *long_eval],
         run_cache,
         nproc=2,
-        record_exits=True,
         signal_at_log=(1, "eval at step 2 started", signal.SIGTERM),
     )
     exits = run.exits()
@@ -51,12 +50,12 @@ def test_sigterm_during_a_long_eval_checkpoints_within_seconds(tmp_path, run_cac
     assert saved_s < 15 and max(e["end"] for e in exits.values()) - signalled < 20
     assert ledger_steps(run_dir) == 2
     figure("stop during a long eval", signal_to_checkpoint_s=round(saved_s, 2), drafter_exit=EXIT_STOPPED)
-    assert no_leftover_processes(run_dir)
+    assert no_leftover_processes(first, run)
 
 
 def test_sighup_stops_with_a_checkpoint(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    run = launch(run_dir, TWO, run_cache, nproc=2, record_exits=True, signal_at_step=(3, signal.SIGHUP))
+    run = launch(run_dir, TWO, run_cache, nproc=2, signal_at_step=(3, signal.SIGHUP))
     stopped = ledger_steps(run_dir)
     assert 3 <= stopped < 12, run.output[-3000:]
     assert load_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}").step == stopped
@@ -73,7 +72,6 @@ def test_sigterm_to_one_worker_is_an_unfinished_run(tmp_path, run_cache):
         [*TWO, "fault.kill_rank=1", "fault.kill_at_step=3", "fault.kill_signal=SIGTERM"],
         run_cache,
         nproc=2,
-        record_exits=True,
     )
     exits = run.exits()
     assert run.returncode != 0 and exits[(1, 0)]["returncode"] == EXIT_STOPPED, (exits, run.output[-3000:])
@@ -83,4 +81,4 @@ def test_sigterm_to_one_worker_is_an_unfinished_run(tmp_path, run_cache):
     assert "not exported (the run did not finish)" in run.output and not (run_dir / "drafter").exists()
     resumed = launch(run_dir, TWO, run_cache, nproc=2)
     assert resumed.returncode == 0 and re.search(r"status +finished: 12 of 12 steps", resumed.output)
-    figure("SIGTERM to the drafter alone", drafter_exit=EXIT_STOPPED, torchrun_exit=run.returncode)
+    figure("SIGTERM to the drafter alone", drafter_exit=EXIT_STOPPED, launch_exit=run.returncode)

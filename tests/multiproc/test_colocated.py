@@ -46,9 +46,7 @@ def test_one_process_learns_exports_and_resumes_exactly(tmp_path, run_cache):
     seed = int(os.environ.get("DFLASH_FAULT_SEED", time.time_ns() % 1_000_000))
     at = random.Random(seed).randint(3, 10)
     run_dir = tmp_path / "run"
-    first = launch(
-        run_dir, [*COLOC, *steps], run_cache, nproc=1, record_exits=True, signal_at_step=(at, signal.SIGTERM)
-    )
+    first = launch(run_dir, [*COLOC, *steps], run_cache, nproc=1, signal_at_step=(at, signal.SIGTERM))
     stopped = ledger_steps(run_dir)
     assert at <= stopped < 16, (seed, stopped, first.output[-3000:])
     assert first.exits()[(0, 0)]["returncode"] == EXIT_STOPPED

@@ -45,18 +45,43 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
         ("naive_ce", None),
     }
     assert all(c["time_s"] > 0 and c["tflops"] is not None for c in b["cases"])
-    assert b["best_chunked"]["time_vs_naive"] > 0 and b["best_chunked_ce"]["time_vs_torch_lce"] > 0
+    # every case computed the loss and gradient of the naive case of its terms (same seeded inputs)
+    naive = {c["terms"]: c for c in b["cases"] if c["case"] in ("naive", "naive_ce")}
+    for c in b["cases"]:
+        if not c["case"].startswith("limit"):
+            ref = naive[c["terms"]]
+            assert c["loss"] == pytest.approx(ref["loss"], rel=1e-5), c
+            assert c["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), c
+    best = b["best_chunked"]
+    assert best["time_s"] == min(c["time_s"] for c in b["cases"] if c["case"] == "chunked")
+    assert best["time_vs_naive"] == round(best["time_s"] / naive["ce+kl"]["time_s"], 4)
+    lce = [c for c in b["cases"] if c["case"] == "torch_lce" and c["chunk"] == b["best_chunked_ce"]["chunk"]]
+    assert b["best_chunked_ce"]["time_vs_torch_lce"] == round(
+        b["best_chunked_ce"]["time_s"] / lce[0]["time_s"], 4
+    )
 
     for name, nranks in (("c", 1), ("d", 2)):
         r = parts[name]
         assert r["status"] == "passed" and r["steps"] == r["steps_requested"] == 4, (name, r)
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and r["first_step_s"] > 0
-        assert r["packet"]["seqs"] == 4 and r["packet"]["blocks"] > 0
+        assert r["packet"]["seqs"] == 4 and 0 < r["packet"]["tokens"] <= summary["setup"]["token_budget"]
+        assert r["packet"]["blocks"] > 0
         assert r["split_s"]["drafter_forward_backward_s"] > 0 and r["split_s"]["loss_s"] > 0
         assert len(r["peak_mem_gib"]) == nranks and r["recompiles"] == 0
         p = r["planner"]
         assert p["target_tflop_per_packet"] > 0 and p["drafter_tflop_per_packet"] > 0
-        assert p["target_mfu"] > 0 and p["drafter_mfu"] > 0 and p["planner_samples_per_s"] > 0
+        assert p["target_mfu"] > 0 and p["drafter_mfu"] > 0
+        t_plan, d_plan = p["planner_s_per_packet"]["target"], p["planner_s_per_packet"]["drafter"]
+        per_packet = (
+            t_plan + d_plan if name == "c" else max(t_plan, d_plan)
+        )  # both roles in turn, or the slower
+        assert p["planner_samples_per_s"] == pytest.approx(r["packet"]["seqs"] / per_packet, rel=1e-3)
+    c, d = parts["c"], parts["d"]
+    # co-located (1 rank) and 1 target + 1 drafter train the same packets from the same seed: equal
+    # losses, and the planner prices the same packet the same way
+    assert c["final_loss"] == d["final_loss"] and c["packet"] == d["packet"], (c, d)
+    for k in ("target_tflop_per_packet", "drafter_tflop_per_packet"):
+        assert c["planner"][k] == d["planner"][k]
     assert "target_forward" in parts["c"]["phases_s"] and "recv_wait" in parts["d"]["phases_s"]
     assert set(parts["d"]["peak_mem_gib_by_role"]) == {"target", "drafter"}
 

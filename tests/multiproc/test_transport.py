@@ -1,20 +1,21 @@
 """The packet transport between real processes: 2 targets + 1 drafter on gloo (CPU).
 
-Each test starts a world of 3 processes (``init_distributed`` with a ``file://`` rendezvous),
-runs one scenario per rank, and collects each rank's result from a JSON file. A deadline guard
-kills every child that is still alive, so no test can hang.
+Each test starts a world of 3 rank processes (tests/ranks.py; ``init_distributed`` with a
+``file://`` rendezvous), runs one scenario per rank, and collects each rank's result from a JSON
+file. A deadline kills every rank that is still alive, so no test can hang.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import time
 import traceback
 from pathlib import Path
 
 import pytest
+from ranks import World, rank_specs
+from testpaths import REPO
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,13 +30,8 @@ MAX_TOKENS = 256
 
 
 def _entry(rank: int, tmp: str, scenario: str, num_targets: int, num_drafters: int) -> None:
-    world = num_targets + num_drafters
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     result: dict = {"rank": rank}
     try:
-        import torch
-
-        torch.set_num_threads(1)
         from dflash.config import TopologyConfig
         from dflash.distributed.process_group import init_distributed
 
@@ -62,37 +58,27 @@ def _entry(rank: int, tmp: str, scenario: str, num_targets: int, num_drafters: i
 def run_world(
     tmp_path: Path, scenario: str, deadline_s: float = 40.0, num_targets: int = 2, num_drafters: int = 1
 ) -> dict[int, dict]:
-    """Start the ranks, join them with a deadline (killing stragglers), return each rank's result."""
-    world = num_targets + num_drafters
-    if "forkserver" in mp.get_all_start_methods():  # children fork from a server that imported torch once
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "dflash.distributed.links", "dflash.distributed.process_group"]
-        )
-    else:
-        ctx = mp.get_context("spawn")
+    """Start the ranks (tests/ranks.py), join them with a deadline (killing stragglers), return each
+    rank's result."""
+    n = num_targets + num_drafters
+
+    def env(rank: int) -> dict[str, str]:
+        ranks = {"RANK": rank, "WORLD_SIZE": n, "LOCAL_RANK": rank, "OMP_NUM_THREADS": 1}
+        return {**os.environ, **{k: str(v) for k, v in ranks.items()}}
+
     args = (str(tmp_path), scenario, num_targets, num_drafters)
-    procs = [ctx.Process(target=_entry, args=(r, *args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline_s
-    try:
-        for p in procs:
-            p.join(timeout=max(0.0, end - time.monotonic()))
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not hung, f"scenario {scenario}: ranks {hung} still running after {deadline_s}s (killed)"
+    world = World(rank_specs(n, _entry, args, env, REPO, tmp_path / "stdio"))
+    world.run(deadline_s, stop_peers_on_failure=False)
+    assert not world.hung, (
+        f"scenario {scenario}: ranks {world.hung} still running after {deadline_s}s (killed)"
+    )
     results = {}
-    for r, p in enumerate(procs):
+    for r, e in world.exits.items():
         f = tmp_path / f"rank{r}.json"
         results[r] = (
             json.loads(f.read_text())
             if f.exists()
-            else {"ok": False, "error": f"no result, exit code {p.exitcode}"}
+            else {"ok": False, "error": f"no result, exit code {e.returncode}"}
         )
     return results
 

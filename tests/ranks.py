@@ -1,0 +1,257 @@
+"""Rank processes for the tests, forked from one preloaded forkserver.
+
+A test that needs several torch.distributed ranks starts them here rather than as fresh interpreters:
+the session's forkserver (``multiprocessing``'s 'forkserver' start method) imports ``PRELOAD`` (torch,
+Hydra, transformers, the training job) once, and every rank is a fork of it. A rank runs
+``fn(rank, *args)`` (a module-level function; its return value is the exit code) in a session of
+its own, with exactly the environment it is given, its stdout/stderr in files, and it dies with the
+forkserver (which dies with the test process). ``World`` starts the ranks and watches them: signals
+to some or all of them (to each rank's session, as torchrun signals its workers) when a trigger
+fires, torchrun's answer to a failed rank (SIGTERM the others, SIGKILL them after a grace period)
+unless told otherwise, and a deadline after which every rank still alive is killed: no test hangs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import multiprocessing as mp
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from rank_exit import die_with_parent
+
+PRELOAD = (
+    "pytest",  # a rank re-runs the parent's main script: pytest's entry point
+    "torch",
+    "torch.distributed",
+    "safetensors.torch",
+    "hydra",
+    "omegaconf",
+    "transformers",
+    "transformers.models.qwen3.modeling_qwen3",
+    "wandb",
+    "dflash.train",
+    "dflash.setup",
+    "dflash.targets.worker",
+    "dflash.drafter.trainer",
+    "dflash.eval.periodic",
+    "dflash.distributed.links",
+    "dflash.distributed.process_group",
+)
+"""What the forkserver imports before it forks any rank: everything a training rank (and a transport
+test's rank) imports, so that no rank pays for it. A name here that no longer exists fails the
+first start (``context``), instead of silently making every rank import it again."""
+
+TORCHRUN_MONITOR_S = 0.5
+"""How soon after a rank fails the others get SIGTERM (torchrun's ``--monitor-interval`` of tests/runner.py)."""
+
+_SERVER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+"""Set while the forkserver starts: what libraries read at import time must say what every rank's
+environment says (each rank then replaces the whole environment with its own)."""
+
+_ready = False
+
+
+def context() -> BaseContext:
+    """The 'forkserver' context, its server started (importing ``PRELOAD``) on the first call."""
+    global _ready
+    ctx = mp.get_context("forkserver")
+    if not _ready:
+        missing = [m for m in PRELOAD if importlib.util.find_spec(m) is None]
+        assert not missing, f"tests/ranks.py PRELOAD names modules that do not exist: {missing}"
+        ctx.set_forkserver_preload(list(PRELOAD))
+        saved = {k: os.environ.get(k) for k in _SERVER_ENV}
+        os.environ.update(_SERVER_ENV)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        _ready = True
+    return ctx
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What one rank process runs, and where."""
+
+    fn: Callable[..., int | None]
+    args: tuple[Any, ...]
+    env: dict[str, str]
+    cwd: str
+    stdout: str
+    stderr: str
+
+
+def _rank_main(rank: int, spec: RankSpec) -> None:
+    """The rank process: its own session, files for stdout/stderr (unbuffered, as PYTHONUNBUFFERED=1
+    makes them), the given environment and working directory, one torch thread per OMP_NUM_THREADS;
+    then ``spec.fn``, whose return value is the exit code."""
+    die_with_parent()
+    os.setsid()
+    for stream, fd, path in ((sys.stdout, 1, spec.stdout), (sys.stderr, 2, spec.stderr)):
+        stream.flush()
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
+    )
+    os.environ.clear()
+    os.environ.update(spec.env)
+    os.chdir(spec.cwd)
+    import torch
+
+    torch.set_num_threads(int(spec.env.get("OMP_NUM_THREADS", "1")))
+    sys.exit(spec.fn(rank, *spec.args) or 0)
+
+
+@dataclass
+class RankExit:
+    """How one rank ended: ``returncode`` < 0 means killed by that signal, None still running;
+    ``start``, ``end`` and the times in ``signals`` (what this harness sent it) are ``time.time()``."""
+
+    rank: int
+    start: float
+    returncode: int | None = None
+    end: float | None = None
+    signals: list[tuple[int, float]] = field(default_factory=list)
+
+
+class World:
+    """``len(specs)`` rank processes; rank r runs ``specs[r]``."""
+
+    def __init__(self, specs: Sequence[RankSpec]) -> None:
+        self.specs = list(specs)
+        self.procs: list[BaseProcess] = []
+        self.exits: dict[int, RankExit] = {}
+        self.hung: list[int] = []
+        """The ranks still running at the deadline (then killed)."""
+
+    def start(self) -> None:
+        ctx = context()
+        # Not daemonic: a rank may start processes of its own (data workers), as under torchrun.
+        self.procs = [
+            ctx.Process(target=_rank_main, args=(r, s), name=f"rank{r}") for r, s in enumerate(self.specs)
+        ]
+        for r, p in enumerate(self.procs):
+            self.exits[r] = RankExit(r, time.time())
+            p.start()
+
+    def alive(self) -> list[int]:
+        return [r for r, e in self.exits.items() if e.returncode is None]
+
+    def signal(self, signum: int, ranks: Sequence[int] | None = None) -> None:
+        """Send ``signum`` to the session of each rank in ``ranks`` (all) still running."""
+        for r in self.alive() if ranks is None else ranks:
+            if self.exits[r].returncode is None:
+                self.exits[r].signals.append((int(signum), time.time()))
+                try:
+                    os.killpg(self.procs[r].pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def _reap(self, wait_s: float) -> None:
+        pending = {self.procs[r].sentinel: r for r in self.alive()}
+        for sentinel in multiprocessing.connection.wait(list(pending), timeout=wait_s):
+            r = pending[sentinel]  # type: ignore[index]
+            self.procs[r].join()
+            self.exits[r].returncode, self.exits[r].end = self.procs[r].exitcode, time.time()
+
+    def run(
+        self,
+        timeout: float,
+        *,
+        trigger: Callable[[], bool] | None = None,
+        on_trigger: Callable[[World], None] | None = None,
+        stop_peers_on_failure: bool = True,
+        grace_s: float = 30.0,
+    ) -> None:
+        """Start the ranks and wait for all of them. Once ``trigger()`` is true, ``on_trigger(self)``
+        runs (once). ``stop_peers_on_failure``: as torchrun, a rank's non-zero exit gets the others
+        SIGTERM and, ``grace_s`` later, SIGKILL. After ``timeout`` seconds every rank still running is
+        killed (``hung``)."""
+        self.start()
+        t0 = time.monotonic()
+        failed_at: float | None = None
+        termed_at: float | None = None
+        try:
+            while self.alive():
+                self._reap(0.02)
+                now = time.monotonic()
+                if trigger is not None and on_trigger is not None and trigger():
+                    on_trigger(self)
+                    trigger = None
+                if (
+                    stop_peers_on_failure
+                    and failed_at is None
+                    and any(e.returncode for e in self.exits.values())
+                ):
+                    failed_at = now
+                if failed_at is not None and termed_at is None and now - failed_at >= TORCHRUN_MONITOR_S:
+                    self.signal(signal.SIGTERM)
+                    termed_at = now
+                if termed_at is not None and now - termed_at >= grace_s:
+                    self.kill()
+                if now - t0 > timeout:
+                    self.hung = self.alive()
+                    break
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running (its whole session) and reap it."""
+        for r in self.alive():
+            try:
+                os.killpg(self.procs[r].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        while self.alive():
+            self._reap(1.0)
+
+    def leftover_pids(self) -> list[int]:
+        """Processes still running in a session of one of the ranks (what a rank started and left behind)."""
+        sessions = {p.pid for p in self.procs}
+        out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+        pids = [tuple(int(x) for x in line.split()) for line in out.splitlines() if line.strip()]
+        return [pid for pid, sid in pids if sid in sessions]
+
+
+def rank_specs(
+    n: int,
+    fn: Callable[..., int | None],
+    args: tuple[Any, ...],
+    env: Callable[[int], dict[str, str]],
+    cwd: Path,
+    stdio_dir: Path,
+) -> list[RankSpec]:
+    """``n`` ranks running ``fn(rank, *args)`` with ``env(rank)``, output in ``stdio_dir/rank{r}.{out,err}``."""
+    stdio_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        RankSpec(fn, args, env(r), str(cwd), str(stdio_dir / f"rank{r}.out"), str(stdio_dir / f"rank{r}.err"))
+        for r in range(n)
+    ]
