@@ -13,17 +13,21 @@ unless told otherwise, and a deadline after which every rank still alive is kill
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import io
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
@@ -239,6 +243,53 @@ class World:
         out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
         pids = [tuple(int(x) for x in line.split()) for line in out.splitlines() if line.strip()]
         return [pid for pid, sid in pids if sid in sessions]
+
+
+def as_main(main: Callable[[], object]) -> int:
+    """Run ``main()`` as the interpreter runs a program: its ``SystemExit`` becomes the exit code, any
+    other exception is printed (exit code 1), then the atexit hooks run (W&B, logging). Returns the
+    exit code."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    return code
+
+
+def module_main(rank: int, module: str, argv: list[str]) -> int:
+    """``python -m <module> <argv>`` in this (rank) process; returns the exit code."""
+    sys.argv = [module, *argv]
+    return as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+@dataclass
+class Completed:
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+def run_module(
+    module: str, argv: list[str], *, env: dict[str, str], cwd: Path, timeout: float, stdio_dir: Path | None = None
+) -> Completed:
+    """``python -m <module> <argv>`` as a process forked from the forkserver (not a new interpreter:
+    no second import of torch and transformers), with exactly ``env``; killed after ``timeout``
+    seconds (then the test fails). Its output goes to ``stdio_dir`` (default: a temporary one)."""
+    with tempfile.TemporaryDirectory(prefix="dflash-module-") as tmp:
+        world = World(rank_specs(1, module_main, (module, argv), lambda r: env, cwd, stdio_dir or Path(tmp)))
+        world.run(timeout, stop_peers_on_failure=False)
+        out, err = (Path(p).read_text(errors="replace") for p in (world.specs[0].stdout, world.specs[0].stderr))
+    assert not world.hung, f"python -m {module} did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}"
+    return Completed(world.exits[0].returncode, out, err)
 
 
 def rank_specs(

@@ -11,7 +11,6 @@ rendezvous (``rdzv``: c10d, several agents), and its handling of the workers' ou
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
@@ -20,13 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ranks import RankExit, World, free_port, rank_specs
+from ranks import RankExit, World, as_main, free_port, rank_specs
 from testpaths import REPO
 
 from dflash.train import main as job_main  # the entry point `python -m dflash.train` runs
@@ -191,23 +189,9 @@ def torchrun_cmd(
 
 def job_rank(rank: int, argv: list[str]) -> int:
     """One rank of an in-process launch (tests/ranks.py runs it in a forked rank process): what
-    ``python -m dflash.train <argv>`` does, up to the interpreter's exit (atexit hooks: W&B,
-    logging); returns the exit code."""
+    ``python -m dflash.train <argv>`` does; returns the exit code."""
     sys.argv = [str(sys.modules[job_main.__module__].__file__), *argv]
-    try:
-        job_main()
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()
-    return code
+    return as_main(job_main)
 
 
 Trigger = tuple[Callable[[], bool], int]

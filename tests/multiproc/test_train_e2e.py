@@ -8,10 +8,9 @@ import json
 import os
 import re
 import stat
-import subprocess
-import sys
 
 import pytest
+from ranks import run_module
 from runner import FAST, launch
 from testpaths import REPO
 from wandb_reader import read_wandb_run
@@ -126,9 +125,7 @@ def test_numbers_without_wandb(tmp_path, run_cache):
     assert not (run.run_dir / "wandb").exists()
     rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in rows] == [1, 2, 3] and all("train/loss" in r for r in rows)
-    out = subprocess.run(
-        [sys.executable, "-m", "dflash.report", str(run.run_dir)], capture_output=True, text=True, timeout=120
-    )
+    out = run_module("dflash.report", [str(run.run_dir)], env=dict(os.environ), cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     page = (run.run_dir / "report.html").read_text()
     assert page.count("<svg") >= 3 and "train/tau_hat" in page and "train/loss" in out.stdout

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_module
 from wandb_reader import read_wandb_run
 
 from dflash.cli import compose_config
@@ -317,10 +316,7 @@ def test_app_subprocess_logs_tau_to_offline_wandb(files, tiny_target_dir, tmp_pa
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "dflash.eval",
+    argv = [
         *_overrides(tiny_target_dir, drafter, prompts),
         "num_prompts=2",
         "logging.mode=offline",
@@ -328,7 +324,8 @@ def test_app_subprocess_logs_tau_to_offline_wandb(files, tiny_target_dir, tmp_pa
         "step=7",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    # python -m dflash.eval, in a process forked from tests/ranks.py's forkserver
+    proc = run_module("dflash.eval", argv, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DFlash eval: 2 prompts, block size 4" in proc.stdout and "lossless: yes" in proc.stdout
     assert f"report: {run_dir / 'report.json'}" in proc.stdout  # says where the report went
