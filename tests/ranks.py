@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -67,13 +68,16 @@ _SERVER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HU
 environment says (each rank then replaces the whole environment with its own)."""
 
 _ready = False
+_ready_lock = threading.Lock()
 
 
 def context() -> BaseContext:
     """The 'forkserver' context, its server started (importing ``PRELOAD``) on the first call."""
     global _ready
     ctx = mp.get_context("forkserver")
-    if not _ready:
+    with _ready_lock:
+        if _ready:
+            return ctx
         missing = [m for m in PRELOAD if importlib.util.find_spec(m) is None]
         assert not missing, f"tests/ranks.py PRELOAD names modules that do not exist: {missing}"
         ctx.set_forkserver_preload(list(PRELOAD))
@@ -279,7 +283,13 @@ class Completed:
 
 
 def run_module(
-    module: str, argv: list[str], *, env: dict[str, str], cwd: Path, timeout: float, stdio_dir: Path | None = None
+    module: str,
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float,
+    stdio_dir: Path | None = None,
 ) -> Completed:
     """``python -m <module> <argv>`` as a process forked from the forkserver (not a new interpreter:
     no second import of torch and transformers), with exactly ``env``; killed after ``timeout``
@@ -287,8 +297,12 @@ def run_module(
     with tempfile.TemporaryDirectory(prefix="dflash-module-") as tmp:
         world = World(rank_specs(1, module_main, (module, argv), lambda r: env, cwd, stdio_dir or Path(tmp)))
         world.run(timeout, stop_peers_on_failure=False)
-        out, err = (Path(p).read_text(errors="replace") for p in (world.specs[0].stdout, world.specs[0].stderr))
-    assert not world.hung, f"python -m {module} did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}"
+        out, err = (
+            Path(p).read_text(errors="replace") for p in (world.specs[0].stdout, world.specs[0].stderr)
+        )
+    assert not world.hung, (
+        f"python -m {module} did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}"
+    )
     return Completed(world.exits[0].returncode, out, err)
 
 

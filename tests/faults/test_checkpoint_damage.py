@@ -13,6 +13,7 @@ from runner import launch, no_leftover_processes
 pytestmark = pytest.mark.faults
 
 
+@pytest.mark.slow  # it reads R2's torchrun run (tests/faults/conftest.py)
 def test_damaged_newest_checkpoints_fall_back_to_the_last_good_one(
     tmp_path, run_cache, killed_target_run, reference
 ):

@@ -15,6 +15,7 @@ from runner import launch, no_leftover_processes
 pytestmark = pytest.mark.faults
 
 
+@pytest.mark.slow
 def test_killed_target_is_survived_with_one_restart(killed_target_run, reference):
     run = killed_target_run
     assert run.returncode == 0, run.output[-4000:]

@@ -17,7 +17,7 @@ from faultkit import figure
 from ranks import free_port
 from runner import launch
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
 def _rdzv(port: int) -> list[str]:

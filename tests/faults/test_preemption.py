@@ -25,7 +25,7 @@ from runner import launch, ledger_steps, no_leftover_processes
 from dflash.checkpoint import load_checkpoint
 from dflash.config import EXIT_STOPPED
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
 def test_sigterm_at_a_random_step_checkpoints_and_resumes_exactly(tmp_path, run_cache, reference):

@@ -70,6 +70,7 @@ def test_two_launches_into_one_run_dir_one_is_refused(tmp_path, run_cache):
     figure("run dir: two launches at once", refused_after_s=round(refused.seconds, 1), winner_steps=40)
 
 
+@pytest.mark.slow
 def test_launches_without_a_run_id_get_their_own_directories(tmp_path, run_cache):
     """``torchrun --nnodes 1 --master-addr 127.0.0.1 --master-port P`` twice (torchrun's run id is
     ``none`` both times): two directories. The first launch loses a target at step 2 and is restarted

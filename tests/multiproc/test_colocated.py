@@ -30,6 +30,7 @@ def _weights(run_dir):
     return load_file(str(run_dir / "drafter" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_one_process_learns_exports_and_resumes_exactly(tmp_path, run_cache):
     steps = ["train.max_steps=16", "eval.every=8", "eval.num_prompts=4", "eval.max_new_tokens=24"]
     ref = launch(tmp_path / "ref", [*COLOC, *steps], run_cache, nproc=1, timeout=400)
