@@ -9,6 +9,7 @@ forkserver (which dies with the test process). ``World`` starts the ranks and wa
 to some or all of them (to each rank's session, as torchrun signals its workers) when a trigger
 fires, torchrun's answer to a failed rank (SIGTERM the others, SIGKILL them after a grace period)
 unless told otherwise, and a deadline after which every rank still alive is killed: no test hangs.
+``run_module`` runs an app under test (``python -m <module>``) the same way, as a world of one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import os
 import runpy
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,15 +31,15 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rank_exit import die_with_parent
 
 PRELOAD = (
-    "pytest",  # a rank re-runs the parent's main script: pytest's entry point
+    "pytest",  # multiprocessing re-runs the parent's main script (pytest's entry point) in each rank
     "torch",
     "torch.distributed",
     "safetensors.torch",
@@ -71,10 +71,10 @@ _ready = False
 _ready_lock = threading.Lock()
 
 
-def context() -> BaseContext:
+def context() -> ForkServerContext:
     """The 'forkserver' context, its server started (importing ``PRELOAD``) on the first call."""
     global _ready
-    ctx = mp.get_context("forkserver")
+    ctx = cast(ForkServerContext, mp.get_context("forkserver"))
     with _ready_lock:
         if _ready:
             return ctx
@@ -156,6 +156,8 @@ class World:
     def __init__(self, specs: Sequence[RankSpec]) -> None:
         self.specs = list(specs)
         self.procs: list[BaseProcess] = []
+        self.pids: list[int] = []
+        """Each rank's pid, which is also its session id."""
         self.exits: dict[int, RankExit] = {}
         self.hung: list[int] = []
         """The ranks still running at the deadline (then killed)."""
@@ -169,6 +171,7 @@ class World:
         for r, p in enumerate(self.procs):
             self.exits[r] = RankExit(r, time.time())
             p.start()
+            self.pids.append(cast(int, p.pid))
 
     def alive(self) -> list[int]:
         return [r for r, e in self.exits.items() if e.returncode is None]
@@ -179,7 +182,7 @@ class World:
             if self.exits[r].returncode is None:
                 self.exits[r].signals.append((int(signum), time.time()))
                 try:
-                    os.killpg(self.procs[r].pid, signum)
+                    os.killpg(self.pids[r], signum)
                 except ProcessLookupError:
                     pass
 
@@ -235,18 +238,11 @@ class World:
         """SIGKILL every rank still running (its whole session) and reap it."""
         for r in self.alive():
             try:
-                os.killpg(self.procs[r].pid, signal.SIGKILL)
+                os.killpg(self.pids[r], signal.SIGKILL)
             except ProcessLookupError:
                 pass
         while self.alive():
             self._reap(1.0)
-
-    def leftover_pids(self) -> list[int]:
-        """Processes still running in a session of one of the ranks (what a rank started and left behind)."""
-        sessions = {p.pid for p in self.procs}
-        out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
-        pids = [tuple(int(x) for x in line.split()) for line in out.splitlines() if line.strip()]
-        return [pid for pid, sid in pids if sid in sessions]
 
 
 def as_main(main: Callable[[], object]) -> int:
@@ -277,6 +273,8 @@ def module_main(rank: int, module: str, argv: list[str]) -> int:
 
 @dataclass
 class Completed:
+    """How a ``run_module`` process ended (as ``subprocess.CompletedProcess``)."""
+
     returncode: int | None
     stdout: str
     stderr: str

@@ -95,12 +95,17 @@ class Launch:
         p = self.stdio_dir / f"rank{rank}.error.json"
         return json.loads(p.read_text()) if p.exists() else None
 
+    @property
+    def dir(self) -> Path:
+        assert self.run_dir is not None, "a launch without hydra.run.dir"
+        return self.run_dir
+
     def rank_log(self, rank: int) -> str:
-        p = self.run_dir / f"rank{rank}.log"
+        p = self.dir / f"rank{rank}.log"
         return p.read_text() if p.exists() else ""
 
     def ledger(self) -> list[dict]:
-        p = self.run_dir / "ledger.jsonl"
+        p = self.dir / "ledger.jsonl"
         return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
     def exits(self) -> dict[tuple[int, int], dict]:
@@ -108,7 +113,7 @@ class Launch:
         in-process launch (one attempt), or written by tests/rank_exit.py (``record_exits=True``)."""
         if self.ranks is not None:
             return {(r, 0): {**asdict(e), "attempt": 0} for r, e in self.ranks.items()}
-        d = exits_dir(self.run_dir)
+        d = exits_dir(self.dir)
         recs = (
             [json.loads(p.read_text()) for p in sorted(d.glob("rank*.attempt*.json"))] if d.is_dir() else []
         )
@@ -350,7 +355,7 @@ def _launch_in_process(
         started_at=started_at,
         ranks=world.exits,
         stdio_dir=stdio,
-        rank_pids=[p.pid for p in world.procs if p.pid is not None],
+        rank_pids=world.pids,
     )
 
 
