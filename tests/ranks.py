@@ -15,8 +15,11 @@ unless told otherwise, and a deadline after which every rank still alive is kill
 from __future__ import annotations
 
 import atexit
+import ctypes
+import importlib
 import importlib.util
 import io
+import json
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -35,8 +38,6 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, cast
-
-from rank_exit import die_with_parent
 
 PRELOAD = (
     "pytest",  # multiprocessing re-runs the parent's main script (pytest's entry point) in each rank
@@ -69,6 +70,12 @@ environment says (each rank then replaces the whole environment with its own).""
 
 _ready = False
 _ready_lock = threading.Lock()
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def context() -> ForkServerContext:
@@ -115,9 +122,8 @@ class RankSpec:
 
 
 def _rank_main(rank: int, spec: RankSpec) -> None:
-    """The rank process: its own session, files for stdout/stderr (unbuffered, as PYTHONUNBUFFERED=1
-    makes them), the given environment and working directory, one torch thread per OMP_NUM_THREADS;
-    then ``spec.fn``, whose return value is the exit code."""
+    """The rank process: its own session, files for stdout/stderr, then ``_enter`` and ``spec.fn``,
+    whose return value is the exit code."""
     die_with_parent()
     os.setsid()
     for stream, fd, path in ((sys.stdout, 1, spec.stdout), (sys.stderr, 2, spec.stderr)):
@@ -125,17 +131,23 @@ def _rank_main(rank: int, spec: RankSpec) -> None:
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+    _enter(spec.env, spec.cwd)
+    sys.exit(spec.fn(rank, *spec.args) or 0)
+
+
+def _enter(env: dict[str, str], cwd: str) -> None:
+    """Unbuffered stdout/stderr on fds 1 and 2 (as PYTHONUNBUFFERED=1 makes them), exactly ``env``,
+    ``cwd``, and as many torch threads as its OMP_NUM_THREADS says (torch is already imported)."""
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
     os.environ.clear()
-    os.environ.update(spec.env)
-    os.chdir(spec.cwd)
+    os.environ.update(env)
+    os.chdir(cwd)
     import torch
 
-    torch.set_num_threads(int(spec.env.get("OMP_NUM_THREADS", "1")))
-    sys.exit(spec.fn(rank, *spec.args) or 0)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
 
 
 @dataclass
@@ -318,3 +330,125 @@ def rank_specs(
         RankSpec(fn, args, env(r), str(cwd), str(stdio_dir / f"rank{r}.out"), str(stdio_dir / f"rank{r}.err"))
         for r in range(n)
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank server: torchrun's workers as forks of the forkserver (tests/rank_exit.py asks it)
+
+RANK_SERVER_ENV = "DFLASH_RANK_SERVER"
+"""The variable that gives tests/rank_exit.py the rank server's address."""
+
+_server: tuple[World, str] | None = None
+_server_lock = threading.Lock()
+
+
+def rank_server() -> str:
+    """The address of the session's rank server, started (from the forkserver) on the first call."""
+    global _server
+    with _server_lock:
+        if _server is None:
+            root = Path(tempfile.mkdtemp(prefix="dflash-rank-server-"))
+            address = str(root / "socket")
+            world = World(
+                rank_specs(1, serve_ranks, (address,), lambda r: dict(os.environ), Path.cwd(), root)
+            )
+            world.start()
+            atexit.register(world.kill)  # before multiprocessing's own exit hook joins it
+            deadline = time.monotonic() + 120
+            while not os.path.exists(address):
+                world._reap(0.05)
+                err = Path(world.specs[0].stderr).read_text(errors="replace")
+                assert world.alive() and time.monotonic() < deadline, f"the rank server did not start:\n{err}"
+            _server = (world, address)
+        return _server[1]
+
+
+def serve_ranks(rank: int, address: str) -> int:
+    """The rank server's loop: a handler process per connection (``_handle``), reaped by the kernel."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(address + ".new")
+        server.listen(64)
+        os.rename(address + ".new", address)  # the address exists once it accepts connections
+        while True:
+            conn, _ = server.accept()
+            if os.fork() == 0:
+                server.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                die_with_parent()
+                try:
+                    _handle(conn)
+                finally:
+                    os._exit(0)
+            conn.close()
+
+
+def _handle(conn: socket.socket) -> None:
+    """One request of tests/rank_exit.py (``ServedRank``): ``{"fn": "module:name", "args", "env",
+    "cwd"}`` and its stdin/stdout/stderr. Forks the rank (a session of its own, that environment,
+    those fds) to run ``fn(RANK, *args)``, answers its pid, then its exit code (< 0: killed by that
+    signal); the rank is SIGKILLed if the requester goes away first."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(1 << 16)
+        assert chunk, "tests/rank_exit.py closed the connection before its request was complete"
+        data += chunk
+    req = json.loads(data)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            conn.close()
+            die_with_parent()
+            os.setsid()
+            for fd, std in zip(fds, (0, 1, 2), strict=True):
+                os.dup2(fd, std)
+                os.close(fd)
+            _enter(req["env"], req["cwd"])
+            module, name = req["fn"].split(":")
+            code = getattr(importlib.import_module(module), name)(int(req["env"]["RANK"]), *req["args"]) or 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    done = threading.Event()
+
+    def kill_when_orphaned() -> None:
+        if not conn.recv(1) and not done.is_set():  # EOF: the requester died
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    threading.Thread(target=kill_when_orphaned, daemon=True).start()
+    _, status = os.waitpid(pid, 0)
+    done.set()
+    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+
+
+class ServedRank:
+    """A rank the rank server forks for this process (tests/rank_exit.py): this process's stdin,
+    stdout, stderr, environment and working directory; ``fn`` is ``"module:name"``."""
+
+    def __init__(self, address: str, fn: str, args: list[Any]) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(address)
+        req = {"fn": fn, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+        socket.send_fds(self.sock, [json.dumps(req).encode() + b"\n"], [0, 1, 2])
+        self.replies = self.sock.makefile("rb")
+        self.pid = int(json.loads(self.replies.readline())["pid"])
+
+    def send_signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> int:
+        """The rank's exit code (< 0: killed by that signal)."""
+        line = self.replies.readline()
+        assert line, "the rank server went away"
+        return int(json.loads(line)["returncode"])

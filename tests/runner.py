@@ -6,7 +6,9 @@ MASTER_ADDR, MASTER_PORT, TORCHELASTIC_ERROR_FILE), the command line torchrun wo
 (``sys.argv``) and calls the entry point ``python -m dflash.train`` runs; a rank that fails gets the
 others SIGTERM, as under torchrun. ``launch(..., torchrun=True)`` starts real ``torchrun`` instead,
 for what only torchrun does: restarts (``max_restarts``), forwarding its own signals to the workers,
-rendezvous (``rdzv``: c10d, several agents), and its handling of the workers' output.
+rendezvous (``rdzv``: c10d, several agents), and its handling of the workers' output; its workers
+(tests/rank_exit.py) have their rank forked by the session's rank server (tests/ranks.py) with the
+environment torchrun gave them, or start ``python -m dflash.train`` (``fresh_interpreters``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ranks import RankExit, World, as_main, free_port, rank_specs
+from ranks import RANK_SERVER_ENV, RankExit, World, as_main, free_port, rank_server, rank_specs
 from testpaths import REPO
 
 from dflash.train import main as job_main  # the entry point `python -m dflash.train` runs
@@ -171,12 +173,11 @@ def torchrun_cmd(
     overrides: list[str],
     nproc: int = 3,
     max_restarts: int = 0,
-    record_exits: bool = False,
     rdzv: list[str] | None = None,
 ) -> list[str]:
-    """``torchrun ... -m dflash.train`` (``rdzv``: the rendezvous arguments, default ``--standalone``;
-    ``run_dir`` None: no ``hydra.run.dir``, the run picks its own under ``outputs/``)."""
-    entry = [str(REPO / "tests" / "rank_exit.py")] if record_exits else ["-m", "dflash.train"]
+    """``torchrun ... tests/rank_exit.py <args of dflash.train>`` (``rdzv``: the rendezvous arguments,
+    default ``--standalone``; ``run_dir`` None: no ``hydra.run.dir``, the run picks its own under
+    ``outputs/``)."""
     return [
         sys.executable,
         "-m",
@@ -185,7 +186,7 @@ def torchrun_cmd(
         f"--nproc_per_node={nproc}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
-        *entry,
+        str(REPO / "tests" / "rank_exit.py"),
         *([f"hydra.run.dir={run_dir}"] if run_dir is not None else []),
         *FAST,
         *overrides,
@@ -237,6 +238,7 @@ def launch(
     max_restarts: int = 0,
     record_exits: bool = False,
     forward_signals: bool = True,
+    fresh_interpreters: bool = False,
 ) -> Launch:
     """Run one job of ``nproc`` ranks to completion: ``FAST`` + ``overrides`` in ``run_dir``.
 
@@ -251,31 +253,28 @@ def launch(
     ``stop_peers_on_failure`` is False: then every rank is left to end on its own.
 
     ``torchrun=True``: a real ``torchrun`` (``rdzv`` replaces ``--standalone``; with ``run_dir`` None
-    the run picks its own directory under ``cwd/outputs/``). ``record_exits`` starts the ranks
-    through tests/rank_exit.py (see ``Launch.exits``), which forwards signals to them unless
-    ``forward_signals`` is False.
+    the run picks its own directory under ``cwd/outputs/``). Its workers are tests/rank_exit.py,
+    which forwards signals to the rank unless ``forward_signals`` is False and, with
+    ``record_exits``, records how each attempt of each rank ended (``Launch.exits``). The rank is a
+    fork of the session's rank server (tests/ranks.py) with the worker's environment, or with
+    ``fresh_interpreters`` a new ``python -m dflash.train`` as torchrun would start it.
     """
     trigger = _trigger(run_dir, signal_at_step, signal_at_log)
     if torchrun:
         assert signal_ranks is None and stop_peers_on_failure and grace_s == 30.0, "torchrun decides these"
-        return _launch_torchrun(
-            run_dir,
-            overrides,
-            cache_dir,
-            rdzv,
-            cwd,
-            nproc,
-            max_restarts,
-            timeout,
-            env,
-            trigger,
-            record_exits,
-            forward_signals,
-        )
+        extra_env = {**(env or {}), "DFLASH_RANK_EXIT_FORWARD": str(int(forward_signals))}
+        if record_exits:
+            assert run_dir is not None
+            shutil.rmtree(exits_dir(run_dir), ignore_errors=True)
+            extra_env["DFLASH_RANK_EXIT_DIR"] = str(exits_dir(run_dir))
+        if not fresh_interpreters:
+            extra_env[RANK_SERVER_ENV] = rank_server()
+        cmd = torchrun_cmd(run_dir, overrides, nproc, max_restarts, rdzv)
+        return _launch_torchrun(cmd, run_dir, env_for(cache_dir, extra_env), cwd, timeout, trigger)
     assert run_dir is not None, "an in-process launch needs its run dir"
-    assert rdzv is None and max_restarts == 0 and not record_exits and forward_signals, (
-        "torchrun=True does these"
-    )
+    assert (
+        rdzv is None and max_restarts == 0 and not record_exits and forward_signals and not fresh_interpreters
+    ), "torchrun=True does these"
     return _launch_in_process(
         run_dir,
         overrides,
@@ -360,35 +359,22 @@ def _launch_in_process(
 
 
 def _launch_torchrun(
+    cmd: list[str],
     run_dir: Path | None,
-    overrides: list[str],
-    cache_dir: Path,
-    rdzv: list[str] | None,
+    env: dict[str, str],
     cwd: Path,
-    nproc: int,
-    max_restarts: int,
     timeout: float,
-    env: dict[str, str] | None,
     trigger: Trigger | None,
-    record_exits: bool,
-    forward_signals: bool,
 ) -> Launch:
-    extra_env = dict(env or {})
-    if record_exits:
-        assert run_dir is not None
-        shutil.rmtree(exits_dir(run_dir), ignore_errors=True)
-        extra_env.update(
-            DFLASH_RANK_EXIT_DIR=str(exits_dir(run_dir)), DFLASH_RANK_EXIT_FORWARD=str(int(forward_signals))
-        )
     started_at = time.time()
     t0 = time.perf_counter()
     signalled_after = None
     # Files, not pipes: nothing reads the output until the job ends, and a full pipe would block it.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            torchrun_cmd(run_dir, overrides, nproc, max_restarts, record_exits, rdzv),
+            cmd,
             cwd=cwd,
-            env=env_for(cache_dir, extra_env),
+            env=env,
             stdout=out,
             stderr=err,
             start_new_session=True,

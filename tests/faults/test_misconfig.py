@@ -8,7 +8,8 @@ own (no SIGTERM after the first failure), so every rank's own rejection is check
 output (stdout and stderr of every rank) is what is counted. The typo runs under real torchrun
 (workers' output captured per rank with ``--redirects 3 --log-dir``; torchrun's failure report about
 the failed workers is not ours and is left out of the count; tests/rank_exit.py does not forward
-torchrun's SIGTERM): a command line parsed as torchrun passes it to a fresh interpreter. The others
+torchrun's SIGTERM), each rank a fresh ``python -m dflash.train``: a command line parsed as torchrun
+passes it to a new interpreter. The others
 are in-process launches (tests/runner.py). Every other misconfiguration goes through the same entry
 point in-process (``dflash.train.train`` as rank 0 of a 3-rank world), which is where the launches
 above spend their time anyway.
@@ -65,6 +66,7 @@ def test_mistake_is_printed_once_short_before_anything_starts(tmp_path, run_cach
             rdzv=["--standalone", "--redirects=3", f"--log-dir={logs}"],
             record_exits=True,
             forward_signals=False,
+            fresh_interpreters=True,
             timeout=90,
             env=as_user,
         )
