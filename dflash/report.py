@@ -21,8 +21,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash.config import UserError
 from dflash.files import atomic_write
-from dflash.steplog import StepLog
-from dflash.summary import METRICS_FILE
+from dflash.train.steplog import StepLog
+from dflash.train.summary import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,22 @@ def register_report_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=ReportAppConfig)
 
 
-def read_series(path: Path) -> dict[str, list[tuple[float, float]]]:
-    """metric -> [(train/step, value)] of every finite value in a metrics.jsonl file."""
+def read_series(path: Path) -> tuple[dict[str, list[tuple[float, float]]], list[str]]:
+    """``(metric -> [(train/step, value)] of every finite value, what was left out)`` of a
+    metrics.jsonl file: a damaged line (``StepLog`` skips it, never stops there) and a row whose
+    ``train/step`` is not finite are left out and named; a torn last line is ignored."""
     series: dict[str, list[tuple[float, float]]] = {}
-    for row in StepLog(path, step_key="train/step").records():
+    steplog = StepLog(path, step_key="train/step")
+    nonfinite: list[str] = []
+    for row in steplog.records():
         step = float(row["train/step"])
+        if not math.isfinite(step):
+            nonfinite.append(f"a row with train/step={row['train/step']!r}")
+            continue
         for key, value in row.items():
             if key != "train/step" and isinstance(value, int | float) and math.isfinite(value):
                 series.setdefault(key, []).append((step, float(value)))
-    return series
+    return series, [f"damaged line {n}" for n in steplog.damaged_lines] + nonfinite
 
 
 def svg_chart(
@@ -141,9 +148,12 @@ def report_task(dcfg: DictConfig, _hydra_dir: Path) -> int:
         raise UserError(
             f"run_dir={obj.run_dir}: no {METRICS_FILE} there; give the directory of a dflash.train run"
         )
-    series = read_series(metrics)
+    series, left_out = read_series(metrics)
+    if left_out:
+        more = f" (and {len(left_out) - 3} more)" if len(left_out) > 3 else ""
+        print(f"{metrics}: left out {len(left_out)}: {'; '.join(left_out[:3])}{more}")
     if "train/loss" not in series:
-        raise UserError(f"{metrics} holds no logged training step yet")
+        raise UserError(f"{metrics} holds no readable logged training step")
     out = Path(obj.out).expanduser() if obj.out else run_dir / "report.html"
     atomic_write(out, render(run_dir, series))
     last = {k: v[-1][1] for k, v in series.items()}
@@ -157,7 +167,7 @@ def report_task(dcfg: DictConfig, _hydra_dir: Path) -> int:
 
 
 def main() -> None:
-    from dflash.cli import run_app
+    from dflash.config.cli import run_app
 
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
         sys.argv[1] = f"run_dir={sys.argv[1]}"  # python -m dflash.report <run dir>

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny forwards on 2 shared cores: intra-op threads only spin against each other (6x slower)."""
+    """Tiny forwards on shared cores: one intra-op thread, so threads never spin against each other."""
     import torch
 
     n = torch.get_num_threads()
@@ -68,6 +68,20 @@ def tiny_target_dir(session_cache: Path) -> Path:
     from dflash.targets.tiny import ensure_tiny_target
 
     return ensure_tiny_target(session_cache / "tiny_target_v1", TinyTargetConfig())
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_target_dir(session_cache: Path) -> Path:
+    """The tiny Qwen3-MoE target of conf/target/tiny_moe.yaml (8 experts, 2 per token, random
+    weights) + tokenizer, built once where that config looks for it."""
+    from omegaconf import OmegaConf
+    from testpaths import REPO
+
+    from dflash.config import TinyTargetConfig
+    from dflash.targets.tiny import ensure_tiny_target
+
+    spec = TinyTargetConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/target/tiny_moe.yaml").tiny))
+    return ensure_tiny_target(session_cache / "tiny_moe_target_v1", spec)
 
 
 @pytest.fixture(scope="session")

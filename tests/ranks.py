@@ -43,22 +43,30 @@ PRELOAD = (
     "pytest",  # multiprocessing re-runs the parent's main script (pytest's entry point) in each rank
     "torch",
     "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
     "safetensors.torch",
     "hydra",
     "omegaconf",
     "transformers",
+    "transformers.modeling_utils",
     "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "transformers.models.gpt_oss.modeling_gpt_oss",
     "wandb",
-    "dflash.train",
-    "dflash.setup",
-    "dflash.targets.worker",
-    "dflash.drafter.trainer",
-    "dflash.eval.periodic",
+    "dflash.train.job",
+    "dflash.train.setup",
+    "dflash.train.target_worker",
+    "dflash.train.trainer",
+    "dflash.train.periodic_eval",
+    "dflash.targets.loader",
+    "dflash.targets.forward",
     "dflash.distributed.links",
     "dflash.distributed.process_group",
 )
-"""What the forkserver imports before it forks any rank: everything a training rank (and a transport
-test's rank) imports, so that no rank pays for it. A name here that no longer exists fails the
+"""What the forkserver imports before it forks any rank: everything a training rank (and the ranks
+of ``run_ranks``' tests: transport, sharding, TP targets) imports, so that no rank pays for it. A name here that no longer exists fails the
 first start (``context``), instead of silently making every rank import it again."""
 
 TORCHRUN_MONITOR_S = 0.5
@@ -213,18 +221,23 @@ class World:
         on_trigger: Callable[[World], None] | None = None,
         stop_peers_on_failure: bool = True,
         grace_s: float = 30.0,
+        poll: Callable[[list[BaseProcess]], None] | None = None,
+        tick_s: float = 0.02,
     ) -> None:
-        """Start the ranks and wait for all of them. Once ``trigger()`` is true, ``on_trigger(self)``
-        runs (once). ``stop_peers_on_failure``: as torchrun, a rank's non-zero exit gets the others
-        SIGTERM and, ``grace_s`` later, SIGKILL. After ``timeout`` seconds every rank still running is
-        killed (``hung``)."""
+        """Start the ranks and wait for all of them, looking every ``tick_s``. Once ``trigger()`` is
+        true, ``on_trigger(self)`` runs (once); ``poll(procs)`` runs at every look (e.g. to sample the
+        ranks' memory from outside). ``stop_peers_on_failure``: as torchrun, a rank's non-zero exit
+        gets the others SIGTERM and, ``grace_s`` later, SIGKILL. After ``timeout`` seconds every rank
+        still running is killed (``hung``)."""
         self.start()
         t0 = time.monotonic()
         failed_at: float | None = None
         termed_at: float | None = None
         try:
             while self.alive():
-                self._reap(0.02)
+                if poll is not None:
+                    poll(self.procs)
+                self._reap(tick_s)
                 now = time.monotonic()
                 if trigger is not None and on_trigger is not None and trigger():
                     on_trigger(self)
@@ -246,6 +259,19 @@ class World:
         finally:
             self.kill()
 
+    def returncode(self) -> int:
+        """0, or the exit code of the rank that failed first (< 0: killed by that signal)."""
+        failed = sorted((e for e in self.exits.values() if e.returncode), key=lambda e: e.end or 0.0)
+        return (failed[0].returncode or 0) if failed else 0
+
+    def output(self) -> tuple[str, str]:
+        """Every rank's stdout (rank 0's, then rank 1's, ...) and every rank's stderr."""
+        out, err = (
+            "".join(Path(getattr(spec, name)).read_text(errors="replace") for spec in self.specs)
+            for name in ("stdout", "stderr")
+        )
+        return out, err
+
     def kill(self) -> None:
         """SIGKILL every rank still running (its whole session) and reap it."""
         for r in self.alive():
@@ -255,6 +281,57 @@ class World:
                 pass
         while self.alive():
             self._reap(1.0)
+
+
+def rank_env(rank: int, world: int) -> None:
+    """The torchrun environment of ``rank`` (of ``run_ranks``' entries) and one intra-op thread."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def finish_rank(rank: int, tmp: str, body: Callable[[], dict | None]) -> None:
+    """Run ``body`` in the rank's environment and write ``{"rank", "ok", ...body's result}`` (or the
+    error and its traceback) to ``tmp/rank{rank}.json``; then exit the process without cleanup."""
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        result.update(body() or {})
+        result["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        result.update(ok=False, error_type=type(e).__name__, error=str(e), traceback=traceback.format_exc())
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)
+
+
+def run_ranks(
+    tmp_path: Path,
+    entry: Callable[..., None],
+    world: int,
+    args: Sequence[Any] = (),
+    *,
+    deadline_s: float = 40.0,
+    poll: Callable[[list[BaseProcess]], None] | None = None,
+) -> dict[int, dict]:
+    """``world`` rank processes running ``entry(rank, world, str(tmp_path), *args)`` (an entry ends
+    with ``finish_rank``), joined with a deadline that kills stragglers; each rank's result.
+    ``poll(procs)`` is called about every millisecond while they run. Output: ``tmp_path/stdio/``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    specs = rank_specs(
+        world, entry, (world, str(tmp_path), *args), lambda r: env, Path.cwd(), tmp_path / "stdio"
+    )
+    w = World(specs)
+    w.run(deadline_s, stop_peers_on_failure=False, poll=poll, tick_s=0.001 if poll else 0.02)
+    assert not w.hung, f"ranks {w.hung} still running after {deadline_s}s (killed)"
+    results = {}
+    for r, e in w.exits.items():
+        f = tmp_path / f"rank{r}.json"
+        results[r] = (
+            json.loads(f.read_text())
+            if f.exists()
+            else {"ok": False, "error": f"no result, exit code {e.returncode}"}
+        )
+    return results
 
 
 def as_main(main: Callable[[], object]) -> int:
@@ -292,6 +369,17 @@ class Completed:
     stderr: str
 
 
+def torchrun_env(rank: int, world: int, master_port: int) -> dict[str, str]:
+    """What torchrun sets for worker ``rank`` of ``world`` on one host (what dflash reads of it), with
+    the store of rank 0 on ``master_port``."""
+    ranks = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        **{k: str(v) for k, v in ranks.items()},
+    }
+
+
 def run_module(
     module: str,
     argv: list[str],
@@ -299,21 +387,27 @@ def run_module(
     env: dict[str, str],
     cwd: Path,
     timeout: float,
+    nproc: int = 1,
     stdio_dir: Path | None = None,
 ) -> Completed:
-    """``python -m <module> <argv>`` as a process forked from the forkserver (not a new interpreter:
-    no second import of torch and transformers), with exactly ``env``; killed after ``timeout``
-    seconds (then the test fails). Its output goes to ``stdio_dir`` (default: a temporary one)."""
+    """``python -m <module> <argv>`` as processes forked from the forkserver (not new interpreters:
+    no second import of torch and transformers), with exactly ``env``; ``nproc`` > 1: that many
+    ranks, each with torchrun's environment (``torchrun_env``). Killed after ``timeout`` seconds (then
+    the test fails). The output (every rank's, in rank order) goes to ``stdio_dir`` (default: a
+    temporary one); the exit code is the first failed rank's, or 0."""
+    port = free_port()
+
+    def rank_env(r: int) -> dict[str, str]:
+        return {**env, **torchrun_env(r, nproc, port)} if nproc > 1 else env
+
     with tempfile.TemporaryDirectory(prefix="dflash-module-") as tmp:
-        world = World(rank_specs(1, module_main, (module, argv), lambda r: env, cwd, stdio_dir or Path(tmp)))
-        world.run(timeout, stop_peers_on_failure=False)
-        out, err = (
-            Path(p).read_text(errors="replace") for p in (world.specs[0].stdout, world.specs[0].stderr)
-        )
+        world = World(rank_specs(nproc, module_main, (module, argv), rank_env, cwd, stdio_dir or Path(tmp)))
+        world.run(timeout, stop_peers_on_failure=nproc > 1)
+        out, err = world.output()
     assert not world.hung, (
         f"python -m {module} did not finish within {timeout}s\n{out[-3000:]}\n{err[-3000:]}"
     )
-    return Completed(world.exits[0].returncode, out, err)
+    return Completed(world.returncode(), out, err)
 
 
 def rank_specs(

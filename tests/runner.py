@@ -26,13 +26,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ranks import RANK_SERVER_ENV, RankExit, World, as_main, free_port, rank_server, rank_specs
+from ranks import RANK_SERVER_ENV, RankExit, World, as_main, free_port, rank_server, rank_specs, torchrun_env
 from testpaths import REPO
 
-from dflash.train import main as job_main  # the entry point `python -m dflash.train` runs
+from dflash.train.job import main as job_main  # the entry point `python -m dflash.train` runs
 
 if TYPE_CHECKING:
-    from dflash.setup import RunSetup
+    from dflash.train.setup import RunSetup
 
 # A small, fast variant of the embedded default: every test run shares one cache (tiny target,
 # regenerated corpus, tokenized data), built once per session by the `run_cache` fixture.
@@ -124,13 +124,13 @@ class Launch:
 
 def prepare_fast(cache_dir: Path, overrides: list[str] | None = None) -> RunSetup:
     """What every rank of a FAST launch with ``overrides`` derives before its process group
-    (``dflash.setup.prepare`` at world size 3), computed in this process with
+    (``dflash.train.setup.prepare`` at world size 3), computed in this process with
     ``DFLASH_CACHE_DIR=cache_dir``: it builds the caches the ranks then only load."""
     import pytest
 
-    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
-    from dflash.setup import prepare
+    from dflash.config.cli import compose_config
+    from dflash.train.setup import prepare
 
     register_configs()
     with pytest.MonkeyPatch.context() as mp:
@@ -305,18 +305,11 @@ def _launch_in_process(
 ) -> Launch:
     stdio = run_dir.parent / f"{run_dir.name}.ranks"
     shutil.rmtree(stdio, ignore_errors=True)
-    base = env_for(cache_dir, env)
-    master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    base, port = env_for(cache_dir, env), free_port()
 
     def rank_env(r: int) -> dict[str, str]:
-        world = {"RANK": r, "WORLD_SIZE": nproc, "LOCAL_RANK": r, "LOCAL_WORLD_SIZE": nproc}
         error_file = str(stdio / f"rank{r}.error.json")
-        return {
-            **base,
-            **master,
-            **{k: str(v) for k, v in world.items()},
-            "TORCHELASTIC_ERROR_FILE": error_file,
-        }
+        return {**base, **torchrun_env(r, nproc, port), "TORCHELASTIC_ERROR_FILE": error_file}
 
     argv = [f"hydra.run.dir={run_dir}", *FAST, *overrides]
     world = World(rank_specs(nproc, job_rank, (argv,), rank_env, cwd, stdio))
@@ -337,15 +330,13 @@ def _launch_in_process(
         grace_s=grace_s,
     )
     seconds = time.perf_counter() - t0
-    out = "".join((stdio / f"rank{r}.out").read_text(errors="replace") for r in range(nproc))
-    err = "".join((stdio / f"rank{r}.err").read_text(errors="replace") for r in range(nproc))
+    out, err = world.output()
     if world.hung:
         raise AssertionError(
-            f"the ranks did not finish within {timeout}s (killed)\n{out[-3000:]}\n{err[-3000:]}"
+            f"ranks {world.hung} did not finish within {timeout}s (killed)\n{out[-3000:]}\n{err[-3000:]}"
         )
-    failed = sorted((e for e in world.exits.values() if e.returncode), key=lambda e: e.end or 0.0)
     return Launch(
-        returncode=failed[0].returncode or 0 if failed else 0,
+        returncode=world.returncode(),
         stdout=out,
         stderr=err,
         seconds=seconds,

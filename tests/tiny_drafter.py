@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from dflash.drafter.arch import DrafterArch
 from dflash.drafter.attention import AttentionMask
 from dflash.drafter.blocks import build_masks, doc_ids_from_positions, sample_anchors
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.model import DFlashDraftModel
 
 BS = 4
 MASK_ID = 119

@@ -2,8 +2,8 @@
 
 - ``chat``: conversation -> token ids + assistant loss mask via the tokenizer's chat template
   (supervision starts where the generation prompt ends); ``prompt_ids`` for eval.
-- ``sources``: reading records (JSONL, ``datasets``, ``embedded`` resolved to its corpus file) with
-  their file and line, ShareGPT parsing, the train / held-out eval split, the held-out tail as
+- ``sources``: reading records (JSONL, any ``datasets`` file, folders, globs, lists of them,
+  ``embedded`` resolved to its corpus file) with their file and line, ShareGPT parsing, the train / held-out eval split, the held-out tail as
   messages, the ``chat_template_kwargs`` check against a generated file's sidecar.
 - ``tokenize``: records -> ``TokenizedDataset`` with skip-and-count, the character cap, worker
   processes, the skip-fraction check, the held-out tail tokenized.

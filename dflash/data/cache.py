@@ -7,6 +7,13 @@ every rank may call :func:`build_or_load_dataset` at once: one builds, the other
 ``file_lock`` is ``flock``: it serializes processes of one host (or a shared filesystem with
 working flock).
 
+Every entry is checked when it is loaded: ``meta.json`` carries a checksum of its own content and
+the size and sha256 of ``data.safetensors`` (hashed once when the entry is built; a file over
+:data:`FULL_HASH_LIMIT` is hashed on sampled blocks, see ``dflash.files.file_digest``, and its
+tensors are range-checked: ids inside the vocabulary, a 0/1 mask, increasing offsets). A damaged
+entry (truncated, overwritten, an edited ``meta.json``) is named in a warning and rebuilt from the
+source, never trained on.
+
 The held-out eval tail is read by ``dflash.data.sources.load_eval_conversations`` (messages) and
 ``dflash.data.tokenize.load_eval_samples`` (tokenized, not cached).
 """
@@ -23,6 +30,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash.config import DataConfig, dataset_settings
@@ -34,11 +43,24 @@ from dflash.data.tokenize import (
     check_skip_fraction,
     tokenize_records,
 )
-from dflash.files import atomic_directory, file_lock
+from dflash.files import atomic_directory, digest_files, digest_problems, file_lock
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: spans start after the generation prompt, character cap
+DATA_FILE, META_FILE = "data.safetensors", "meta.json"
+FULL_HASH_LIMIT = 4 << 30
+"""Bytes of ``data.safetensors`` up to which every byte is hashed on load (above: sampled blocks)."""
+_TENSORS = {
+    "tokens": torch.int32,
+    "loss_mask": torch.uint8,
+    "offsets": torch.int64,
+    "sample_ids": torch.int64,
+}
+
+
+class DamagedCache(ValueError):
+    """A dataset cache entry whose files do not match what was written (the message names them)."""
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -82,52 +104,98 @@ def lock_path(root: Path, fingerprint: str) -> Path:
     return root / f".{fingerprint}.lock"
 
 
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """sha256 of ``meta`` (without its own ``checksum`` entry) as canonical JSON."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def save_dataset(ds: TokenizedDataset, final: Path, meta: dict[str, Any]) -> None:
-    """Write ``ds`` (its four tensors) and ``meta`` to the directory ``final`` atomically, replacing
-    any old one (``atomic_directory``: the files end with the user's default, world-readable mode)."""
+    """Write ``ds`` (its four tensors) and ``meta`` (plus the digest of the tensors' file and a
+    checksum of itself) to the directory ``final`` atomically, replacing any old one
+    (``atomic_directory``: the files end with the user's default, world-readable mode)."""
     with atomic_directory(final) as tmp:
-        save_file(
-            {
-                "tokens": ds.tokens.contiguous(),
-                "loss_mask": ds.loss_mask.contiguous(),
-                "offsets": ds.offsets.contiguous(),
-                "sample_ids": ds.sample_ids.contiguous(),
-            },
-            str(tmp / "data.safetensors"),
-        )
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        save_file({name: getattr(ds, name).contiguous() for name in _TENSORS}, str(tmp / DATA_FILE))
+        meta = {**meta, "files": digest_files(tmp, [DATA_FILE], sample_above=FULL_HASH_LIMIT)}
+        meta["checksum"] = meta_checksum(meta)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+
+
+def _read_meta(final: Path) -> dict[str, Any]:
+    """``meta.json`` of a cache entry, parsed and checked against its checksum (DamagedCache if not)."""
+    meta_file = final / META_FILE
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise DamagedCache(f"{meta_file}: unreadable ({exc})") from None
+    if isinstance(meta, dict) and "checksum" not in meta:
+        raise DamagedCache(f"{meta_file}: no checksum (written by an older dflash, without content hashes)")
+    if not isinstance(meta, dict) or meta.get("checksum") != meta_checksum(meta):
+        raise DamagedCache(f"{meta_file}: its content does not match its checksum (edited or damaged)")
+    return meta
+
+
+def _check_tensors(t: dict[str, torch.Tensor], vocab_size: int, where: Path) -> None:
+    """The cached tensors have the shapes, dtypes and values a build writes (DamagedCache if not)."""
+    bad = [k for k, dt in _TENSORS.items() if k not in t or t[k].dtype != dt or t[k].dim() != 1]
+    if bad:
+        raise DamagedCache(f"{where}: tensors {bad} missing or of the wrong dtype or shape")
+    tokens, mask, offsets, ids = (t[k] for k in _TENSORS)
+    problems = []
+    if offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != tokens.numel():
+        problems.append("offsets do not span the tokens")
+    elif offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        problems.append("offsets decrease")
+    if mask.numel() != tokens.numel() or ids.numel() != offsets.numel() - 1:
+        problems.append("tensor lengths disagree")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        problems.append(f"token ids outside [0, {vocab_size})")
+    if mask.numel() and int(mask.max()) > 1:
+        problems.append("loss mask values other than 0/1")
+    if problems:
+        raise DamagedCache(f"{where}: {', '.join(problems)}")
 
 
 def load_cached_dataset(final: Path) -> TokenizedDataset | None:
-    """The dataset cached at ``final``, or None when there is no complete cache there."""
-    meta_file = final / "meta.json"
-    if not meta_file.exists():
+    """The dataset cached at ``final``; None when there is no entry there. Raises
+    :class:`DamagedCache` naming the file when the entry does not match what was written."""
+    if not (final / META_FILE).exists():
+        if (final / DATA_FILE).exists():
+            raise DamagedCache(f"{final / META_FILE}: missing beside {DATA_FILE}")
         return None
-    meta = json.loads(meta_file.read_text())
-    if meta.get("settings", {}).get("version") != FORMAT_VERSION:
-        return None
-    t = load_file(str(final / "data.safetensors"))
-    ds = TokenizedDataset(
-        tokens=t["tokens"],
-        loss_mask=t["loss_mask"],
-        offsets=t["offsets"],
-        sample_ids=t["sample_ids"],
-        skipped={r: int(meta["skipped"].get(r, 0)) for r in SKIP_REASONS},
-        num_source=int(meta["num_source"]),
-        fingerprint=meta["fingerprint"],
-        truncated=int(meta.get("truncated", 0)),
-        skip_examples=meta.get("skip_examples", {}),
-        loaded_from_cache=True,
-    )
-    if (
-        int(ds.offsets[-1]) != ds.tokens.numel()
-        or ds.loss_mask.numel() != ds.tokens.numel()
-        or len(ds) != ds.sample_ids.numel()
-    ):
-        raise ValueError(
-            f"corrupt dataset cache {final}: inconsistent sizes; delete the directory to rebuild"
+    meta = _read_meta(final)
+    problems = digest_problems(final, meta.get("files"))
+    if problems:
+        raise DamagedCache("; ".join(problems))
+    try:
+        t = load_file(str(final / DATA_FILE))
+        _check_tensors(t, int(meta["settings"]["vocab_size"]), final / DATA_FILE)
+        return TokenizedDataset(
+            tokens=t["tokens"],
+            loss_mask=t["loss_mask"],
+            offsets=t["offsets"],
+            sample_ids=t["sample_ids"],
+            skipped={r: int(meta["skipped"].get(r, 0)) for r in SKIP_REASONS},
+            num_source=int(meta["num_source"]),
+            fingerprint=str(meta["fingerprint"]),
+            truncated=int(meta.get("truncated", 0)),
+            skip_examples=dict(meta.get("skip_examples", {})),
+            loaded_from_cache=True,
         )
-    return ds
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        if isinstance(exc, DamagedCache):
+            raise
+        raise DamagedCache(f"{final}: cannot be loaded ({type(exc).__name__}: {exc})") from None
+
+
+def _load_or_none(final: Path, *, warn: bool) -> TokenizedDataset | None:
+    """:func:`load_cached_dataset`, with a damaged entry logged (``warn``) and treated as absent."""
+    try:
+        return load_cached_dataset(final)
+    except DamagedCache as exc:
+        if warn:
+            log.warning("dataset cache %s is damaged, rebuilding it from the source: %s", final, exc)
+        return None
 
 
 def _identify(
@@ -136,7 +204,8 @@ def _identify(
     """(the opened source, the tokenization settings, the dataset fingerprint) of ``cfg``."""
     settings = _settings(cfg, vocab_size)
     source = Source(resolve_source(cfg, target_dir), cfg.split)
-    check_template_kwargs(source.path, dict(cfg.chat_template_kwargs))
+    for part in source.parts:  # each generated file of a folder, glob or list has its own sidecar
+        check_template_kwargs(part.name, dict(cfg.chat_template_kwargs))
     return source, settings, dataset_fingerprint(source.fingerprint, tokenizer, settings)
 
 
@@ -166,10 +235,10 @@ def build_or_load_dataset(
     train, _ = split_ranges(source.num_records, cfg.num_samples, cfg.num_eval_prompts)
     root = cache_root(cfg)
     final = root / fp
-    ds = load_cached_dataset(final)
+    ds = _load_or_none(final, warn=True)
     if ds is None:
         with file_lock(lock_path(root, fp)):
-            ds = load_cached_dataset(final)
+            ds = _load_or_none(final, warn=False)
             if ds is None:
                 log.info(
                     "tokenizing %d conversations of %s into %s (%d worker processes)",

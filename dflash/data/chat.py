@@ -11,7 +11,8 @@ Loss mask = 1 on what the target writes in an assistant turn: from the end of th
 (the assistant header, plus what ``add_generation_prompt`` appends after it, such as Qwen3's empty
 ``<think>\n\n</think>\n\n`` with ``enable_thinking=False``) to the end of the content, plus the
 end-of-turn special token that closes it (``<|im_end|>``, ``<|eot_id|>``: the drafter must learn to
-predict it); 0 on system/user/tool turns, role headers and template boilerplate. So a rendered
+predict it) unless the message is marked ``"cut_at_max_tokens": true`` (a turn cut at a token limit:
+the template closes it with an end-of-turn token the target never wrote there); 0 on system/user/tool turns, role headers and template boilerplate. So a rendered
 ``<think>`` block is supervised when the model writes it (thinking mode) and is prompt when the
 generation prompt already holds it (non-thinking mode), exactly as at serving time; the same
 ``template_kwargs`` must therefore be used here, in regeneration and when serving.
@@ -21,11 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 ROLES = ("system", "user", "assistant", "tool")
+CUT_AT_MAX_TOKENS = "cut_at_max_tokens"
+"""Key of an assistant message: ``true`` when the turn was cut at a token limit (finish reason
+``length``, written by ``dflash.data.regenerate``); its end-of-turn token is not supervised."""
 _PROBE = "Zq7Xprobe"
 
 
@@ -51,6 +55,10 @@ def validate_messages(messages: Any) -> list[dict]:
         if not isinstance(msg.get("content"), str):
             raise MalformedConversation(
                 f"message {i} ({role}) has content of type {type(msg.get('content')).__name__}, not str"
+            )
+        if not isinstance(msg.get(CUT_AT_MAX_TOKENS, False), bool):
+            raise MalformedConversation(
+                f"message {i} ({role}) has {CUT_AT_MAX_TOKENS}={msg[CUT_AT_MAX_TOKENS]!r}; expected true or false"
             )
     return list(messages)
 
@@ -83,6 +91,16 @@ class TemplateMarkers:
     off); the model does not write it, so it is never supervised."""
     end: str | None
     """The special token that closes an assistant content (only whitespace between)."""
+
+
+class Span(NamedTuple):
+    """The characters ``[start, end)`` of a supervised assistant turn in the rendered text."""
+
+    start: int
+    end: int
+    closed: bool = True
+    """The target ended the turn itself: the end-of-turn token after ``end`` is supervised too
+    (False for a turn marked ``cut_at_max_tokens``)."""
 
 
 _MARKERS: dict[tuple[int, int, str, str], TemplateMarkers] = {}
@@ -185,12 +203,12 @@ def _locate(
 
 def assistant_spans(
     tokenizer: Any, messages: Sequence[dict], *, train_only_last_turn: bool = False, **template_kwargs: Any
-) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``messages`` and return ``(text, spans)``: the char spans ``[start, end)`` of the
-    supervised assistant turns in ``text``, in order (only the last one with
-    ``train_only_last_turn``). A span starts where the generation prompt ends (after the header
-    and ``gen_extra``, see :class:`TemplateMarkers`) and ends with the content; empty assistant
-    contents have no span.
+) -> tuple[str, list[Span]]:
+    """Render ``messages`` and return ``(text, spans)``: the :class:`Span` of each supervised
+    assistant turn in ``text``, in order (only the last one with ``train_only_last_turn``). A span
+    starts where the generation prompt ends (after the header and ``gen_extra``, see
+    :class:`TemplateMarkers`) and ends with the content; it is open (``closed=False``) for a
+    message marked ``cut_at_max_tokens``; empty assistant contents have no span.
 
     Raises :class:`MalformedConversation` on invalid messages or when an assistant content cannot
     be found in the rendered text.
@@ -198,7 +216,7 @@ def assistant_spans(
     messages = validate_messages(messages)
     text = render(tokenizer, messages, **template_kwargs)
     marks = template_markers(tokenizer, **template_kwargs)
-    spans: list[tuple[int, int]] = []
+    spans: list[Span] = []
     cursor = 0
     for i, msg in enumerate(messages):
         if msg["role"] == "assistant":
@@ -218,7 +236,8 @@ def assistant_spans(
                 raise MalformedConversation(
                     f"assistant message {i} is not in the chat-template text (the template rewrote it)"
                 )
-            spans.append((span[0] if start is None else start, span[1]))
+            closed = msg.get(CUT_AT_MAX_TOKENS) is not True
+            spans.append(Span(span[0] if start is None else start, span[1], closed))
             cursor = span[1]
         elif msg["content"].strip():
             span = _locate(text, msg["content"], cursor, None)
@@ -232,12 +251,12 @@ def assistant_spans(
 def mask_from_offsets(
     offsets: Sequence[tuple[int, int]] | np.ndarray,
     ids: Sequence[int] | np.ndarray,
-    spans: Sequence[tuple[int, int]],
+    spans: Sequence[Span],
     special_ids: set[int],
     text: str,
 ) -> np.ndarray:
     """Loss mask, uint8 [len(ids)]: 1 on tokens overlapping a span (zero-width tokens excluded)
-    and on the special token that closes each span (when only whitespace separates them).
+    and on the special token that closes each closed span (when only whitespace separates them).
 
     ``offsets[t] = (start, end)`` is token t's char range in ``text``; spans are sorted char ranges.
     Vectorized per span (two binary searches), so a long sample costs O(len(spans) log L).
@@ -249,10 +268,12 @@ def mask_from_offsets(
     off = np.asarray(offsets, dtype=np.int64).reshape(n, 2)
     starts, ends = off[:, 0], np.maximum.accumulate(off[:, 1])
     nonempty = (off[:, 1] > off[:, 0]).astype(np.uint8)
-    for s, e in spans:
+    for s, e, closed in spans:
         t0 = int(np.searchsorted(ends, s, side="right"))  # first token ending after s
         t1 = int(np.searchsorted(starts, e, side="left"))  # first token starting at/after e
         mask[t0:t1] = nonempty[t0:t1]
+        if not closed:
+            continue
         # the end-of-turn token: the next special token, only whitespace before it
         u = t1
         while u < n and int(ids[u]) not in special_ids and not text[off[u, 0] : off[u, 1]].strip():
@@ -276,7 +297,8 @@ def tokenize_conversation(
     """Token ids and loss mask (same length) of one conversation.
 
     ids = tokenization of the chat-template text (``add_special_tokens=False``); mask = 1 on each
-    assistant message's content tokens and the end-of-turn token closing it, 0 on everything else
+    assistant message's content tokens and the end-of-turn token closing it (not for a message
+    marked ``cut_at_max_tokens``), 0 on everything else
     (system/user/tool turns, role headers, template boilerplate). ``train_only_last_turn`` keeps
     only the last assistant message. ``template_kwargs`` go to ``apply_chat_template``
     (e.g. ``enable_thinking=False``). Raises :class:`MalformedConversation` (a ``ValueError``).

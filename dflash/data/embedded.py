@@ -9,8 +9,9 @@ exact token ids (``input_ids``: prompt + generated response, + eos when generati
 ``loss_mask``: 1 on the response), so every training label is the target's own greedy token.
 
 The build is deterministic (seed, stdlib files, target weights), atomic, guarded by a file lock
-and idempotent: a ``<out>.meta.json`` sidecar records the parameters and a fingerprint of the
-target, and an identical request reuses the file.
+and idempotent: a ``<out>.meta.json`` sidecar records the parameters, a fingerprint of the
+target and the size and sha256 of the corpus, and an identical request reuses the file after
+checking it against them (a truncated or edited corpus is named in a warning and rebuilt).
 
 The training sample can still differ from what the target generated only through numerics:
 batched, left-padded, KV-cached decoding and the full-sequence prefill of training are different
@@ -35,7 +36,7 @@ import torch
 from dflash.data.chat import prompt_ids
 from dflash.data.regenerate.hf_backend import generate
 from dflash.data.stdlib import code_snippets
-from dflash.files import atomic_file, atomic_write, file_lock
+from dflash.files import atomic_file, atomic_write, digest_problems, file_digest, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,26 @@ def embedded_corpus_path(
         params.append(chat_template_kwargs)
     key = json.dumps(params, sort_keys=True)
     return Path(cache_root) / "embedded" / f"corpus-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
+
+
+def _reusable(out_path: Path, meta_path: Path, want: dict[str, Any], *, warn: bool) -> bool:
+    """Whether ``out_path`` is a complete, undamaged corpus built with ``want`` (its sidecar at
+    ``meta_path`` records the parameters and the corpus digest); damage is logged when ``warn``."""
+    if not out_path.exists() or not meta_path.exists():
+        return False
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        problems = [f"{meta_path}: unreadable ({exc})"]
+    else:
+        if not isinstance(meta, dict) or {k: meta.get(k) for k in want} != want:
+            return False
+        problems = digest_problems(
+            out_path.parent, {out_path.name: meta["corpus"]} if "corpus" in meta else None
+        )
+    if problems and warn:
+        log.warning("embedded corpus %s is damaged, rebuilding it: %s", out_path, "; ".join(problems))
+    return not problems
 
 
 def make_prompts(num_prompts: int, seed: int) -> list[str]:
@@ -145,13 +166,10 @@ def build_embedded_corpus(
         "chat_template_kwargs": kwargs,
     }
 
-    def ready() -> bool:
-        return out_path.exists() and meta_path.exists() and json.loads(meta_path.read_text()) == want
-
-    if ready():
+    if _reusable(out_path, meta_path, want, warn=True):
         return out_path
     with file_lock(out_path.parent / f".{out_path.name}.lock"):
-        if ready():
+        if _reusable(out_path, meta_path, want, warn=False):
             return out_path
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -178,7 +196,7 @@ def build_embedded_corpus(
                     )
                     + "\n"
                 )
-        atomic_write(meta_path, json.dumps(want, indent=1))
+        atomic_write(meta_path, json.dumps({**want, "corpus": file_digest(out_path)}, indent=1))
         log.info(
             "embedded corpus: %d prompts x <=%d tokens (%d finished with eos) in %.1fs -> %s",
             num_prompts,

@@ -32,8 +32,7 @@ def greedy_pack(lengths: list[int], token_budget: int) -> list[int]:
     """Packet boundaries of in-order greedy packing: ``[0, b1, ..., len(lengths)]``.
 
     Packet k holds positions ``[bounds[k], bounds[k+1])``; each packet's total is <= token_budget
-    (every length must be <= token_budget, checked by the caller). One lean pass (~0.25 s per
-    million samples).
+    (every length must be <= token_budget, checked by the caller). One pass over plain ints.
     """
     bounds = [0]
     cur = 0
@@ -126,6 +125,17 @@ class DataPlan:
         if not 0 <= g < self.num_packets:
             raise IndexError(f"packet {g} outside the plan's {self.num_packets} packets")
         return int(torch.searchsorted(self.epoch_starts, g, right=True)) - 1
+
+    def num_steps(self, packets_per_step: int, max_steps: int | None) -> int:
+        """Optimizer steps of ``packets_per_step`` packets a run takes: every full step of the plan
+        (a partial last step is dropped), at most ``max_steps``. ValueError when not even one fits."""
+        available = self.num_packets // packets_per_step
+        if available < 1:
+            raise ValueError(
+                f"the data plan has {self.num_packets} packets, fewer than one step needs ({packets_per_step}); "
+                f"lower data.token_budget or optim.grad_accum_steps, or add data"
+            )
+        return min(max_steps or available, available)
 
     def fingerprint(self) -> str:
         """sha256 of the settings and the full packet layout (to detect a changed plan on resume)."""

@@ -7,7 +7,7 @@ It composes the training config (``conf/config.yaml``: the same groups and overr
 dataset fingerprint, and therefore the cache directory, is the one ``torchrun -m dflash.train``
 computes with the same overrides: training then loads the cache instead of tokenizing on every
 rank's first launch. It runs what every rank runs before the process group
-(``dflash.setup.prepare``: config checks, the tiny target and embedded corpus if asked for,
+(the libraries ``dflash.train.setup`` calls: config checks, the tiny target and embedded corpus if asked for,
 tokenization with ``data.num_workers`` processes and a progress bar), then prints the statistics
 and, with ``show=N``, the first N samples with their supervised tokens marked (colour on a
 terminal, brackets otherwise): exactly the loss mask training uses.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dflash.cli import run_app, value_errors_are_user_errors
 from dflash.config import FREE, Config, planned_world_size, to_config
+from dflash.config.cli import run_app, value_errors_are_user_errors
 
 
 @dataclass
@@ -44,25 +44,50 @@ def register_prepare_schema() -> None:
 def run(cfg: PrepareConfig) -> str:
     """Build (or find) the cache of ``cfg.data``, print the statistics and ``cfg.show`` samples;
     returns the cache directory. Raises ValueError on a config or data problem."""
-    from dflash.data.report import dataset_summary, show_samples
-    from dflash.setup import prepare
+    from dflash.config.checks import validate
+    from dflash.data.cache import build_or_load_dataset
+    from dflash.data.display import dataset_summary, show_samples
+    from dflash.data.plan import DataPlan
+    from dflash.data.resolve import resolve_data_config
+    from dflash.distributed.topology import Topology
+    from dflash.drafter.resolve import resolve_drafter
+    from dflash.targets.info import resolve_target
 
     if cfg.show < 0:
         raise ValueError(f"show={cfg.show}: must be >= 0 (the number of samples to print)")
-    setup = prepare(cfg, planned_world_size(cfg.topology), progress=True)
-    ds = setup.dataset
-    cache = f"{setup.cfg.data.cache_dir}/{ds.fingerprint}"
+    world_size = planned_world_size(cfg.topology)
+    validate(cfg, world_size)
+    topology = Topology.from_config(cfg.topology, world_size, cfg.optim.grad_accum_steps)
+    target = resolve_target(cfg.target, cfg.paths.cache_dir)
+    resolve_drafter(cfg, target)  # the config problems training would refuse, reported here first
+    data = resolve_data_config(cfg.data, target.path)
+    ds = build_or_load_dataset(data, target.tokenizer, target.meta.vocab_size, progress=True)
+    plan = DataPlan.build(ds.lengths(), data.token_budget, data.seed, data.num_epochs)
+    num_steps = plan.num_steps(topology.packets_per_step, cfg.train.max_steps)
+    cache = f"{data.cache_dir}/{ds.fingerprint}"
     where = "found in the cache" if ds.loaded_from_cache else "built"
     print(f"dataset {ds.fingerprint[:12]} {where}: {cache}", flush=True)
     print(dataset_summary(ds, cfg.data.max_length), flush=True)
     print(
-        f"data plan: {setup.plan.num_packets} packets, {setup.num_steps} optimizer steps; training with the "
+        f"data plan: {plan.num_packets} packets, {num_steps} optimizer steps; training with the "
         "same overrides loads this cache",
         flush=True,
     )
+    held_out = data.num_eval_prompts or 0
+    if held_out:
+        print(held_out_line(held_out, cfg.eval.every), flush=True)
     if cfg.show:
-        print(show_samples(ds, setup.tokenizer, cfg.show, color=sys.stdout.isatty()), flush=True)
+        print(show_samples(ds, target.tokenizer, cfg.show, color=sys.stdout.isatty()), flush=True)
     return cache
+
+
+def held_out_line(num_eval: int, eval_every: int) -> str:
+    """What ``prepare`` says about the held-out eval tail: it comes out of the user's own data."""
+    why = f"eval.every={eval_every} evaluates on them" if eval_every > 0 else "held out for eval"
+    return (
+        f"held out: the last {num_eval} records of data.path are never trained on ({why}; "
+        f"data.num_eval_prompts={num_eval}: set it to choose how many)"
+    )
 
 
 register_prepare_schema()

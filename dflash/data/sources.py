@@ -1,11 +1,20 @@
 """Conversation sources: opening them, reading their records, and which records train or eval.
 
-A source is a JSONL file (one ``{"messages": [...]}`` object per line; ShareGPT-style
-``{"conversations": [{"from", "value"}]}`` is accepted too), a ``datasets`` directory saved with
-``save_to_disk``, anything ``datasets.load_dataset`` reads, or ``embedded`` (the offline corpus of
-``dflash.data.embedded``, built from the target; :func:`resolve_source` turns it into its file).
+A source (``data.path``) is one path or a list of them (``data.path=[a.jsonl,b.parquet]``), each
+- a JSONL file (``.jsonl``, or a ``.json`` file of JSON lines): one ``{"messages": [...]}`` object
+  per line, ShareGPT-style ``{"conversations": [{"from", "value"}]}`` accepted too; read here, line
+  by line, so a bad line is one counted record;
+- any other data file (``.json`` holding a JSON array, ``.parquet``, ``.csv``, ``.arrow``): read
+  with ``datasets`` (its packaged builder for the extension);
+- a folder: every data file in it and its subfolders, in sorted path order, each read as above on
+  its own (so chat and ShareGPT files mix); sidecars (``*.meta.json``, ``*.failed.jsonl``) and
+  hidden files are left out. A folder written by ``save_to_disk`` is loaded as that dataset;
+- a glob (``/data/part-*.parquet``, ``/data/**/*.jsonl``): the matching files and folders, sorted;
+- a ``datasets`` hub id (``data.split`` chooses the split), or ``embedded`` (the offline corpus of
+  ``dflash.data.embedded``, built from the target; :func:`resolve_source` turns it into its file).
+Every record says where it is: ``<file>:<line>`` (JSONL) or ``<file>[<row>]`` (``datasets``).
 
-Layout of the source, by record index (blank JSONL lines are not records):
+Layout of the source, by record index (all files in order; blank JSONL lines are not records):
 ``[0, num_train)`` is tokenized for training, with ``num_train = min(num_samples, total - E)``;
 ``[total - E, total)`` (E = ``num_eval_prompts``) is the held-out eval tail, never trained on
 (:func:`split_ranges`; :func:`load_eval_conversations` reads the tail as message lists).
@@ -23,17 +32,19 @@ embedded corpus) recording the ``chat_template_kwargs`` its responses were gener
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash.data.chat import MalformedConversation, validate_messages
 from dflash.data.embedded import build_embedded_corpus, embedded_corpus_path
+from dflash.files import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -56,57 +67,177 @@ class BadRecord:
     reason: str
 
 
+DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+"""Data-file extensions read with ``datasets`` (its packaged builder of that name); ``.json`` only
+when the file holds a JSON array (JSON lines are read as JSONL)."""
+_SIDECARS = (".meta.json", ".failed.jsonl")
+_GLOB_CHARS = ("*", "?", "[")
+
+
+def source_paths(value: Any, field: str = "data.path") -> list[str]:
+    """``value`` (a path, or a list of paths, as ``data.path`` takes it) as a non-empty list of
+    strings; ValueError naming ``field`` otherwise."""
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if not items or not all(isinstance(v, str) and v for v in items):
+        raise ValueError(
+            f"{field}={value!r}: give a file, a folder, a glob or a hub dataset id, or a list of them "
+            f"({field}=[a.jsonl,b.parquet])"
+        )
+    return items
+
+
+def resolve_data_path(value: Any, resolve: Callable[[str], str], field: str = "data.path") -> str | list[str]:
+    """``value`` (a path or a list of paths; ``embedded`` unchanged) with ``resolve`` applied to each
+    path, keeping its form (a string stays a string, a list a list)."""
+    if value == EMBEDDED:
+        return EMBEDDED
+    paths = [resolve(p) for p in source_paths(value, field)]
+    return paths[0] if isinstance(value, str) else paths
+
+
+def _is_jsonl(path: Path) -> bool:
+    """A ``.jsonl`` file, or a ``.json`` file whose first non-blank character does not open an array."""
+    if path.suffix == ".jsonl":
+        return True
+    if path.suffix != ".json":
+        return False
+    with open(path, "rb") as fh:
+        while chunk := fh.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return not stripped.startswith(b"[")
+    return True
+
+
+def _data_files(folder: Path) -> list[Path]:
+    """The data files of a folder and its subfolders in sorted path order (no hidden files, no sidecars)."""
+    known = (".jsonl", *DATASETS_BUILDERS)
+    return [
+        f
+        for f in sorted(folder.rglob("*"))
+        if f.is_file()
+        and f.suffix in known
+        and not f.name.endswith(_SIDECARS)
+        and not any(part.startswith(".") for part in f.relative_to(folder).parts)
+    ]
+
+
+class _Part:
+    """One file (or one ``datasets`` dataset) of a source: its records with where each one is."""
+
+    def __init__(
+        self, name: str, jsonl: Path | None = None, dataset: Any = None, fingerprint: str = ""
+    ) -> None:
+        self.name, self.jsonl, self.dataset = name, jsonl, dataset
+        if jsonl is not None:
+            self.fingerprint, self.num_records = _scan_jsonl(jsonl)
+        else:
+            self.num_records = len(dataset)
+            self.fingerprint = fingerprint or _content_hash(dataset)
+
+    def numbered(self) -> Iterator[tuple[str, Any]]:
+        if self.jsonl is None:
+            for i, row in enumerate(self.dataset):
+                yield f"{self.name}[{i}]", _drop_nones(row)
+            return
+        with open(self.jsonl, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if raw.strip():
+                    yield f"{self.name}:{lineno}", _parse_line(raw)
+
+
+def _drop_nones(row: Any) -> Any:
+    """A ``datasets`` row without the ``None`` fields that schema unification adds (a ShareGPT row
+    of a folder that also holds chat files gets ``messages: None``), in messages too."""
+    if not isinstance(row, dict):
+        return row
+    out = {k: v for k, v in row.items() if v is not None}
+    for key in ("messages", "conversations"):
+        if isinstance(out.get(key), list):
+            out[key] = [
+                {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in out[key]
+            ]
+    return out
+
+
 class Source:
     """An opened conversation source: a content fingerprint, the record count and the records.
 
-    ``field`` names the config field that gave ``path`` (``data.path``, ``input``, ``prompts``), so
-    that every error about the source names what to change.
+    ``path`` is a path or a list of paths (see the module docstring); ``field`` names the config
+    field that gave it (``data.path``, ``input``, ``prompts``), so that every error about the
+    source names what to change.
     """
 
-    def __init__(self, path: str, split: str = "train", *, field: str = "data.path") -> None:
+    def __init__(self, path: str | list[str], split: str = "train", *, field: str = "data.path") -> None:
         self.path, self.split, self.field = path, split, field
-        p = Path(path)
-        self._ds: Any = None
-        if p.suffix in (".jsonl", ".json") and not p.exists():
-            raise ValueError(f"{field}={path!r} does not exist; set {field} to a JSONL file or a dataset")
-        if p.is_file():
-            self.kind = "jsonl"
-            self.fingerprint, self.num_records = self._guard(lambda: _scan_jsonl(p))
+        self.parts = [part for entry in source_paths(path, field) for part in self._open(entry)]
+        self.num_records = sum(p.num_records for p in self.parts)
+        if len(self.parts) == 1:
+            self.fingerprint = self.parts[0].fingerprint
         else:
-            self.kind = "datasets"
-            self._ds = _load_hf_dataset(path, split, field)
-            self.num_records = len(self._ds)
-            fp = getattr(self._ds, "_fingerprint", None)
-            self.fingerprint = f"datasets:{fp}" if fp else _content_hash(self._ds)
+            joined = "\0".join(p.fingerprint for p in self.parts)
+            self.fingerprint = f"parts:{hashlib.sha256(joined.encode()).hexdigest()}"
         if self.num_records == 0:
             raise ValueError(
                 f"{field}={path!r} has no records (an empty file, or only blank lines); set {field} to a "
                 'JSONL with one {"messages": [...]} object per line (or a non-empty dataset)'
             )
 
-    def _guard(self, read: Any) -> Any:
+    def _open(self, entry: str) -> list[_Part]:
+        p = Path(entry).expanduser()
+        if not p.exists() and any(c in entry for c in _GLOB_CHARS):
+            matches = [Path(m) for m in sorted(glob.glob(str(p), recursive=True))]
+            if not matches:
+                raise ValueError(f"{self.field}={entry!r}: the glob matches no file; check the pattern")
+            return [part for m in matches for part in self._open_local(m)]
+        if p.exists():
+            return self._open_local(p)
+        if p.suffix in (".jsonl", *DATASETS_BUILDERS) or entry.startswith((".", "/", "~")):
+            raise ValueError(
+                f"{self.field}={entry!r} does not exist; set {self.field} to a JSONL file, a data file, "
+                "a folder, a glob or a dataset"
+            )
+        return [_Part(entry, dataset=_load_hf_dataset(entry, self.split, self.field))]
+
+    def _open_local(self, p: Path) -> list[_Part]:
+        if p.is_dir():
+            if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists():
+                return [_Part(str(p), dataset=_load_hf_dataset(str(p), self.split, self.field))]
+            files = _data_files(p)
+            if not files:
+                raise ValueError(
+                    f"{self.field}={str(p)!r}: the folder holds no data file "
+                    f"({', '.join(('.jsonl', *DATASETS_BUILDERS))}); check the folder"
+                )
+            return [part for f in files for part in self._open_local(f)]
         try:
-            return read()
+            if _is_jsonl(p):
+                return [_Part(str(p), jsonl=p)]
         except OSError as exc:
-            raise ValueError(f"{self.field}={self.path!r} cannot be read ({exc}); check the file") from exc
+            raise ValueError(f"{self.field}={str(p)!r} cannot be read ({exc}); check the file") from exc
+        builder = DATASETS_BUILDERS.get(p.suffix)
+        if builder is None:
+            raise ValueError(
+                f"{self.field}={str(p)!r}: unknown data file type {p.suffix!r}; give .jsonl, "
+                f"{', '.join(DATASETS_BUILDERS)} files, a folder of them, or a dataset"
+            )
+        ds = _load_hf_file(p, builder, self.field)
+        return [_Part(str(p), dataset=ds, fingerprint=f"{builder}:{file_digest(p)['sha256']}")]
 
     def numbered(self) -> Iterator[tuple[int, str, Any]]:
-        """``(record index, where, record)`` in order; ``where`` is ``<file>:<line>`` (JSONL) or
-        ``<path>[<row>]`` (``datasets``), for messages that point at the record."""
-        if self.kind == "datasets":
-            for i, row in enumerate(self._ds):
-                yield i, f"{self.path}[{i}]", row
-            return
-        try:
-            with open(self.path, "rb") as fh:
-                idx = 0
-                for lineno, raw in enumerate(fh, 1):
-                    if not raw.strip():
-                        continue
-                    yield idx, f"{self.path}:{lineno}", _parse_line(raw)
+        """``(record index, where, record)`` in order over every file; ``where`` is
+        ``<file>:<line>`` (JSONL) or ``<file>[<row>]`` (``datasets``), for messages that point at
+        the record."""
+        idx = 0
+        for part in self.parts:
+            try:
+                for where, record in part.numbered():
+                    yield idx, where, record
                     idx += 1
-        except OSError as exc:
-            raise ValueError(f"{self.field}={self.path!r} cannot be read ({exc}); check the file") from exc
+            except OSError as exc:
+                raise ValueError(
+                    f"{self.field}={part.name!r} cannot be read ({exc}); check the file"
+                ) from exc
 
     def records(self) -> Iterator[Any]:
         """Every record in order: a parsed JSON value, a ``datasets`` row dict, or a BadRecord."""
@@ -125,7 +256,7 @@ def _parse_line(raw: bytes) -> Any:
 
 
 def _scan_jsonl(path: Path) -> tuple[str, int]:
-    """(sha256 of the file bytes, number of non-blank lines)."""
+    """(``jsonl:`` + sha256 of the file bytes, number of non-blank lines)."""
     h, n = hashlib.sha256(), 0
     with open(path, "rb") as fh:
         for raw in fh:
@@ -135,14 +266,31 @@ def _scan_jsonl(path: Path) -> tuple[str, int]:
     return f"jsonl:{h.hexdigest()}", n
 
 
-def _load_hf_dataset(path: str, split: str, field: str = "data.path") -> Any:
+def _import_datasets(path: str, field: str) -> Any:
     try:
         import datasets
     except ImportError as exc:
         raise ValueError(
-            f"{field}={path!r} is not a file, so it must be a `datasets` dataset, but `datasets` is "
+            f"{field}={path!r} is not a JSONL file, so it is read with `datasets`, but `datasets` is "
             "not installed: pip install 'dflash[data]' (or datasets), or convert it to JSONL"
         ) from exc
+    return datasets
+
+
+def _load_hf_file(path: Path, builder: str, field: str) -> Any:
+    """One local data file through ``datasets``' packaged builder (a JSON array, parquet, csv, arrow)."""
+    datasets = _import_datasets(str(path), field)
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many types for a bad file
+        raise ValueError(
+            f"{field}={str(path)!r}: `datasets` cannot read it as {builder} ({type(exc).__name__}: {exc}); "
+            "check the file"
+        ) from None
+
+
+def _load_hf_dataset(path: str, split: str, field: str = "data.path") -> Any:
+    datasets = _import_datasets(path, field)
     p = Path(path)
     if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(p))
@@ -159,6 +307,9 @@ def _load_hf_dataset(path: str, split: str, field: str = "data.path") -> Any:
 
 
 def _content_hash(ds: Any) -> str:
+    fp = getattr(ds, "_fingerprint", None)
+    if fp:
+        return f"datasets:{fp}"
     h = hashlib.sha256()
     for row in ds:
         h.update(json.dumps(row, sort_keys=True, default=str).encode())
@@ -202,15 +353,19 @@ def cache_root(cfg: Any) -> Path:
     return Path(root)
 
 
-def resolve_source(cfg: Any, target_dir: str | os.PathLike | None = None) -> str:
-    """``cfg.path``, or for ``embedded`` the JSONL built (once, cached) from the target at target_dir.
+def resolve_source(cfg: Any, target_dir: str | os.PathLike | None = None) -> str | list[str]:
+    """``cfg.path`` (a path or a list of paths, see :class:`Source`), or for ``embedded`` the JSONL
+    built (once, cached) from the target at target_dir.
 
     The embedded corpus lives at ``embedded_corpus_path(cache_root(cfg), target_dir, ...)``; it is
     built under a file lock, so every rank may call this at once. Raises ValueError for
-    ``embedded`` without ``target_dir``.
+    ``embedded`` without ``target_dir`` or inside a list.
     """
     if cfg.path != EMBEDDED:
-        return str(cfg.path)
+        paths = source_paths(cfg.path)
+        if EMBEDDED in paths:
+            raise ValueError(f"data.path={cfg.path!r}: 'embedded' cannot be part of a list; give it alone")
+        return cfg.path if isinstance(cfg.path, str) else paths
     if target_dir is None:
         raise ValueError("data.path=embedded needs the target directory: pass target_dir=cfg.target.path")
     kwargs = dict(cfg.chat_template_kwargs)

@@ -35,7 +35,13 @@ import jinja2
 import numpy as np
 import torch
 
-from dflash.data.chat import assistant_spans, encode_with_offsets, mask_from_offsets, special_token_texts
+from dflash.data.chat import (
+    Span,
+    assistant_spans,
+    encode_with_offsets,
+    mask_from_offsets,
+    special_token_texts,
+)
 from dflash.data.sources import BadRecord, Source, parse_messages, resolve_source, split_ranges
 
 log = logging.getLogger(__name__)
@@ -119,6 +125,25 @@ class TokenizeSettings:
 
 class TooLong(ValueError):
     """A record over the character cap that cannot be cut (counted as ``too_long``)."""
+
+
+class MissingChatTemplate(ValueError):
+    """A conversation must be rendered but the tokenizer has no chat template: a config error
+    (``target.tokenizer``), raised at once, never counted as a malformed record."""
+
+
+def require_chat_template(tokenizer: Any, where: str, field: str = "data.path") -> None:
+    """Raise :class:`MissingChatTemplate` unless ``tokenizer`` can render conversations; ``where``
+    names the first record that needs it (``file:line``), ``field`` the config field of the source."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    raise MissingChatTemplate(
+        f"the tokenizer {name!r} (target.tokenizer, or the target's own) has no chat template, and {field} "
+        f"holds conversations that need one to be rendered (first: {where}); set target.tokenizer=<a "
+        "tokenizer with the target's chat template, e.g. its instruct model's>, or give records with "
+        "input_ids + loss_mask"
+    )
 
 
 def _chars(msg: dict) -> int:
@@ -229,7 +254,7 @@ class _Pending:
     idx: int
     where: str
     text: str = ""
-    spans: list[tuple[int, int]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
     cut: bool = False
     cut_inside: bool = False
 
@@ -252,6 +277,7 @@ class _RecordTokenizer:
                     continue
                 if isinstance(record, BadRecord):
                     raise ValueError(record.reason)
+                require_chat_template(self.tokenizer, where)
                 messages, cut, cut_inside = cap_messages(
                     parse_messages(record), self.s.char_cap, self.s.overlong
                 )
@@ -261,6 +287,8 @@ class _RecordTokenizer:
                     train_only_last_turn=self.s.train_only_last_turn,
                     **self.s.template_kwargs,
                 )
+            except MissingChatTemplate:
+                raise
             except TooLong as exc:
                 part.skip("too_long", idx, where, str(exc))
                 continue

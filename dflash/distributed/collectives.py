@@ -1,10 +1,10 @@
 """The run's collectives: ``warm_up_links`` and ``agree_on_start`` (every rank); among the drafters
-``all_reduce_sum`` / ``all_reduce_max`` (step statistics) and ``gather_lists`` (the ledger).
+``all_reduce_sum`` / ``all_reduce_max`` (step statistics) and ``gather_lists`` (the ledger); among
+the ranks of a tensor-parallel target replica ``replica_next_packet`` (the packet they make next).
 
-``warm_up_links`` runs right after the process group starts (``dflash.train``), before any model
-loads: it exchanges one message on every (target, drafter) link in both directions, so a peer
-that cannot be reached is named at once, and on NCCL every pair communicator exists before the
-first packet. Every wait has an explicit timeout and a backend failure becomes a ``PeerError``
+``warm_up_links`` runs right after the process groups start (``dflash.train``), before any model
+loads: it exchanges one message on every (target, drafter) link in both directions, on the link's
+own groups, so a peer that cannot be reached is named at once. Every wait has an explicit timeout and a backend failure becomes a ``PeerError``
 naming the ranks involved.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dflash.distributed.links import Endpoint, PeerError, is_timeout, short_error
+from dflash.distributed.links import Endpoint, LinkGroups, PeerError, is_timeout, short_error
 from dflash.distributed.process_group import DistContext
 from dflash.distributed.protocol import ProtocolError
-from dflash.distributed.topology import Topology, first_on_link
+from dflash.distributed.topology import Topology, links
 from dflash.files import atomic_write
 
 
@@ -69,6 +70,28 @@ def agree_on_start(
     if start < 0:
         raise ValueError(f"{topology.describe(topology.leader_rank)} resumes at packet {start} < 0")
     return start, steps
+
+
+def replica_next_packet(ctx: DistContext, g: int, stop_requested: bool, timeout_s: float) -> tuple[int, bool]:
+    """Every rank of a tensor-parallel target replica, before each forward: ``(packet, stop)``, the
+    packet the replica makes next (-1: it is done) and whether any rank of it asked to stop.
+
+    The replica's sender passes its next packet as ``g`` (or -1); the others' ``g`` is ignored. One
+    all-reduce (sum) of two int64 over ``ctx.tp_group``: the sender's ``g`` (the others add 0) and
+    the number of ranks with ``stop_requested``, so that a stop signal to any rank of the replica
+    reaches the drafters through the sender's next packet. A rank that waits longer than
+    ``timeout_s`` (the sender is dead or stuck), or whose peer died, raises ``PeerError`` naming
+    the replica's ranks.
+    """
+    topo = ctx.topology
+    assert topo is not None and ctx.tp_group is not None, "replica_next_packet outside a TP replica"
+    ranks = topo.replica_ranks(ctx.rank)
+    mine = torch.tensor([g if ctx.rank == ranks[0] else 0, int(stop_requested)], dtype=torch.int64)
+    mine = mine.to(ctx.device, non_blocking=True)
+    work = dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=ctx.tp_group, async_op=True)
+    _collective_wait(ctx, work, "the replica's next packet (all_reduce)", ranks, timeout_s)
+    nxt, stops = (int(x) for x in mine.tolist())  # one host sync per packet
+    return nxt, stops > 0
 
 
 def all_reduce_sum(ctx: DistContext, tensor: Tensor, timeout_s: float | None = None) -> Tensor:
@@ -184,43 +207,36 @@ def warm_up_links(
     device: torch.device,
     timeout_s: float,
     *,
-    data_group=None,
-    control_group=None,
+    groups: Mapping[tuple[int, int], LinkGroups] | None = None,
 ) -> None:
-    """Exchange one small tensor on every (target, drafter) link, data and control direction.
+    """Exchange one small tensor on every (target, drafter) link, data and control direction, on
+    the link's groups (``groups``: (target, drafter) -> ``LinkGroups``, e.g. ``DistContext.link_groups``;
+    None: the default group).
 
-    Every rank walks the links in one global order, so this cannot deadlock. On NCCL it creates
-    the two-rank communicators of every link up front (their creation blocks until both ends
+    Every rank walks the links in one global order, so this cannot deadlock. Without eager NCCL
+    init it also creates the links' communicators up front (their creation blocks until both ends
     join), so the first real packet or ACK never stalls on it. Peers that do not answer within
     ``timeout_s`` raise PeerError.
     """
     ep = Endpoint(topology, rank, timeout_s, device)
     role = topology.role_of(rank)
-    for t in topology.target_ranks:
-        for d in topology.drafter_ranks:
-            if rank not in (t, d) or first_on_link(topology, t, d) is None:
-                continue
-            buf = torch.full((1,), rank, dtype=torch.int64, device=device)
-            if role == "target":
-                ep._wait(
-                    ep._post(dist.isend, buf, d, data_group, "send warm-up", None), d, "send warm-up", None
+    for t, d in links(topology):
+        if rank not in (t, d):
+            continue
+        lg = groups[(t, d)] if groups is not None else LinkGroups()
+        buf = torch.full((1,), rank, dtype=torch.int64, device=device)
+        if role == "target":
+            ep._wait(ep._post(dist.isend, buf, d, lg.data, "send warm-up", None), d, "send warm-up", None)
+            ep._wait(ep._post(dist.irecv, buf, d, lg.control, "recv warm-up", None), d, "recv warm-up", None)
+            if int(buf.item()) != d:
+                raise ProtocolError(
+                    f"{ep.me}: warm-up from {topology.describe(d)}: expected {d}, got {int(buf.item())}"
                 )
-                ep._wait(
-                    ep._post(dist.irecv, buf, d, control_group, "recv warm-up", None), d, "recv warm-up", None
+        else:
+            ep._wait(ep._post(dist.irecv, buf, t, lg.data, "recv warm-up", None), t, "recv warm-up", None)
+            if int(buf.item()) != t:
+                raise ProtocolError(
+                    f"{ep.me}: warm-up from {topology.describe(t)}: expected {t}, got {int(buf.item())}"
                 )
-                if int(buf.item()) != d:
-                    raise ProtocolError(
-                        f"{ep.me}: warm-up from {topology.describe(d)}: expected {d}, got {int(buf.item())}"
-                    )
-            else:
-                ep._wait(
-                    ep._post(dist.irecv, buf, t, data_group, "recv warm-up", None), t, "recv warm-up", None
-                )
-                if int(buf.item()) != t:
-                    raise ProtocolError(
-                        f"{ep.me}: warm-up from {topology.describe(t)}: expected {t}, got {int(buf.item())}"
-                    )
-                buf.fill_(rank)
-                ep._wait(
-                    ep._post(dist.isend, buf, t, control_group, "send warm-up", None), t, "send warm-up", None
-                )
+            buf.fill_(rank)
+            ep._wait(ep._post(dist.isend, buf, t, lg.control, "send warm-up", None), t, "send warm-up", None)

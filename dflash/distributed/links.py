@@ -4,22 +4,29 @@ Packets follow the Topology schedule (packet g: target g mod N -> drafter g mod 
 never an any-source receive. Every wait has a timeout, and every backend failure (timeout, closed
 connection) becomes a ``PeerError`` naming both sides and the operation; on gloo a timed-out pair
 is closed for good, so a ``PeerError`` is fatal for the link. The wire format is
-``dflash.distributed.protocol``; data travels on ``data_group`` (None: the default group) and the
-drafter -> target ACK/STOP messages on ``control_group`` (``DistContext.control_group``).
+``dflash.distributed.protocol``. A link's packets travel on its ``LinkGroups.data`` group and the
+drafter -> target ACK/STOP messages on its ``LinkGroups.control`` group (``DistContext.link_groups``:
+two 2-rank groups per link, see ``dflash.distributed.process_group`` for why NCCL needs them);
+``groups=None`` puts both on the default group (gloo tests only: on NCCL every op of a group shares
+one stream). Host-to-device copies here are non-blocking (a blocking one synchronises the stream).
 
 Usage (one ``TargetLink`` per drafter a target feeds, see ``linked_drafters``):
 
     # target                                        # drafter
     links = {d: TargetLink(topo, rank, d, spec,     link = DrafterLink(topo, rank, spec, timeout_s,
-                           timeout_s, max_in_flight,                   control_group=cg)
-                           control_group=cg)        link.prefetch(first)
-             for d in linked_drafters(topo, rank)}  for g in my packets:
-    for g in topo.packets_of_target(rank, a, b):        pkt = link.recv(g); link.prefetch(next g)
-        link = links[topo.consumer_of(g)]               ... train step ...; link.ack(g)
+                           timeout_s, max_in_flight,                   groups=ctx.drafter_links())
+                           groups=ctx.link_groups[  link.prefetch(first)
+                                      (rank, d)])   for g in my packets:
+             for d in linked_drafters(topo, rank)}      pkt = link.recv(g); link.prefetch(next g)
+    for g in topo.packets_of_target(rank, a, b):        ... train step ...; link.ack(g)
+        link = links[topo.consumer_of(g)]               link.first_step_done()  # after the first
         link.send(make_packet(g))                   link.stop_all()   # STOP, drain until END
         if link.stopped: break
     for link in links.values():
         link.wait_for_stop(); link.send_end()
+
+A drafter's ACKs say whether it has finished a step (``first_step_done``; ``TargetLink.peer_stepped``):
+its first step includes loading and compiling, so a target keeps its long timeout until then.
 
 Without ``start_index`` a link's first packet index is fixed by its first ``send`` (target) or
 ``prefetch``/``recv`` (drafter, per target), so a resumed run just starts at the packet that
@@ -32,8 +39,10 @@ import logging
 import re
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +51,7 @@ from torch import Tensor
 from dflash.distributed.protocol import (
     CONTROL_LEN,
     CTRL_ACK,
+    CTRL_FLAG_STEPPED,
     CTRL_NAMES,
     CTRL_STOP,
     HEADER_LEN,
@@ -69,6 +79,16 @@ log = logging.getLogger(__name__)
 
 class PeerError(RuntimeError):
     """A dead or stuck peer: names our role and rank, the peer, the operation and the timeout."""
+
+
+@dataclass(frozen=True)
+class LinkGroups:
+    """The process groups one (target, drafter) link travels on (None: the default group)."""
+
+    data: Any = None
+    """Target -> drafter packets (headers and payloads)."""
+    control: Any = None
+    """Drafter -> target ACK/STOP messages."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +208,8 @@ class TargetLink(Endpoint):
     """A target's link to one drafter: sends packets in schedule order with ACK backpressure.
 
     ``send`` keeps at most ``max_in_flight`` packets un-ACKed: before posting a packet it reads
-    control messages until the window has room. A STOP sets ``stopped``; ``send`` then returns
+    control messages until the window has room (reading one is a device-to-host copy of 4 int64s,
+    made right after the packet's own sync in ``PacketMaker.make``, when the stream is idle). A STOP sets ``stopped``; ``send`` then returns
     without sending, and the caller ends with ``send_end``. After its last packet a target calls
     ``wait_for_stop`` and then ``send_end``.
     """
@@ -203,8 +224,7 @@ class TargetLink(Endpoint):
         max_in_flight: int,
         *,
         start_index: int | None = None,
-        data_group=None,
-        control_group=None,
+        groups: LinkGroups | None = None,
     ) -> None:
         super().__init__(topology, rank, timeout_s, spec.device)
         if topology.role_of(rank) != "target" or topology.role_of(drafter_rank) != "drafter":
@@ -223,12 +243,15 @@ class TargetLink(Endpoint):
         self.peer_name = topology.describe(drafter_rank)
         self.spec = spec
         self.max_in_flight = int(max_in_flight)
-        self.data_group = data_group
-        self.control_group = control_group
+        groups = groups or LinkGroups()
+        self.data_group = groups.data
+        self.control_group = groups.control
         self.next_index = first
         self._start_known = start_index is not None
         self.stopped = False
         self.ended = False
+        self.peer_stepped = False
+        """The drafter has finished a step (its ACKs say so): loading and compiling are over."""
         self.num_sent = 0
         self.num_acked = 0
         self.max_unacked_seen = 0
@@ -258,12 +281,16 @@ class TargetLink(Endpoint):
         assert self._ctrl_buf is not None, "no control receive posted"
         msg = [int(x) for x in self._ctrl_buf.tolist()]
         self._ctrl_work, self._ctrl_buf = None, None
-        kind, g = msg[0], msg[1]
+        kind, g, flags = msg[0], msg[1], msg[2]
         src = f"control message from {self.peer_name}"
-        if kind not in CTRL_NAMES or msg[2:] != [0, 0]:
+        if kind not in CTRL_NAMES or flags & ~CTRL_FLAG_STEPPED or msg[3] != 0:
             raise self._fail(
-                ProtocolError(f"{src}: field kind expected ACK(1) or STOP(2) with zero spare, got {msg}")
+                ProtocolError(
+                    f"{src}: field kind expected ACK(1) or STOP(2), flags 0 or {CTRL_FLAG_STEPPED} and a zero "
+                    f"spare, got {msg}"
+                )
             )
+        self.peer_stepped = self.peer_stepped or bool(flags & CTRL_FLAG_STEPPED)
         if kind == CTRL_STOP:
             self.stopped = True
             log.info(
@@ -317,7 +344,7 @@ class TargetLink(Endpoint):
             self._next_control("recv ACK")
         if self.stopped:
             return
-        header = encode_header(data_header(packet, self.spec)).to(self.device)
+        header = encode_header(data_header(packet, self.spec)).to(self.device, non_blocking=True)
         tensors = [header, *(payload_tensors(packet, self.device) if packet.num_tokens else [])]
         works = [
             self._post(dist.isend, t, self.peer, self.data_group, "send packet", packet.index)
@@ -348,7 +375,7 @@ class TargetLink(Endpoint):
                 self.peer_name,
                 self.next_index,
             )
-        header = encode_header(end_header(self.next_index, self.spec)).to(self.device)
+        header = encode_header(end_header(self.next_index, self.spec)).to(self.device, non_blocking=True)
         work = self._post(dist.isend, header, self.peer, self.data_group, "send END", self.next_index)
         self._outgoing.append(_Outgoing(self.next_index, [work], [header]))
         while self._outgoing:
@@ -380,17 +407,19 @@ class DrafterLink(Endpoint):
         timeout_s: float,
         *,
         start_index: int | None = None,
-        data_group=None,
-        control_group=None,
+        groups: Mapping[int, LinkGroups] | None = None,
     ) -> None:
         super().__init__(topology, rank, timeout_s, spec.device)
         if topology.role_of(rank) != "drafter":
             raise ValueError(f"DrafterLink needs a drafter rank, got {topology.describe(rank)}")
         self.spec = spec
-        self.data_group = data_group
-        self.control_group = control_group
         self._period = link_period(topology)
         self.targets = linked_targets(topology, rank)
+        missing = [t for t in self.targets if groups is not None and t not in groups]
+        if missing:
+            raise ValueError(f"{self.me}: no process groups for the links from ranks {missing}")
+        self._groups = {t: (groups[t] if groups is not None else LinkGroups()) for t in self.targets}
+        self._stepped = False
         # Next packet expected from each target; None until the first prefetch/recv fixes it (resume).
         self._next: dict[int, int | None] = {
             t: None if start_index is None else first_on_link(topology, t, rank, start_index)
@@ -421,7 +450,7 @@ class DrafterLink(Endpoint):
                 f"next is {self._next[t]}, asked for {g}"
             )
         buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
-        rec = _HeaderRecv(g, self._post(dist.irecv, buf, t, self.data_group, "recv header", g), buf)
+        rec = _HeaderRecv(g, self._post(dist.irecv, buf, t, self._groups[t].data, "recv header", g), buf)
         self._posted[t] = rec
         return rec
 
@@ -455,7 +484,7 @@ class DrafterLink(Endpoint):
         """The next header of a target whose start is unknown (drain only): any index of this link."""
         buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._wait(
-            self._post(dist.irecv, buf, t, self.data_group, "recv header", None), t, "recv header", None
+            self._post(dist.irecv, buf, t, self._groups[t].data, "recv header", None), t, "recv header", None
         )
         h = decode_header(buf.cpu())
         on_link = (
@@ -474,7 +503,9 @@ class DrafterLink(Endpoint):
         bufs = payload_buffers(h, self.device)
         # An empty packet (every sample dropped by the target) has no payload on the wire.
         works = [
-            self._post(dist.irecv, b, t, self.data_group, "recv payload", h.g) for b in bufs if h.total_tokens
+            self._post(dist.irecv, b, t, self._groups[t].data, "recv payload", h.g)
+            for b in bufs
+            if h.total_tokens
         ]
         self._next[t] = h.g + self._period
         ahead = self._deferred[t]
@@ -509,13 +540,19 @@ class DrafterLink(Endpoint):
         return packet
 
     def _send_control(self, kind: int, g: int, t: int) -> None:
-        msg = encode_control(kind, g).to(self.device)
+        flags = CTRL_FLAG_STEPPED if self._stepped else 0
+        msg = encode_control(kind, g, flags).to(self.device, non_blocking=True)
         op = "send ACK" if kind == CTRL_ACK else "send STOP"
-        self._acks.append((t, g, self._post(dist.isend, msg, t, self.control_group, op, g), msg))
+        self._acks.append((t, g, self._post(dist.isend, msg, t, self._groups[t].control, op, g), msg))
 
     def _reap_acks(self) -> None:
         while self._acks and self._done(self._acks[0][2], self._acks[0][0], "send control", self._acks[0][1]):
             self._acks.popleft()
+
+    def first_step_done(self) -> None:
+        """This drafter finished its first step: later control messages say so, and their targets
+        lower their timeouts (``TargetLink.peer_stepped``)."""
+        self._stepped = True
 
     def ack(self, g: int) -> None:
         """Tell packet g's target that g is consumed (non-blocking; completion checked later)."""

@@ -1,22 +1,46 @@
-"""Process-group setup: device and backend choice, the drafter-only and control groups, timeouts.
+"""Process-group setup: device and backend choice, the drafter-only group, one pair of groups per link, timeouts.
 
 ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR/PORT for ``env://``). The world
-is N targets + M drafters (``dflash.distributed.topology``). Besides the default group (the data
-channel of ``dflash.distributed.links``) every rank creates:
-- the drafter-only group (DDP among drafters), ``new_group`` called on all ranks;
-- the control group (all ranks): drafter -> target ACK/STOP messages travel on their own group so
-  that, with NCCL, a pending control receive never queues in front of a data send on one stream.
+is N targets + M drafters (``dflash.distributed.topology``). Besides the default group (the
+collectives of every rank: ``agree_on_start``, the run-directory check) every rank creates, in one
+global order (``new_group`` is collective over the world):
+- the drafter-only group (the drafters' gradient all-reduce and step statistics);
+- for every linked (target, drafter) pair two 2-rank groups, ``LinkGroups.data`` (target -> drafter
+  packets) and ``LinkGroups.control`` (drafter -> target ACK/STOP); only a replica's sender has links;
+- with ``topology.target_tp`` = k > 1, one group per target replica (its k ranks,
+  ``new_replica_groups``): the tensor-parallel collectives of the sharded target's forward and the
+  per-packet agreement of the replica (``dflash.distributed.collectives.replica_next_packet``).
 
-Timeouts: the process group starts with ``topology.init_timeout_s`` (model loading is slow) and
-``set_timeout`` lowers it to ``topology.step_timeout_s`` after the first step, with torch 2.13's
-``torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)`` on every group of the rank
-(it sets the default timeout of the group's gloo/NCCL backend). Measured on gloo (torch 2.13 CPU):
-it bounds later collectives (a barrier nobody joins fails after the new 2 s instead of 30 s), but
-NOT blocking point-to-point receives, whose timeout stays the one the group was created with
-(``Backend.set_timeout`` behaves the same). On NCCL it sets the timeout the watchdog applies to
-work enqueued afterwards (not verified here: no GPUs). The links therefore never rely on it: every
-wait of ``dflash.distributed.links`` passes an explicit ``work.wait(timeout=...)``, and the links
-have their own ``set_timeout``.
+Why one group per pair and direction (torch 2.13, ``ProcessGroupNCCL::pointToPoint`` in
+torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp): with eager initialisation (``device_id`` given to
+``init_process_group``, which every later ``new_group`` inherits) an unbatched send/recv reuses the
+group's one communicator and its one NCCL stream (key = the device), so every point-to-point op of
+a group, whatever its peer, runs in the order it was issued and a receive nobody matches yet blocks
+every later op of the group on that rank (torch warns: "unbatched P2P ops are treated as independent
+collective ops, and are thus serialized with all other ops on this ProcessGroup"; PRs #154132,
+#156748). Without eager init torch makes a 2-rank communicator per (group, pair) lazily instead,
+whose creation blocks until both ends join. A 2-rank group per link and direction gives the same
+layout explicitly under either mode: a link's pending control receive or un-received packet never
+queues in front of another link's traffic, and the eager world and drafter communicators stay fast
+for the collectives. ``tests/nccl_sim.py`` models exactly these rules.
+
+Timeouts: the links and collectives wait with explicit timeouts (``topology.init_timeout_s`` until
+the first step, then ``topology.step_timeout_s``; a target waits twice that for a drafter, a rank of
+a replica ``replica_wait_s`` for its sender) and name the peer in a ``PeerError``. Every group is
+given ``backend_timeout_s`` of that, strictly above it: NCCL's watchdog (``WorkNCCL::checkTimeout``)
+and a blocking ``Work.wait(timeout)`` both count from the op's creation, and a watchdog that fires
+first tears the process down (the default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) before the
+``PeerError`` is logged. ``set_timeout`` changes both with torch 2.13's
+``torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)``, the default timeout of later
+work of a group's gloo/NCCL backend. Measured on gloo (torch 2.13 CPU): it bounds later collectives
+(a barrier nobody joins fails after the new 2 s instead of 30 s), but NOT blocking point-to-point
+receives, whose timeout stays the one the group was created with (``Backend.set_timeout`` behaves
+the same): the links never rely on it.
+
+Shutdown: ``destroy(ctx, failed=True)`` (an error path) aborts every communicator
+(``_abort_process_group``: ``ncclCommAbort``, which never waits) instead of ``destroy_process_group``,
+whose NCCL finalize waits for pending work: a prefetched header or a control receive that will never
+be matched would block it until the watchdog. On gloo both return at once.
 
 Restarts (``torchrun --max-restarts=K``): torch 2.13's torchrun hands every attempt the same
 agent-hosted TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``) and ``env://`` adds no per-attempt
@@ -31,17 +55,44 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dflash.config import TopologyConfig, device_kind
-from dflash.distributed.topology import Topology
+from dflash.config import TopologyConfig
+from dflash.config.resolve import resolve_device
+from dflash.distributed.links import LinkGroups
+from dflash.distributed.topology import Topology, links
 
 log = logging.getLogger(__name__)
+
+BACKEND_TIMEOUT_MARGIN_S = 60.0
+"""The least time by which every group's timeout exceeds the waits of the links and collectives."""
+
+
+def backend_timeout_s(wait_timeout_s: float) -> float:
+    """The timeout of every process group while the links and collectives wait at most ``wait_timeout_s``.
+
+    Twice that plus ``BACKEND_TIMEOUT_MARGIN_S``: NCCL's watchdog and a blocking ``Work.wait`` count
+    from the op's creation, but an op can stay un-waited for about one step before the wait that
+    names its peer starts (a drafter's ACK to a target whose next packet is N packets later), and
+    the steps themselves are bounded by the peers' waits. Always > ``wait_timeout_s`` + the margin.
+    """
+    return 2.0 * float(wait_timeout_s) + BACKEND_TIMEOUT_MARGIN_S
+
+
+def replica_wait_s(topology_cfg: TopologyConfig) -> float:
+    """How long a rank of a tensor-parallel replica waits for its sender between two packets.
+
+    Between two packets the sender may wait for a drafter's ACK (``max_in_flight`` backpressure) up
+    to ``init_timeout_s`` until that drafter's first step, then twice ``step_timeout_s``; the others
+    wait ``step_timeout_s`` longer, so that a stuck drafter is named by the sender waiting on it,
+    not by the replica as a stuck sender."""
+    t = topology_cfg
+    return max(float(t.init_timeout_s), 2.0 * float(t.step_timeout_s)) + float(t.step_timeout_s)
 
 
 @dataclass
@@ -53,9 +104,17 @@ class DistContext:
     backend: str
     drafter_group: Any
     """The drafter-only group on drafter ranks; GroupMember.NON_GROUP_MEMBER on targets."""
-    control_group: Any = None
-    """All ranks; carries the links' drafter -> target control messages."""
+    link_groups: dict[tuple[int, int], LinkGroups] = field(default_factory=dict)
+    """(target rank, drafter rank) -> the two 2-rank groups of that link, for the links of this rank."""
+    tp_group: Any = None
+    """The group of this target rank's tensor-parallel replica (``topology.target_tp`` > 1); None
+    on drafters and with one rank per target."""
+    tp_wait_s: float = 0.0
+    """How long a rank of a replica waits for its sender (``replica_wait_s``); the replica group's
+    timeout is ``backend_timeout_s`` of it."""
     timeout_s: float = 0.0
+    """What the links and collectives wait for at most now; every group's timeout is
+    ``backend_timeout_s`` of it."""
     topology: Topology | None = None
 
     @property
@@ -66,25 +125,9 @@ class DistContext:
     def name(self) -> str:
         return self.topology.describe(self.rank) if self.topology else f"rank {self.rank}"
 
-
-def resolve_device(topology_cfg: TopologyConfig, local_rank: int) -> torch.device:
-    """auto: cuda:{local_rank} when CUDA is available, else cpu. Sets the current CUDA device."""
-    kind = device_kind(str(topology_cfg.device))
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind != "cuda":
-        raise ValueError(f"topology.device={topology_cfg.device!r}: use auto, cpu or cuda")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "topology.device=cuda but CUDA is not available here; set topology.device=cpu (or auto)"
-        )
-    count = torch.cuda.device_count()
-    if not 0 <= local_rank < count:
-        raise ValueError(
-            f"LOCAL_RANK={local_rank} but this node has {count} CUDA devices; start at most {count} processes per node"
-        )
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    def drafter_links(self) -> dict[int, LinkGroups]:
+        """This drafter's links: target rank -> the groups of the link from it."""
+        return {t: g for (t, d), g in self.link_groups.items() if d == self.rank}
 
 
 def resolve_backend(topology_cfg: TopologyConfig, device: torch.device) -> str:
@@ -138,13 +181,15 @@ def attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
 
 
 def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = None) -> DistContext:
-    """Initialise the default process group from the torchrun environment, plus the drafter and control groups."""
+    """Initialise the default process group from the torchrun environment, plus the drafter group,
+    the groups of every link and of every tensor-parallel replica (see the module docstring)."""
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     topology = Topology.from_config(topology_cfg, world_size)
-    device = resolve_device(topology_cfg, local_rank)
+    device = resolve_device(topology_cfg.device, local_rank)
     backend = resolve_backend(topology_cfg, device)
     timeout_s = float(topology_cfg.init_timeout_s)
+    timeout = timedelta(seconds=backend_timeout_s(timeout_s))
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
@@ -153,11 +198,18 @@ def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = 
         kwargs["store"] = store
     else:
         kwargs["init_method"] = init_method or "env://"
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **kwargs
-    )
-    drafter_group = dist.new_group(topology.drafter_ranks)  # collective: every rank calls it
-    control_group = dist.new_group(list(range(world_size)))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    drafter_group = dist.new_group(topology.drafter_ranks, timeout=timeout)  # collective: every rank calls it
+    link_groups = {}
+    for t, d in links(topology):
+        data = dist.new_group([t, d], timeout=timeout)
+        control = dist.new_group([t, d], timeout=timeout)
+        if rank in (t, d):
+            link_groups[(t, d)] = LinkGroups(data, control)
+    tp_group, tp_wait_s = None, replica_wait_s(topology_cfg)
+    if topology.target_tp > 1:
+        tp_timeout = timedelta(seconds=backend_timeout_s(tp_wait_s))
+        tp_group = new_replica_groups(topology.num_targets, topology.target_tp, timeout=tp_timeout)
     ctx = DistContext(
         rank=rank,
         world_size=world_size,
@@ -165,35 +217,85 @@ def init_distributed(topology_cfg: TopologyConfig, *, init_method: str | None = 
         device=device,
         backend=backend,
         drafter_group=drafter_group,
-        control_group=control_group,
+        link_groups=link_groups,
+        tp_group=tp_group,
+        tp_wait_s=tp_wait_s,
         timeout_s=timeout_s,
         topology=topology,
     )
-    log.info("%s: %s on %s, world %d, timeout %gs", ctx.name, backend, device, world_size, timeout_s)
+    log.info(
+        "%s: %s on %s, world %d, %d links, waits %gs (groups %gs)",
+        ctx.name,
+        backend,
+        device,
+        world_size,
+        len(link_groups),
+        timeout_s,
+        timeout.total_seconds(),
+    )
     return ctx
+
+
+def replica_ranks(num_replicas: int, tp_size: int, first_rank: int = 0) -> list[list[int]]:
+    """The ranks of each tensor-parallel target replica: ``k`` consecutive ranks from ``first_rank``
+    (``[[0, 1], [2, 3]]`` for 2 replicas of 2), so that with ``k`` dividing the GPUs of a node a
+    replica never spans two nodes."""
+    return [
+        list(range(first_rank + r * tp_size, first_rank + (r + 1) * tp_size)) for r in range(num_replicas)
+    ]
+
+
+def new_replica_groups(
+    num_replicas: int, tp_size: int, first_rank: int = 0, timeout: timedelta | None = None
+) -> Any:
+    """Create one process group per target replica (a collective: every rank of the world calls it,
+    replicas in order) and return this rank's, or None on a rank outside every replica.
+    ``timeout``: the groups' backend timeout (None: the default group's)."""
+    mine = None
+    rank = dist.get_rank()
+    for ranks in replica_ranks(num_replicas, tp_size, first_rank):
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def _member(group) -> bool:
     return group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
 
 
-def set_timeout(ctx: DistContext, seconds: float) -> None:
-    """Set the default timeout of every process group of this rank (torch 2.13: ``_set_pg_timeout``).
-
-    Bounds collectives (e.g. the drafters' DDP all-reduce) and, on NCCL, the watchdog; on gloo it
-    does not shorten blocking point-to-point receives (see the module docstring). Links of
-    ``dflash.distributed.links`` take their own ``set_timeout``.
-    """
+def set_timeout(ctx: DistContext, seconds: float, link: tuple[int, int] | None = None) -> None:
+    """The links and collectives of this rank now wait at most ``seconds``: every group of the rank
+    (only the two groups of ``link`` when given) gets ``backend_timeout_s(seconds)`` with torch
+    2.13's ``_set_pg_timeout``. That bounds collectives and, on NCCL, the watchdog of later work; on
+    gloo it does not shorten blocking point-to-point receives (see the module docstring). Links of
+    ``dflash.distributed.links`` take their own ``set_timeout``. A replica's group keeps the
+    timeout of ``replica_wait_s`` unless ``seconds`` is longer."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    timeout = timedelta(seconds=float(seconds))
-    for group in (None, ctx.control_group, ctx.drafter_group):
+    timeout = timedelta(seconds=backend_timeout_s(seconds))
+    if link is not None:
+        groups = [ctx.link_groups[link].data, ctx.link_groups[link].control]
+    else:
+        pairs = [g for lg in ctx.link_groups.values() for g in (lg.data, lg.control)]
+        groups = [None, ctx.drafter_group, *pairs]
+        ctx.timeout_s = float(seconds)
+        if _member(ctx.tp_group):
+            wait = max(float(seconds), ctx.tp_wait_s)
+            _set_pg_timeout(timedelta(seconds=backend_timeout_s(wait)), ctx.tp_group)
+    for group in groups:
         if group is None or _member(group):
             _set_pg_timeout(timeout, group)
-    ctx.timeout_s = float(seconds)
 
 
-def destroy(ctx: DistContext | None = None) -> None:
-    """Tear down every process group (safe to call twice or when init never ran)."""
-    if dist.is_available() and dist.is_initialized():
+def destroy(ctx: DistContext | None = None, *, failed: bool = False) -> None:
+    """Tear down every process group (safe to call twice or when init never ran). ``failed``: an
+    error path, where an op may never be matched: abort the communicators instead of waiting for them."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if failed:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    else:
         dist.destroy_process_group()

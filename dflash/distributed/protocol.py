@@ -10,9 +10,11 @@ An END header (kind END, no payload) closes a link after the drafter asked it to
 whose samples the target all dropped (non-finite hidden states) is a DATA header with T = S = 0
 and num_skipped_nonfinite > 0, and no payload.
 
-Control channel, drafter -> target (a separate process group, so that on NCCL a pending control
-receive never sits on the same stream in front of a data send): int64 [CONTROL_LEN] =
-[kind, g, 0, 0], kind ACK=1 (packet g consumed) or STOP=2 (stop producing, send END).
+Control channel, drafter -> target (a separate 2-rank process group per link, so that on NCCL a
+pending control receive never sits on the same stream in front of a data send): int64
+[CONTROL_LEN] = [kind, g, flags, 0], kind ACK=1 (packet g consumed) or STOP=2 (stop producing,
+send END); flags CTRL_FLAG_STEPPED: the drafter has finished a step (its first one includes
+loading and compiling, so the target waits with the initial timeout until it sees this flag).
 
 The receiver checks every header field before it posts the payload receives: gloo silently
 reinterprets a wrong dtype and aborts the whole process when a buffer is too small, and NCCL
@@ -35,6 +37,7 @@ KIND_DATA = 1
 KIND_END = 2
 CTRL_ACK = 1
 CTRL_STOP = 2
+CTRL_FLAG_STEPPED = 1
 
 FLAGS_MASK = 0xFFFF
 """Bits a sender may set in ``flags``; the rest are reserved and must be 0."""
@@ -375,9 +378,9 @@ def check_packet(packet: Packet, spec: PacketSpec) -> None:
 
 def payload_tensors(packet: Packet, device: torch.device) -> list[Tensor]:
     """The payload in wire order (:data:`PAYLOAD`), contiguous and on ``device``."""
-    return [getattr(packet, f.name).to(device).contiguous() for f in PAYLOAD]
+    return [getattr(packet, f.name).to(device, non_blocking=True).contiguous() for f in PAYLOAD]
 
 
-def encode_control(kind: int, g: int) -> Tensor:
-    """A control message (ACK or STOP of packet g), int64 [CONTROL_LEN]."""
-    return torch.tensor([kind, g, 0, 0], dtype=torch.int64)
+def encode_control(kind: int, g: int, flags: int = 0) -> Tensor:
+    """A control message (ACK or STOP of packet g, ``flags`` 0 or CTRL_FLAG_STEPPED), int64 [CONTROL_LEN]."""
+    return torch.tensor([kind, g, flags, 0], dtype=torch.int64)

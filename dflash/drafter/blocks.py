@@ -52,6 +52,7 @@ import torch
 
 from dflash.config import SLIDING_ATTENTION
 from dflash.drafter.attention import AttentionMask
+from dflash.loss.device import uncounted
 
 
 def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -206,9 +207,11 @@ def flex_mask(
     def mask_mod(b, h, q_idx, kv_idx):
         return _allow(q_idx, kv_idx, anchors[b], q_doc[b], kv_doc[b, kv_idx], S, block_size, window)
 
-    block_mask = create_block_mask(
-        mask_mod, B, None, Q, S + Q, device=anchors.device, _compile=anchors.device.type == "cuda"
-    )
+    # compiled on CUDA (no [Q, S + Q] tensor); eager elsewhere, and uncounted by the rehearsal
+    with uncounted():
+        block_mask = create_block_mask(
+            mask_mod, B, None, Q, S + Q, device=anchors.device, _compile=anchors.device.type == "cuda"
+        )
     return AttentionMask(block_mask=block_mask)
 
 

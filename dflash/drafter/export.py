@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
-from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
+from dflash.drafter.arch import DrafterArch, rope_from_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.files import atomic_directory
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -165,15 +166,41 @@ def arch_from_export(config: dict) -> DrafterArch:
         raise ValueError(f"exported drafter config.json lacks field {e.args[0]!r}") from None
 
 
-def load_exported(path: str | os.PathLike) -> tuple[DrafterArch, dict[str, torch.Tensor]]:
-    """Read an exported drafter directory: (architecture, tensors by public name)."""
+def exported_arch(path: str | os.PathLike) -> DrafterArch:
+    """The architecture of an exported drafter directory, from its config.json (no tensor read)."""
     d = Path(path)
     if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
         raise ValueError(
             f"drafter.init_from={str(d)!r} is not an exported drafter (needs config.json and model.safetensors)"
         )
-    arch = arch_from_export(json.loads((d / "config.json").read_text()))
-    return arch, load_file(str(d / "model.safetensors"))
+    return arch_from_export(json.loads((d / "config.json").read_text()))
+
+
+def load_exported(path: str | os.PathLike) -> tuple[DrafterArch, dict[str, torch.Tensor]]:
+    """Read an exported drafter directory: (architecture, tensors by public name)."""
+    arch = exported_arch(path)
+    return arch, load_file(str(Path(path) / "model.safetensors"))
+
+
+def tensor_problems(path: str | os.PathLike, arch: DrafterArch) -> list[str]:
+    """How the tensors of an export differ from the drafter ``arch`` describes: missing, unexpected
+    and mis-shaped names, from the safetensors header alone (no tensor data read)."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DFlashDraftModel(arch).state_dict().items()}
+    file = Path(path) / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    where = f"drafter.init_from={path}: model.safetensors"
+    p = [f"{where} lacks {k} {expected[k]}" for k in sorted(set(expected) - set(found))]
+    p += [f"{where} holds {k}, which this drafter does not have" for k in sorted(set(found) - set(expected))]
+    p += [
+        f"{where} has {k} of shape {found[k]}, this drafter needs {expected[k]}"
+        for k in sorted(set(found) & set(expected))
+        if found[k] != expected[k]
+    ]
+    return p[:8] + ([f"... and {len(p) - 8} more"] if len(p) > 8 else [])
 
 
 def warm_start_problems(saved: DrafterArch, current: DrafterArch) -> list[str]:

@@ -18,121 +18,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
-from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflash.config import DRAFTER_LAYER_TYPES, FULL_ATTENTION, SLIDING_ATTENTION
+from dflash.drafter.arch import DrafterArch
 from dflash.drafter.attention import AttentionMask, attend
 from dflash.drafter.blocks import decode_mask
-
-
-@dataclass
-class DrafterArch:
-    """Everything that fixes the drafter's tensors and its train/serve contract."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    target_layer_ids: list[int]
-    block_size: int
-    mask_token_id: int
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 32768
-    rope_parameters: dict[str, Any] = field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6}
-    )
-    partial_rotary_factor: float = 1.0
-    initializer_range: float = 0.02
-    layer_types: list[str] = field(default_factory=list)
-    """``full_attention`` / ``sliding_attention`` per layer; empty = all full (filled in)."""
-    sliding_window: int | None = None
-    """W of the sliding layers (None iff there is none)."""
-
-    def __post_init__(self) -> None:
-        if not self.layer_types:
-            self.layer_types = [FULL_ATTENTION] * self.num_layers
-        bad = sorted({t for t in self.layer_types if t not in DRAFTER_LAYER_TYPES})
-        if bad or len(self.layer_types) != self.num_layers:
-            raise ValueError(
-                f"layer_types={self.layer_types}: need {self.num_layers} entries from {list(DRAFTER_LAYER_TYPES)}"
-            )
-        sliding = SLIDING_ATTENTION in self.layer_types
-        if sliding != (self.sliding_window is not None):
-            raise ValueError(
-                f"sliding_window={self.sliding_window} with layer_types={self.layer_types}: a window is "
-                "needed exactly when a layer is sliding_attention"
-            )
-        if self.sliding_window is not None and self.sliding_window < max(self.block_size, 2):
-            raise ValueError(f"sliding_window={self.sliding_window} must be >= block_size={self.block_size}")
-        if "partial_rotary_factor" in self.rope_parameters:
-            raise ValueError("rope_parameters holds partial_rotary_factor: give it as the field of its own")
-        rotary = int(self.head_dim * self.partial_rotary_factor)
-        if rotary < 2 or rotary % 2:
-            raise ValueError(
-                f"partial_rotary_factor={self.partial_rotary_factor} rotates {rotary} of head_dim={self.head_dim} "
-                "dims; RoPE needs an even number >= 2"
-            )
-
-    @property
-    def num_taps(self) -> int:
-        return len(self.target_layer_ids)
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of layer ``layer`` (None for a full-attention layer)."""
-        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
-
-    def qwen3_config(self) -> Qwen3Config:
-        """The Qwen3 config of the drafter layers (what the public ``config.json`` carries)."""
-        return Qwen3Config(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters),
-            initializer_range=self.initializer_range,
-            attention_bias=False,
-            tie_word_embeddings=False,
-            layer_types=list(self.layer_types),
-            use_sliding_window=self.sliding_window is not None,
-            sliding_window=self.sliding_window,
-            max_window_layers=self.num_layers,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-ROPE_KEYS_DROPPED = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
-"""Rope keys the drafter's ``rope_parameters`` leave out: the partial factor is a field of its own, and
-the drafter's positions are text positions, where M-RoPE (equal t/h/w positions) is plain RoPE."""
-
-
-def rope_from_config(config: dict) -> tuple[dict[str, Any], float]:
-    """(rope_parameters, partial_rotary_factor) as the drafter uses them, from a target's text config
-    or an exported drafter's config: theta and scaling (YaRN, llama3, ...) kept, the legacy
-    ``rope_scaling``/``rope_theta``/``type`` keys read, M-RoPE reduced to RoPE over text positions."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    legacy_type = rope.pop("type", "default")
-    rope.setdefault("rope_type", legacy_type)
-    rope.setdefault("rope_theta", config.get("rope_theta", 1e6))
-    if rope["rope_type"] == "mrope":  # older VLM configs name the M-RoPE sections as a rope type
-        rope["rope_type"] = "default"
-    partial = float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
-    return {k: v for k, v in rope.items() if k not in ROPE_KEYS_DROPPED}, partial
 
 
 class RotaryEmbedding(nn.Module):
@@ -263,6 +157,11 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """Block-diffusion drafter conditioned on tapped target hidden states."""
 
+    checkpoint_layers: bool = False
+    """Per-layer activation checkpointing (``drafter.activation_checkpointing``; set it on the instance): in
+    training each layer keeps only its inputs and runs its forward again in backward (non-reentrant
+    ``torch.utils.checkpoint``); the results are the same."""
+
     def __init__(self, arch: DrafterArch) -> None:
         super().__init__()
         self.arch = arch
@@ -319,9 +218,13 @@ class DFlashDraftModel(nn.Module):
         x = noise_embeds.to(self.fc.weight.dtype)
         rope_q = self.rotary_emb(x, block_positions)
         rope_ctx = self.rotary_emb(x, context_positions)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled() and cache is None
         for i, layer in enumerate(self.layers):
             mask = None if masks is None else masks[self.arch.layer_types[i]]
-            x = layer(x, context, rope_q, rope_ctx, mask, cache, i)
+            if recompute:
+                x = checkpoint(layer, x, context, rope_q, rope_ctx, mask, cache, i, use_reentrant=False)
+            else:
+                x = layer(x, context, rope_q, rope_ctx, mask, cache, i)
         return self.norm(x)
 
 

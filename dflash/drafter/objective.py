@@ -22,7 +22,8 @@ TERMS = ("ce", "kl", "verifier_ce")
 
 @dataclass
 class ObjectiveOutput:
-    """loss: sum_r w_r*l_r / sum_r w_r for this batch (differentiable; 0 if nothing is supervised).
+    """loss: sum_r w_r*l_r / normalizer (default sum_r w_r) for this batch (differentiable; 0 if
+    nothing is supervised).
 
     Sums for aggregation over micro-batches and ranks (no grad, float64 on CPU unless noted):
     weight_sum (sum_r w_r), loss_sum (sum_r w_r*l_r), slot_count / slot_hit / slot_hit_verifier
@@ -111,6 +112,7 @@ def dflash_loss(
     verifier_metrics: bool = True,
     static_shape: tuple[int, int] | None = None,
     on_phase: Callable[[str], None] | None = None,
+    normalizer: float | None = None,
 ) -> ObjectiveOutput:
     """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss.
 
@@ -125,7 +127,9 @@ def dflash_loss(
     N_max (padding blocks see only themselves): every call then has the same shapes, so a compiled
     flex_attention compiles once. The result does not change. ``on_phase(name)`` is called when the
     drafter forward (``"drafter_forward"``: blocks, mask, layers) and the chunked loss (``"loss"``, its
-    gradient included) end, for step timing.
+    gradient included) end, for step timing. ``normalizer``: the loss is ``sum_r w_r l_r /
+    normalizer`` (None: this batch's ``sum_r w_r``); the trainer passes 1 and divides the step's
+    gradients once by the global weight sum.
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
@@ -133,37 +137,26 @@ def dflash_loss(
         aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors = pad_to_static(
             aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, *static_shape
         )
-    B, S = input_ids.shape
-    bs = drafter.block_size
     doc_ids = doc_ids_from_positions(position_ids)
-    blocks = make_blocks(input_ids, position_ids, doc_ids, anchors, bs, drafter.arch.mask_token_id)
     arch = drafter.arch
-    masks = build_masks(anchors, doc_ids, bs, attention, arch.layer_types, arch.sliding_window)
-
+    blocks = make_blocks(input_ids, position_ids, doc_ids, anchors, drafter.block_size, arch.mask_token_id)
+    masks = build_masks(
+        anchors, doc_ids, drafter.block_size, attention, arch.layer_types, arch.sliding_window
+    )
     noise = torch.nn.functional.embedding(blocks.block_ids, embed_weight)
     hidden = drafter(noise, aux_hidden, position_ids, blocks.block_positions, masks)  # [B, Q, H]
     if on_phase is not None:
         on_phase("drafter_forward")
-
-    N = anchors.shape[1]
-    flat_pos = blocks.label_pos.view(B, N * bs)
-    supervised = blocks.label_valid & loss_mask.gather(1, flat_pos).view(B, N, bs).bool()
-    wdtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    weights = supervised.to(wdtype) * slot_weights(bs, loss_cfg.gamma, hidden.device, wdtype)
-    rows = supervised.view(-1).nonzero().squeeze(1)  # indices into [B*N*bs]
-    labels = input_ids.gather(1, flat_pos).reshape(-1)[rows]
     need_verifier = loss_cfg.kl > 0 or loss_cfg.verifier_ce > 0 or verifier_metrics
-    verifier_rows = None
-    if need_verifier:
-        prev = (flat_pos - 1).clamp(min=0)
-        row_b = torch.arange(B, device=hidden.device).repeat_interleave(N * bs)[rows]
-        verifier_rows = final_hidden[row_b, prev.reshape(-1)[rows]]
+    sup = _supervised_slots(
+        blocks, loss_mask, input_ids, final_hidden if need_verifier else None, loss_cfg.gamma, hidden
+    )
     out = verifier_loss(
-        hidden.reshape(B * N * bs, -1)[rows],
-        verifier_rows,
+        hidden.reshape(-1, hidden.shape[-1])[sup.rows],
+        sup.verifier_rows,
         lm_head_weight,
-        labels,
-        weights.view(-1)[rows],
+        sup.labels,
+        sup.weights.view(-1)[sup.rows],
         ce=loss_cfg.ce,
         kl=loss_cfg.kl,
         verifier_ce=loss_cfg.verifier_ce,
@@ -171,36 +164,80 @@ def dflash_loss(
         chunk_size=loss_cfg.chunk_size,
         mem_budget_gib=loss_cfg.mem_budget_gib,
         compile=loss_cfg.compile,
+        normalizer=normalizer,
     )
     if on_phase is not None:
         on_phase("loss")
-    with torch.no_grad():
-        w_rows = weights.view(-1)[rows].double()
-        weight_sum = w_rows.sum()
-        hit = torch.zeros(B * N * bs, dtype=torch.bool, device=hidden.device)
-        hit[rows] = out.stats.data_hit
-        hit = hit.view(B, N, bs)
-        hit_v = torch.zeros_like(hit)
-        if out.stats.verifier_hit is not None:
-            hit_v.view(-1)[rows] = out.stats.verifier_hit
-        real = anchors >= 0
-        tau_data, tau_ver = prefix_accept(hit)[real].double(), prefix_accept(hit_v)[real].double()
-        term_sums = torch.zeros(3, dtype=torch.float64, device=hidden.device)
-        for i, name in enumerate(TERMS):
-            if name in out.terms:
-                term_sums[i] = out.terms[name].double() * weight_sum
-        return ObjectiveOutput(
-            loss=out.loss,
-            weight_sum=weight_sum,
-            loss_sum=out.loss.detach().double() * weight_sum,
-            slot_count=supervised.sum(dim=(0, 1)).double(),
-            slot_hit=hit.sum(dim=(0, 1)).double(),
-            slot_hit_verifier=hit_v.sum(dim=(0, 1)).double(),
-            tau_sum=tau_data.sum(),
-            tau_verifier_sum=tau_ver.sum(),
-            inv_tau_sum=(1.0 / tau_data).sum(),
-            inv_tau_verifier_sum=(1.0 / tau_ver).sum(),
-            num_blocks=real.sum().double(),
-            term_sums=term_sums,
-            num_rows=int(rows.numel()),
-        )
+    return _objective_output(out, sup, anchors, normalizer)
+
+
+@dataclass
+class _Supervised:
+    """The supervised slots of a batch: ``supervised`` / ``weights`` [B, N, bs], and per
+    supervised row (R of them, in [B*N*bs] order) its index, data label and verifier hidden row."""
+
+    supervised: torch.Tensor
+    weights: torch.Tensor
+    rows: torch.Tensor
+    labels: torch.Tensor
+    verifier_rows: torch.Tensor | None
+
+
+def _supervised_slots(
+    blocks,
+    loss_mask: torch.Tensor,
+    input_ids: torch.Tensor,
+    final_hidden: torch.Tensor | None,
+    gamma: float,
+    hidden: torch.Tensor,
+) -> _Supervised:
+    B, N, bs = blocks.label_pos.shape
+    flat_pos = blocks.label_pos.view(B, N * bs)
+    supervised = blocks.label_valid & loss_mask.gather(1, flat_pos).view(B, N, bs).bool()
+    wdtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    weights = supervised.to(wdtype) * slot_weights(bs, gamma, hidden.device, wdtype)
+    rows = supervised.view(-1).nonzero().squeeze(1)  # indices into [B*N*bs]
+    labels = input_ids.gather(1, flat_pos).reshape(-1)[rows]
+    verifier_rows = None
+    if final_hidden is not None:
+        prev = (flat_pos - 1).clamp(min=0)
+        row_b = torch.arange(B, device=hidden.device).repeat_interleave(N * bs)[rows]
+        verifier_rows = final_hidden[row_b, prev.reshape(-1)[rows]]
+    return _Supervised(supervised, weights, rows, labels, verifier_rows)
+
+
+@torch.no_grad()
+def _objective_output(
+    out, sup: _Supervised, anchors: torch.Tensor, normalizer: float | None
+) -> ObjectiveOutput:
+    """The batch's loss and its sums for aggregation (see ``ObjectiveOutput``)."""
+    B, N, bs = sup.supervised.shape
+    weight_sum = sup.weights.view(-1)[sup.rows].double().sum()
+    hit = torch.zeros(B * N * bs, dtype=torch.bool, device=anchors.device)
+    hit[sup.rows] = out.stats.data_hit
+    hit = hit.view(B, N, bs)
+    hit_v = torch.zeros_like(hit)
+    if out.stats.verifier_hit is not None:
+        hit_v.view(-1)[sup.rows] = out.stats.verifier_hit
+    real = anchors >= 0
+    tau_data, tau_ver = prefix_accept(hit)[real].double(), prefix_accept(hit_v)[real].double()
+    term_sums = torch.zeros(3, dtype=torch.float64, device=anchors.device)
+    for i, name in enumerate(TERMS):
+        if name in out.terms:
+            term_sums[i] = out.terms[name].double() * weight_sum
+    divided_by = weight_sum if normalizer is None else float(normalizer)
+    return ObjectiveOutput(
+        loss=out.loss,
+        weight_sum=weight_sum,
+        loss_sum=out.loss.detach().double() * divided_by,
+        slot_count=sup.supervised.sum(dim=(0, 1)).double(),
+        slot_hit=hit.sum(dim=(0, 1)).double(),
+        slot_hit_verifier=hit_v.sum(dim=(0, 1)).double(),
+        tau_sum=tau_data.sum(),
+        tau_verifier_sum=tau_ver.sum(),
+        inv_tau_sum=(1.0 / tau_data).sum(),
+        inv_tau_verifier_sum=(1.0 / tau_ver).sum(),
+        num_blocks=real.sum().double(),
+        term_sums=term_sums,
+        num_rows=int(sup.rows.numel()),
+    )

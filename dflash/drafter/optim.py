@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -30,9 +31,45 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: fl
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass
+class LrSchedule:
+    """The learning-rate multiplier of each 0-based optimizer step: ``lr_factor`` of the run's
+    settings, or, once ``replan`` moved it at ``resume_step``, a cosine from ``resume_factor`` there
+    down to ``min_lr_ratio`` at the last step. A plain-data object: the scheduler's state saves it in
+    every checkpoint, so a resumed run continues the schedule it was on."""
+
+    total_steps: int
+    warmup_ratio: float
+    min_lr_ratio: float
+    resume_step: int = -1
+    """>= 0: the step the schedule was re-planned at (a resume with changed settings)."""
+    resume_factor: float = 1.0
+
+    def __call__(self, step: int) -> float:
+        if self.resume_step < 0 or step < self.resume_step:
+            return lr_factor(step, self.total_steps, self.warmup_ratio, self.min_lr_ratio)
+        span = max(1, self.total_steps - 1 - self.resume_step)
+        progress = min(1.0, (step - self.resume_step) / span)
+        low = self.min_lr_ratio
+        return low + (self.resume_factor - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def replan(self, step: int, factor: float, cfg: OptimConfig, total_steps: int) -> None:
+        """Continue from multiplier ``factor`` at ``step`` under new settings: inside the new warmup
+        the new schedule as it is; after it, a cosine from ``factor`` to the new ``min_lr_ratio`` at
+        the new last step (no jump in the learning rate)."""
+        self.total_steps, self.warmup_ratio, self.min_lr_ratio = (
+            total_steps,
+            cfg.warmup_ratio,
+            cfg.min_lr_ratio,
+        )
+        in_warmup = step < math.ceil(cfg.warmup_ratio * total_steps)
+        self.resume_step, self.resume_factor = (-1, 1.0) if in_warmup else (step, factor)
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` over an ``LrSchedule`` of the settings (its state saves the schedule)."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
+        optimizer, LrSchedule(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
     )

@@ -1,6 +1,6 @@
 """Loading for the eval: target, exported drafter, embed/head, tokenizer, prompts and eos ids.
 
-:func:`load_for_eval` checks the :class:`~dflash.eval.app.EvalAppConfig` (:func:`eval_config_problems`)
+:func:`load_for_eval` checks the :class:`~dflash.eval.config.EvalAppConfig` (:func:`eval_config_problems`)
 and the exported drafter against the target (:func:`drafter_problems`) before the target's weights
 load, reporting every problem at once, and returns an :class:`EvalSetup`. :func:`load_prompts`,
 :func:`prompt_from_record` and :func:`eos_ids_of` are also used by the periodic eval during training.
@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.config.resolve import resolve_device, resolve_path, torch_dtype
+from dflash.drafter.arch import DrafterArch
+from dflash.drafter.model import DFlashDraftModel
+from dflash.eval.suites import suite_problems
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from dflash.eval.app import EvalAppConfig
+    from dflash.eval.config import EvalAppConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +44,8 @@ class EvalSetup:
     device: torch.device
     target_path: str
     drafter_path: str
-
-
-def _abs_path(path: str) -> str:
-    """A local path made absolute against the launch directory (Hydra does not chdir); a hub id as is."""
-    from hydra.utils import to_absolute_path
-
-    p = Path(path).expanduser()
-    local = p if p.is_absolute() else Path(to_absolute_path(str(p)))
-    return str(local) if local.exists() or path.startswith((".", "/", "~")) else path
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto -> bfloat16 on GPU, float32 on CPU (as training)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    max_positions: int | None = None
+    """The target's max_position_embeddings (None when its config has none)."""
 
 
 def eval_config_problems(cfg: EvalAppConfig) -> list[str]:
@@ -73,20 +57,22 @@ def eval_config_problems(cfg: EvalAppConfig) -> list[str]:
         p.append(f"block_size={cfg.block_size}: must be >= 1 (1 = plain decoding) or null for the drafter's")
     if cfg.num_prompts is not None and cfg.num_prompts < 1:
         p.append(f"num_prompts={cfg.num_prompts}: must be >= 1 or null (all prompts)")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        p.append(f"device={cfg.device!r} is not one of ['auto', 'cpu', 'cuda']")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         p.append("device=cuda but CUDA is not available; set device=cpu (or auto)")
-    if cfg.logging.mode not in ("online", "offline", "disabled"):
-        p.append(f"logging.mode={cfg.logging.mode!r} is not one of ['online', 'offline', 'disabled']")
-    if cfg.target.dtype not in ("auto", "float32", "bfloat16", "float16"):
+    if (cfg.prompts is None) == (cfg.suite is None):
         p.append(
-            f"target.dtype={cfg.target.dtype!r} is not one of ['auto', 'float32', 'bfloat16', 'float16']"
+            f"prompts={cfg.prompts!r} and suite={cfg.suite!r}: set exactly one (prompts=<prompts.jsonl> "
+            "for a prompt file, suite=zlab or suite=[gsm8k,mt-bench] for benchmarks)"
         )
-    return p
+    if cfg.max_samples is not None and cfg.max_samples < 1:
+        p.append(f"max_samples={cfg.max_samples}: must be >= 1 or null (every row of each benchmark)")
+    if cfg.gather_timeout_s <= 0:
+        p.append(f"gather_timeout_s={cfg.gather_timeout_s}: must be > 0")
+    return p + suite_problems(cfg.suite, cfg.data_dir)
 
 
-def _raise(problems: list[str]) -> None:
+def raise_problems(problems: list[str]) -> None:
+    """One ValueError listing every problem (none: nothing)."""
     if problems:
         lines = "\n".join(f"  - {m}" for m in problems)
         raise ValueError(f"{len(problems)} eval config problem(s):\n{lines}")
@@ -157,41 +143,48 @@ def prompt_from_record(record: Any, tokenizer: Any, template_kwargs: dict[str, A
 
 
 def load_prompts(
-    path: str,
+    path: str | list[str],
     tokenizer: Any,
     *,
     split: str = "train",
     num_prompts: int | None = None,
     template_kwargs: dict[str, Any] | None = None,
     field_name: str = "prompts",
+    vocab_size: int | None = None,
 ) -> list[list[int]]:
-    """Prompt ids from a JSONL of {"messages": [...]} or a ``datasets`` path (first ``num_prompts``
-    usable records; unusable ones are skipped with a warning)."""
+    """Prompt ids from a JSONL of {"messages": [...]} or any source ``dflash.data.sources.Source``
+    opens (first ``num_prompts`` usable records; unusable ones, and with ``vocab_size`` those with
+    an id outside ``[0, vocab_size)``, are skipped with a warning). ValueError naming
+    ``target.tokenizer`` when a record needs a chat template the tokenizer lacks."""
     import jinja2
 
-    from dflash.data.sources import load_conversations
+    from dflash.data.sources import Source
+    from dflash.data.tokenize import MissingChatTemplate, require_chat_template
 
-    p = Path(path)
-    if p.suffix in (".jsonl", ".json") and not p.exists():
-        raise ValueError(
-            f"{field_name}={path!r} does not exist; set {field_name}=<a JSONL of "
-            '{"messages": [...]} or a datasets path>'
-        )
     out: list[list[int]] = []
     skipped = 0
-    for idx, rec in enumerate(load_conversations(str(path), split)):
+    for idx, where, rec in Source(path, split, field=field_name).numbered():
         try:
-            out.append(prompt_from_record(rec, tokenizer, template_kwargs or {}))
+            if not (isinstance(rec, dict) and "input_ids" in rec and "messages" not in rec):
+                require_chat_template(tokenizer, where, field_name)
+            ids = prompt_from_record(rec, tokenizer, template_kwargs or {})
+            if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+                bad = next(i for i in ids if not 0 <= i < vocab_size)
+                raise ValueError(f"token id {bad} outside the target vocabulary [0, {vocab_size})")
+        except MissingChatTemplate:
+            raise
         except (ValueError, jinja2.TemplateError) as exc:
             skipped += 1
-            log.warning("%s record %d skipped: %s", field_name, idx, exc)
+            log.warning("%s record %d (%s) skipped: %s", field_name, idx, where, exc)
             continue
+        out.append(ids)
         if num_prompts is not None and len(out) >= num_prompts:
             break
     if not out:
         raise ValueError(
-            f"{field_name}={path!r}: no usable prompt ({skipped} records skipped); each record "
-            'needs {"messages": [{"role": ..., "content": ...}, ...]}'
+            f"{field_name}={path!r}: no usable prompt ({skipped} records skipped, see the warnings); each record "
+            'needs {"messages": [{"role": ..., "content": ...}, ...]} (or input_ids within the target '
+            "vocabulary: check target.tokenizer)"
         )
     if skipped:
         log.warning("%s: %d records skipped, %d prompts used", field_name, skipped, len(out))
@@ -223,27 +216,9 @@ def target_embed_and_head(target: PreTrainedModel) -> tuple[torch.Tensor | None,
     return w_e.detach(), w_h.detach()
 
 
-def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
-    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head (the target's own
-    weights; ``load_embed_and_head`` when the model does not expose them), tokenizer, prompts.
-
-    Every mismatch between the drafter and the target is reported at once, before the target's
-    weights load, each naming the field and the fix.
-    """
-    from transformers import AutoTokenizer
-
-    from dflash.drafter.export import load_exported, load_into
-    from dflash.targets.loader import load_embed_and_head, load_target, read_target_meta
-
-    _raise(eval_config_problems(cfg))
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.target.dtype, device)
-    target_path = _abs_path(cfg.target.path)
-    if cfg.target.tiny is not None:
-        from dflash.targets.tiny import ensure_tiny_target
-
-        target_path = str(ensure_tiny_target(target_path, cfg.target.tiny))
-    drafter_dir = Path(_abs_path(cfg.drafter_path))
+def _drafter_dir(cfg: EvalAppConfig) -> Path:
+    """The exported drafter directory of ``drafter_path`` (ValueError when it is not one)."""
+    drafter_dir = Path(resolve_path(cfg.drafter_path))
     if not drafter_dir.is_dir():
         raise ValueError(
             f"drafter_path={cfg.drafter_path!r} is not a directory ({drafter_dir}); set "
@@ -255,28 +230,46 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
             f"drafter_path={cfg.drafter_path!r} lacks {missing}: not an exported drafter; set "
             "drafter_path=<a drafter exported with dflash.drafter.export (config.json + model.safetensors)>"
         )
+    return drafter_dir
+
+
+def _exported(cfg: EvalAppConfig, drafter_dir: Path) -> tuple[dict, DrafterArch]:
+    """The exported drafter's config.json and its architecture (ValueError naming ``drafter_path``)."""
+    from dflash.drafter.export import arch_from_export
+
+    exported_cfg = json.loads((drafter_dir / "config.json").read_text())
     try:
-        arch, state = load_exported(drafter_dir)
+        return exported_cfg, arch_from_export(exported_cfg)
     except ValueError as exc:
         raise ValueError(f"drafter_path={cfg.drafter_path!r}: {exc}") from None
-    exported_cfg = json.loads((drafter_dir / "config.json").read_text())
-    meta = read_target_meta(
-        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
-    )
-    _raise(drafter_problems(arch, exported_cfg, meta, cfg))
-    block_size = cfg.block_size or arch.block_size
 
-    tok_path = _abs_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
-    tokenizer = AutoTokenizer.from_pretrained(
-        tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
-    )
-    prompts_path = _abs_path(cfg.prompts)
+
+def _frozen_drafter(
+    arch: DrafterArch, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> DFlashDraftModel:
+    """The exported weights in a drafter on ``device``, in eval mode, frozen, parameters in ``dtype``."""
+    from dflash.drafter.export import load_into
+
+    drafter = DFlashDraftModel(arch)
+    load_into(drafter, state)
+    drafter.to(device).eval().requires_grad_(False)
+    with torch.no_grad():  # parameters only: the RoPE inv_freq buffer stays fp32, as in the target
+        for param in drafter.parameters():
+            param.data = param.data.to(dtype)
+    return drafter
+
+
+def _prompt_file(
+    cfg: EvalAppConfig, path: str, tokenizer: Any, meta: Any, block_size: int
+) -> list[list[int]]:
+    """The prompts of ``prompts`` (ValueError when one cannot be decoded within the target's context)."""
     prompts = load_prompts(
-        prompts_path,
+        path,
         tokenizer,
         split=cfg.split,
         num_prompts=cfg.num_prompts,
         template_kwargs=dict(cfg.data.chat_template_kwargs),
+        vocab_size=meta.vocab_size,
     )
     too_long = [
         i
@@ -289,15 +282,67 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
             f"prompts {too_long[:5]}: prompt + max_new_tokens={cfg.max_new_tokens} + block size exceeds the "
             f"target's max_position_embeddings={meta.max_position_embeddings}; lower max_new_tokens"
         )
+    return prompts
+
+
+def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
+    """Target (full ``*ForCausalLM``, it verifies), exported drafter, embed/head (the target's own
+    weights; ``load_embed_and_head`` when the model does not expose them), tokenizer, and the prompts
+    of ``prompts`` (none with a suite: its turns are rendered while decoding). The device is
+    ``device``'s, on a torchrun launch the GPU of ``LOCAL_RANK``.
+
+    Every mismatch between the drafter and the target, weights that cannot fit the device (the
+    planner's count from both config.json files) and prompts the target cannot read are reported
+    before anything large is read or allocated, each naming the field and the fix.
+    """
+    from transformers import AutoTokenizer
+
+    from dflash.data.sources import Source
+    from dflash.drafter.export import load_exported
+    from dflash.plan.memory import weights_problem
+    from dflash.targets.loader import (
+        device_capacity,
+        load_embed_and_head,
+        load_target,
+        read_target_meta,
+        target_size_problems,
+    )
+    from dflash.targets.tiny import tiny_target_path
+
+    raise_problems(eval_config_problems(cfg))
+    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")), field="device")
+    dtype = torch_dtype(cfg.target.dtype, device)
+    target_path = tiny_target_path(
+        cfg.target, resolve_path(cfg.target.path), resolve_path(cfg.paths.cache_dir)
+    )
+    drafter_dir = _drafter_dir(cfg)
+    prompts_path = resolve_path(cfg.prompts) if cfg.prompts is not None else None
+    if prompts_path is not None:  # a missing prompts file is named before any load
+        Source(prompts_path, cfg.split, field="prompts")
+    exported_cfg, arch = _exported(cfg, drafter_dir)
+    meta = read_target_meta(
+        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
+    drafter_size = weights_problem(  # built in fp32, then cast
+        "drafter", f"drafter_path={drafter_dir}/config.json", arch, 4, *device_capacity(device)
+    )
+    raise_problems(
+        drafter_problems(arch, exported_cfg, meta, cfg)
+        + target_size_problems(meta, f"target.path={target_path} (config.json)", dtype, device)
+        + ([drafter_size] if drafter_size else [])
+    )
+    _, state = load_exported(drafter_dir)
+    block_size = cfg.block_size or arch.block_size
+
+    tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
+    prompts = _prompt_file(cfg, prompts_path, tokenizer, meta, block_size) if prompts_path is not None else []
 
     tcfg = type(cfg.target)(**{**asdict(cfg.target), "path": target_path})
     target = load_target(tcfg, device, dtype)
-    drafter = DFlashDraftModel(arch)
-    load_into(drafter, state)
-    drafter.to(device).eval().requires_grad_(False)
-    with torch.no_grad():  # parameters only: the RoPE inv_freq buffer stays fp32, as in the target
-        for param in drafter.parameters():
-            param.data = param.data.to(dtype)
+    drafter = _frozen_drafter(arch, state, device, dtype)
     embed, head = target_embed_and_head(target)
     if embed is None or head is None:
         embed, head = load_embed_and_head(
@@ -317,4 +362,5 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
         device=device,
         target_path=target_path,
         drafter_path=str(drafter_dir),
+        max_positions=meta.max_position_embeddings or None,
     )

@@ -35,6 +35,7 @@ from torch import nn
 
 from dflash.drafter.model import DFlashDraftModel
 from dflash.eval.target_cache import TargetCache
+from dflash.metrics import sync_current_stream
 from dflash.targets.hooks import capture_hidden_states
 
 
@@ -124,11 +125,6 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _Drafter:
     """The drafter side of one generation: the drafter, the target's embedding and head in its
     device/dtype, the MASK id and the drafter's decoding cache."""
@@ -208,83 +204,116 @@ def speculative_generate(
     draft = None
     if drafter is not None and block_size > 1:
         draft = _Drafter(drafter, embed_weight, lm_head_weight, layer_ids)
-    if draft is None:
-        block_size = 1
-    device = next(target.parameters()).device
-    eos = {int(e) for e in eos_token_ids}
-    cache_kw = _cache_kwarg(target)
-    P = len(prompt_ids)
-    res = GenerationResult(output_ids=[], prompt_len=P, block_size=block_size)
-
-    def taps_of(captured: dict[int, torch.Tensor], rows: int | None = None) -> torch.Tensor:
-        feats = torch.cat([captured[int(i)] for i in layer_ids], dim=-1)  # [1, L, n_tap*H]
-        return feats if rows is None else feats[:, :rows]
-
-    def run_target(ids: torch.Tensor, start: int, **kw):
-        res.num_target_forwards += 1
-        positions = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0)
-        return target(
-            input_ids=ids, position_ids=positions, use_cache=True, **{cache_kw: t_cache.cache}, **kw
-        )
-
+    gen = _Generation(target, draft, layer_ids, eos_token_ids, max_new_tokens, block_size if draft else 1)
     capture: AbstractContextManager[dict[int, torch.Tensor]] = (
         capture_hidden_states(target, layer_ids) if draft is not None else nullcontext({})
     )
-    t_cache = TargetCache(target, rollback=draft is not None)
-    _sync(device)
+    sync_current_stream(gen.device)
     t0 = time.perf_counter()
     with capture as captured:
-        out = run_target(torch.tensor([prompt_ids], dtype=torch.long, device=device), 0, logits_to_keep=1)
-        x = int(out.logits[0, -1].argmax().item())
-        _sync(device)
-        res.prefill_time_s = time.perf_counter() - t0
-        new_ctx = taps_of(captured) if draft is not None else None  # positions 0..P-1
-        res.output_ids.append(x)
-        t = P  # position of x (the target cache holds positions < t)
-        done = x in eos or len(res.output_ids) >= max_new_tokens
-        res.stopped_on_eos = x in eos
+        x, new_ctx = gen.prefill(captured, prompt_ids)
+        sync_current_stream(gen.device)
+        gen.res.prefill_time_s = time.perf_counter() - t0
+        t = len(prompt_ids)  # position of x (the target cache holds positions < t)
+        done = x in gen.eos or max_new_tokens <= 1
         while not done:
-            block = torch.tensor([x], device=device)
-            context_fed = 0
-            if draft is not None and new_ctx is not None:
-                context_fed = new_ctx.shape[1]
-                block = torch.cat([block, draft.propose(x, t, new_ctx, block_size).to(device)])
-                res.num_drafter_forwards += 1
-                t_cache.mark(t)
-            B = block.numel()
-            preds = run_target(block.unsqueeze(0), t).logits[0].argmax(-1)
-            k = accepted_prefix(block, preds)
-            if draft is not None:
-                new_ctx = taps_of(captured, k + 1)  # positions t..t+k, before a replay overwrites them
-            if k + 1 < B:
-                replay = t_cache.rewind(t + k + 1)
-                if replay:
-                    run_target(block[:replay].unsqueeze(0), t)
-                    res.num_replay_forwards += 1
-            block_l, preds_l = block.tolist(), preds.tolist()
-            res.accept_lengths.append(k + 1)
-            if on_step is not None:
-                on_step(
-                    StepTrace(
-                        anchor=t,
-                        block=block_l,
-                        predictions=preds_l,
-                        accepted=k,
-                        context_fed=context_fed,
-                        drafter_cache_len=draft.cache.length if draft is not None else 0,
-                        target_cache_len=t_cache.seq_length(),
-                    )
+            x, t, new_ctx, done = gen.step(captured, x, t, new_ctx, on_step)
+    sync_current_stream(gen.device)
+    gen.res.wall_time_s = time.perf_counter() - t0
+    return gen.res
+
+
+class _Generation:
+    """One generation's state: the target, its cache, the optional drafter and the result so far."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        draft: _Drafter | None,
+        layer_ids: list[int],
+        eos_token_ids: set[int],
+        max_new_tokens: int,
+        block_size: int,
+    ) -> None:
+        self.target, self.draft, self.layer_ids = target, draft, [int(i) for i in layer_ids]
+        self.device = next(target.parameters()).device
+        self.eos = {int(e) for e in eos_token_ids}
+        self.max_new_tokens, self.block_size = max_new_tokens, block_size
+        self.cache_kw = _cache_kwarg(target)
+        self.t_cache = TargetCache(target, rollback=draft is not None)
+        self.res = GenerationResult(output_ids=[], prompt_len=0, block_size=block_size)
+
+    def _taps(self, captured: dict[int, torch.Tensor], rows: int | None = None) -> torch.Tensor:
+        feats = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [1, L, n_tap*H]
+        return feats if rows is None else feats[:, :rows]
+
+    def _run_target(self, ids: torch.Tensor, start: int, **kw):
+        self.res.num_target_forwards += 1
+        positions = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
+        return self.target(
+            input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kw: self.t_cache.cache}, **kw
+        )
+
+    def prefill(
+        self, captured: dict[int, torch.Tensor], prompt_ids: list[int]
+    ) -> tuple[int, torch.Tensor | None]:
+        """The prompt through the target: its greedy token and the taps of positions 0..P-1."""
+        self.res.prompt_len = len(prompt_ids)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        x = int(self._run_target(ids, 0, logits_to_keep=1).logits[0, -1].argmax().item())
+        self.res.output_ids.append(x)
+        self.res.stopped_on_eos = x in self.eos
+        return x, (self._taps(captured) if self.draft is not None else None)
+
+    def step(
+        self,
+        captured: dict[int, torch.Tensor],
+        x: int,
+        t: int,
+        new_ctx: torch.Tensor | None,
+        on_step: Callable[[StepTrace], None] | None,
+    ) -> tuple[int, int, torch.Tensor | None, bool]:
+        """Draft, verify and accept one block at anchor ``t``; returns the next (x, t, context, done)."""
+        block = torch.tensor([x], device=self.device)
+        context_fed = 0
+        if self.draft is not None and new_ctx is not None:
+            context_fed = new_ctx.shape[1]
+            block = torch.cat([block, self.draft.propose(x, t, new_ctx, self.block_size).to(self.device)])
+            self.res.num_drafter_forwards += 1
+            self.t_cache.mark(t)
+        preds = self._run_target(block.unsqueeze(0), t).logits[0].argmax(-1)
+        k = accepted_prefix(block, preds)
+        if self.draft is not None:
+            new_ctx = self._taps(captured, k + 1)  # positions t..t+k, before a replay overwrites them
+        if k + 1 < block.numel():
+            replay = self.t_cache.rewind(t + k + 1)
+            if replay:
+                self._run_target(block[:replay].unsqueeze(0), t)
+                self.res.num_replay_forwards += 1
+        block_l, preds_l = block.tolist(), preds.tolist()
+        self.res.accept_lengths.append(k + 1)
+        if on_step is not None:
+            on_step(
+                StepTrace(
+                    anchor=t,
+                    block=block_l,
+                    predictions=preds_l,
+                    accepted=k,
+                    context_fed=context_fed,
+                    drafter_cache_len=self.draft.cache.length if self.draft is not None else 0,
+                    target_cache_len=self.t_cache.seq_length(),
                 )
-            for tok in block_l[1 : k + 1] + [preds_l[k]]:
-                res.output_ids.append(tok)
-                if tok in eos:
-                    res.stopped_on_eos = done = True
-                    break
-                if len(res.output_ids) >= max_new_tokens:
-                    done = True
-                    break
-            t += k + 1
-            x = preds_l[k]
-    _sync(device)
-    res.wall_time_s = time.perf_counter() - t0
-    return res
+            )
+        done = self._emit(block_l[1 : k + 1] + [preds_l[k]])
+        return preds_l[k], t + k + 1, new_ctx, done
+
+    def _emit(self, tokens: list[int]) -> bool:
+        """Append the accepted tokens up to an eos or max_new_tokens; True when generation is over."""
+        for tok in tokens:
+            self.res.output_ids.append(tok)
+            if tok in self.eos:
+                self.res.stopped_on_eos = True
+                return True
+            if len(self.res.output_ids) >= self.max_new_tokens:
+                return True
+        return False

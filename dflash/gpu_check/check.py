@@ -1,5 +1,6 @@
-"""The check's orchestrator: detects the device, plans the time budgets, runs parts a-d (one method
-each, a crash or hang in one reported while the others still run) and writes the JSON summary."""
+"""The check's orchestrator: detects the device, plans the time budgets, runs parts kernels, loss, colocated,
+split and tp (one method each, a crash or hang in one reported while the others still run) and writes the
+JSON summary."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from dflash.gpu_check.planner import (
 )
 from dflash.gpu_check.probe import probe_target
 from dflash.gpu_check.procs import Proc, child_env, run_proc
-from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO
-from dflash.gpu_check.report import header, render
+from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO, TRAIN_PARTS
+from dflash.gpu_check.table import header, render
 from dflash.gpu_check.targets import judged_targets
 
 
@@ -62,23 +63,28 @@ class Check:
         """The steps that will run (in order) and the total time they get."""
         b = self.profile.budgets
         steps = []
-        if "a" in self.parts:
-            steps.append("a")
-        if "b" in self.parts:
-            steps.append("b")
-        if {"c", "d"} & set(self.parts):
+        if "kernels" in self.parts:
+            steps.append("kernels")
+        if "loss" in self.parts:
+            steps.append("loss")
+        if {"colocated", "split", "tp"} & set(self.parts):
             steps.append("setup")
-        if "c" in self.parts:
-            steps += ["c_probe", "c"]
-        if "d" in self.parts and self.multi_gpu:
-            steps.append("d")
+        if "colocated" in self.parts:
+            steps += ["target_probe", "colocated"]
+        for part in ("split", "tp"):
+            if part in self.parts and self.gpus_for(part):
+                steps.append(part)
         self.plan = steps
         self.total_s = self.args.total_budget or sum(b[s] for s in steps)
 
     @property
     def multi_gpu(self) -> bool:
-        """Whether part d can run: 2+ GPUs, or a dry run (gloo on CPU)."""
-        return self.dry or self.device.get("count", 0) >= 2
+        """Whether part split can run: 2+ GPUs, or a dry run (gloo on CPU)."""
+        return self.gpus_for("split")
+
+    def gpus_for(self, part: str) -> bool:
+        """Whether training part ``part`` can run: one GPU per rank, or a dry run (gloo on CPU)."""
+        return self.dry or self.device.get("count", 0) >= TRAIN_PARTS[part].nproc
 
     def timeout(self, step: str) -> float:
         """This step's budget plus what the earlier steps left unused (never the later steps' share);
@@ -110,7 +116,7 @@ class Check:
             )
             try:
                 d["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
-            except Exception:  # a build without NCCL: part d will say so
+            except Exception:  # a build without NCCL: part split will say so
                 pass
         self.device = d
         if not self.dry and not d["cuda"]:
@@ -124,11 +130,11 @@ class Check:
             None if self.dry else d.get("name"), self.args.gpu or ("h200" if self.dry else None)
         )
 
-    # ------------------------------------------------------------- part a
-    def part_a(self) -> dict[str, Any]:
+    # ------------------------------------------------------------- part kernels
+    def part_kernels(self) -> dict[str, Any]:
         """``pytest -m gpu tests/gpu``: counts and status (every test skipped on CPU is not a failure)."""
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/gpu"]
-        proc = self.run("a", cmd)
+        proc = self.run("kernels", cmd)
         counts = pytest_counts(proc.stdout)
         res: dict[str, Any] = {"counts": counts, "seconds": round(proc.seconds, 1)}
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
@@ -151,12 +157,12 @@ class Check:
             return {**res, "status": "failed", "note": "no test collected", "tail": proc.tail()}
         return {**res, "status": "skipped", "note": "no CUDA: every test skipped (expected on CPU)"}
 
-    # ------------------------------------------------------------- part b
-    def part_b(self) -> dict[str, Any]:
+    # ------------------------------------------------------------- part loss
+    def part_loss(self) -> dict[str, Any]:
         """``scripts/bench_loss.py`` at the profile's sizes: its cases against the GPU's bf16 peak."""
-        per_case = max(30.0, self.profile.budgets["b"] / 2)
+        per_case = max(30.0, self.profile.budgets["loss"] / 2)
         cmd = [sys.executable, "scripts/bench_loss.py", *self.profile.bench, "--timeout", str(per_case)]
-        proc = self.run("b", cmd)
+        proc = self.run("loss", cmd)
         recs = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if not recs:  # killed at the budget: the cases finished so far (without the ratios)
             for ln in proc.stderr.splitlines():
@@ -170,9 +176,9 @@ class Check:
             return {**res, "status": "failed", "tail": proc.tail()}
         return res
 
-    # ------------------------------------------------------------- parts c and d
+    # ------------------------------------------------------------- the colocated and split parts
     def base_overrides(self, inputs: Inputs) -> list[str]:
-        """The training overrides of parts c and d before their topology and step count."""
+        """The training overrides of the colocated and split parts before their topology and step count."""
         return [
             f"experiment={EXPERIMENT}",
             f"target.path={inputs.target_dir}",
@@ -189,7 +195,7 @@ class Check:
         ]
 
     def setup(self) -> Inputs:
-        """The target directory and the chat data, shared by parts c and d (in-process)."""
+        """The target directory and the chat data, shared by the colocated and split parts (in-process)."""
         t0 = time.perf_counter()
         target_dir, data_path = self.work / "target", self.work / "chat.jsonl"
         shape, how = write_target_dir(target_dir, self.profile)
@@ -220,8 +226,8 @@ class Check:
         }
         return Inputs(target_dir, data_path, num_samples, shape, vocab_used)
 
-    def part_c_probe(self, inputs: Inputs) -> dict[str, Any]:
-        """The target probe on one packet of part c's config (in this process in a dry run, else
+    def part_target_probe(self, inputs: Inputs) -> dict[str, Any]:
+        """The target probe on one packet of part colocated's config (in this process in a dry run, else
         ``scripts/gpu_check.py --probe-target``), beside the planner's activations; it fails when the
         headless forward makes a vocabulary-sized tensor or ``model(...)`` makes none."""
         overrides = [*self.base_overrides(inputs), "topology=colocated"]
@@ -234,7 +240,7 @@ class Check:
             res = json.loads(json.dumps(probe_target(spec)))
         else:
             entry = REPO / "scripts" / "gpu_check.py"
-            proc = self.run("c_probe", [sys.executable, str(entry), "--probe-target", json.dumps(spec)])
+            proc = self.run("target_probe", [sys.executable, str(entry), "--probe-target", json.dumps(spec)])
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.rc != 0 or not lines:
                 status = "timeout" if proc.timed_out else "failed"
@@ -253,11 +259,11 @@ class Check:
         return res
 
     def train_part(self, part: str, inputs: Inputs) -> dict[str, Any]:
-        """A torchrun training run of part c (co-located, 1 rank) or d (1 target + 1 drafter): its
-        steady-state figures, the planner's figures on it, and on failure the ranks' logs."""
-        colocated = part == "c"
-        nproc = 1 if colocated else 2
-        topo = ["topology=colocated"] if colocated else ["topology.num_targets=1", "topology.num_drafters=1"]
+        """A torchrun training run of part colocated (co-located, 1 rank), split (1 target + 1 drafter)
+        or tp (1 target replica of 2 ranks + 1 drafter): its steady-state figures, the planner's
+        figures on it, and on failure the ranks' logs."""
+        colocated = part == "colocated"
+        nproc, topo = TRAIN_PARTS[part].nproc, TRAIN_PARTS[part].topology
         steps = self.profile.steps[part]
         run_dir = self.work / f"run_{part}"
         overrides = [*self.base_overrides(inputs), *topo, f"train.max_steps={steps}"]
@@ -266,7 +272,7 @@ class Check:
         proc = self.run(part, cmd, env={**self.env, "TORCH_LOGS": self.env.get("TORCH_LOGS", "recompiles")})
         rows = metrics_rows(run_dir)
         res: dict[str, Any] = {
-            "mode": "co-located, 1 rank" if colocated else "1 target + 1 drafter",
+            "mode": TRAIN_PARTS[part].mode,
             "backend": "gloo" if self.dry else "nccl",
             "command": "torchrun --standalone --nproc_per_node "
             + f"{nproc} -m dflash.train "
@@ -291,10 +297,10 @@ class Check:
             except Exception as e:  # the figures must not hide the run's own outcome
                 res["figures_error"] = f"{type(e).__name__}: {e}"
             peaks = res.get("peak_mem_gib", {})
-            res["peak_mem_gib_by_role"] = (
+            res["peak_mem_gib_by_role"] = (  # a replica's memory: its sender's (rank 0)
                 {"colocated": peaks.get("0")}
                 if colocated
-                else {"target": peaks.get("0"), "drafter": peaks.get("1")}
+                else {"target": peaks.get("0"), "drafter": peaks.get(str(nproc - 1))}
             )
         if proc.timed_out or proc.rc != 0 or len(rows) != steps or "figures_error" in res:
             if proc.out_of_memory():
@@ -307,11 +313,11 @@ class Check:
             return {**res, "status": status, "rc": proc.rc, "tail": proc.tail(20)}
         return {**res, "status": "passed"}
 
-    def part_c(self) -> dict[str, Any]:
+    def part_colocated(self) -> dict[str, Any]:
         """The target probe, then the co-located training run; the probe's failure fails the part."""
         inputs = self.ensure_inputs()
-        probe = self.part_c_probe(inputs)
-        res = self.train_part("c", inputs)
+        probe = self.part_target_probe(inputs)
+        res = self.train_part("colocated", inputs)
         res["target_probe"] = probe
         if "headless" in probe:  # the target role alone: its weights and one headless forward
             role = res.setdefault("peak_mem_gib_by_role", {})
@@ -320,11 +326,24 @@ class Check:
             res["status"] = probe["status"]
         return res
 
-    def part_d(self) -> dict[str, Any]:
+    def part_split(self) -> dict[str, Any]:
         """The 1 target + 1 drafter training run; skipped with fewer than 2 GPUs."""
         if not self.multi_gpu:
             return {"status": "skipped", "note": f"{self.device.get('count', 0)} GPU: needs 2+", "ran": False}
-        return self.train_part("d", self.ensure_inputs())
+        return self.train_part("split", self.ensure_inputs())
+
+    def part_tp(self) -> dict[str, Any]:
+        """The training run with a tensor-parallel target replica (the random target sharded over 2
+        GPUs with transformers' TP plan, NCCL) + 1 drafter; skipped with fewer than 3 GPUs (NCCL
+        holds one rank per GPU: the replica's 2 and the drafter's)."""
+        if not self.gpus_for("tp"):
+            count = self.device.get("count", 0)
+            return {
+                "status": "skipped",
+                "note": f"{count} GPU: needs 3+ (a 2-GPU replica + a drafter)",
+                "ran": False,
+            }
+        return self.train_part("tp", self.ensure_inputs())
 
     # ------------------------------------------------------------- output
     def summary(self, done: bool) -> dict[str, Any]:
@@ -359,8 +378,8 @@ class Check:
         return out
 
     def ensure_inputs(self) -> Inputs:
-        """The inputs of parts c and d, set up by the first part that asks."""
-        with self.setup_lock:  # parts c and d share one target directory and data file
+        """The inputs of the training parts, set up by the first part that asks."""
+        with self.setup_lock:  # the training parts share one target directory and data file
             if self.inputs is None:
                 self.inputs = self.setup()
             return self.inputs

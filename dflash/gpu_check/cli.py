@@ -3,19 +3,19 @@
     make gpu-check                                        # = python scripts/gpu_check.py --out gpu_check.json
     python scripts/gpu_check.py --out /tmp/gpu_check.json # the GPU is detected (--gpu h200 overrides)
     python scripts/gpu_check.py --dry-run                 # every part on CPU at tiny sizes, fp32 (CI runs it)
-    python scripts/gpu_check.py --parts b,c               # a subset (e.g. to rerun what failed)
+    python scripts/gpu_check.py --parts loss,colocated    # a subset (e.g. to rerun what failed)
 
 Parts, each run as a subprocess with its own time budget (printed up front and enforced: a hang or a
 crash in one part is reported and the other parts still run; time a part leaves unused goes to the
 next ones; on one H200 the budgets add up to 8 minutes):
 
-a. ``pytest -m gpu tests/gpu``: the CUDA tests (chunked loss fp32/bf16/compiled, compiled flex_attention
+kernels. ``pytest -m gpu tests/gpu``: the CUDA tests (chunked loss fp32/bf16/compiled, compiled flex_attention
    against dense SDPA) and their pass/fail/skip counts. On CPU all of them skip: reported, not a failure.
-b. ``scripts/bench_loss.py --device cuda --dtype bf16 --rows 32768 --hidden 4096`` (V = 151,936): the
+loss. ``scripts/bench_loss.py --device cuda --dtype bf16 --rows 32768 --hidden 4096`` (V = 151,936): the
    chunked CE and CE+KL at 2 chunk sizes against the naive path (full logits), ``F.linear_cross_entropy``
    and the bare GEMMs: time, peak memory, useful TFLOP/s and their fraction of the GPU's dense bf16 peak
    (``conf/gpu/<gpu>.yaml``). The naive CE+KL may run out of memory at this size: reported, not a failure.
-c. A co-located training run at real size (``topology=colocated``, ``experiment=qwen3_8b_8gpu``): a
+colocated. A co-located training run at real size (``topology=colocated``, ``experiment=qwen3_8b_8gpu``): a
    Qwen3-8B-shaped target (the ``shape:`` of ``conf/target/qwen3_8b.yaml`` as config.json, the tiny
    tokenizer) built with random weights directly on the GPU (``target.random_weights=true``, no
    download), the experiment's drafter (5 layers, block 16, 512 anchors per sample, 2048 per packet)
@@ -26,10 +26,15 @@ c. A co-located training run at real size (``topology=colocated``, ``experiment=
    Before it, a probe of the target's headless forward alone on one packet: peak memory above the
    weights, the largest tensor it makes and every tensor with a vocabulary-sized last dimension (none:
    the lm_head never runs), against ``model(...)`` on the same packet.
-d. With 2+ GPUs: the disaggregated 1 target + 1 drafter over NCCL for 20 steps, the same figures.
+split. With 2+ GPUs: the disaggregated 1 target + 1 drafter over NCCL for 20 steps, the same figures.
+tp. With 3+ GPUs: one tensor-parallel target replica on GPUs 0-1 (``topology.target_tp=2``: the random
+   target sharded with transformers' TP plan, every rank building only its shard) + 1 drafter on GPU 2
+   over NCCL for 20 steps: the same figures, the target's per rank (its share of the FLOPs and the
+   planner's memory of one rank). NCCL holds one rank per GPU, so 2 GPUs cannot hold a replica of 2
+   and a drafter: skipped there.
 
 ``--dry-run`` runs every part through the same code at tiny sizes on CPU in fp32 (the tiny target's
-shape, gloo for part d, CUDA hidden), so the GPU path cannot rot between GPU sessions. Output: a
+shape, gloo for parts split and tp, CUDA hidden), so the GPU path cannot rot between GPU sessions. Output: a
 table, then ONE JSON line ``{"parts": ..., "targets": ..., "device": ..., "dry_run": ..., "passed": ...}``
 (also written to ``--out``, after every part). The exit code is 1 when a part failed; a performance
 target missed is reported ("targets"), not a failure.
@@ -60,7 +65,11 @@ def main() -> None:
         "--gpu", default=None, help="conf/gpu spec (h100, h200, b200, a100 or a YAML path); default: detected"
     )
     p.add_argument("--out", default=None, help="also write the JSON summary here (after every part)")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma list of parts to run (default a,b,c,d)")
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma list of parts to run (default {','.join(PARTS)})",
+    )
     p.add_argument(
         "--total-budget",
         type=float,

@@ -116,7 +116,7 @@ def pytest_counts(text: str) -> dict[str, int]:
 
 
 def loss_figures(recs: list[dict[str, Any]], peak: float | None) -> dict[str, Any]:
-    """Part b from bench_loss.py's JSON lines: every case with its fraction of the bf16 peak, the
+    """Part loss from bench_loss.py's JSON lines: every case with its fraction of the bf16 peak, the
     best chunk of the chunked CE+KL and CE, and the status. Only the product's own cases (chunked,
     chunked_ce) fail the part; a baseline that cannot run (the naive path out of memory, an
     ``F.linear_cross_entropy`` this torch lacks) is reported beside the figures."""

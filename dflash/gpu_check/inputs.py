@@ -1,4 +1,4 @@
-"""The inputs of the training parts (c and d): a random-weights target directory (config.json of a
+"""The inputs of the training parts (colocated and split): a random-weights target directory (config.json of a
 target shape and the tiny tokenizer) and chat data cut from CPython's stdlib sources."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dflash.gpu_check.profiles import REPO, Profile
 
 @dataclass
 class Inputs:
-    """What setup wrote for parts c and d."""
+    """What setup wrote for the colocated and split parts."""
 
     target_dir: Path
     data_path: Path

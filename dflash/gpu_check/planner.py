@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 def training_config(overrides: list[str]) -> Config:
     """The training config of ``overrides`` (``hydra.*`` ones dropped), typed."""
-    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
+    from dflash.config.cli import compose_config
 
     register_configs()
     return to_config(compose_config("config", [o for o in overrides if not o.startswith("hydra.")]))
@@ -40,10 +40,13 @@ def planner_figures(
     overrides: list[str], gpu: str | None, packet: dict[str, float], t_s: float, d_s: float
 ) -> dict[str, Any]:
     """The planner on the run's config: FLOP per role for the measured packet, TFLOP/s and MFU from
-    the measured seconds per packet, and the memory per role it predicts."""
-    from dflash.plan.costs import packet_costs
+    the measured seconds per packet, and the memory per role it predicts. With a tensor-parallel
+    replica (``topology.target_tp`` > 1) the target's figures are one rank's: its share of the
+    FLOPs (``target_rank_flop``; the all-reduces are not counted) and its memory (``target_rank``)."""
+    from dflash.plan.costs import packet_costs, target_rank_flop
     from dflash.plan.inputs import VERIFIER_METRICS, attention_kinds, resolve_inputs
     from dflash.plan.planner import make_plan
+    from dflash.targets.tp import tp_layout
 
     cfg = training_config([*overrides, *([f"plan.gpu={gpu}"] if gpu else [])])
     inputs = resolve_inputs(cfg)
@@ -70,22 +73,30 @@ def planner_figures(
         hidden_dtype_bytes=inputs.dtypes.target_bytes,
     )
     peak = inputs.gpu.bf16_tflops
+    k = cfg.topology.target_tp
+    target_flop = costs.target_flop
+    if k > 1:
+        layout = tp_layout(inputs.target.shape.model_type, inputs.target.shape.num_experts, k)
+        target_flop = target_rank_flop(costs.target_flop_by_part, layout)
     out: dict[str, Any] = {
         "gpu_spec": cfg.plan.gpu,
         "bf16_peak_tflops": peak,
         "target_tflop_per_packet": round(costs.target_flop / 1e12, 4),
         "drafter_tflop_per_packet": round(costs.drafter_flop / 1e12, 4),
         "attention": {"target": t_kind, "drafter": d_kind},
-        "memory_gib": {role: round(sum(items.values()), 2) for role, items in plan.memory.items()},
+        "memory_gib": {role: round_sig(sum(items.values())) for role, items in plan.memory.items()},
         "capacity_gib": round(plan.capacity_gib, 1),
     }
-    for role, flop, sec in (("target", costs.target_flop, t_s), ("drafter", costs.drafter_flop, d_s)):
+    if k > 1 and k in plan.replica_memory:
+        out["memory_gib"]["target_rank"] = round_sig(sum(plan.replica_memory[k].values()))
+        out["target_rank_tflop_per_packet"] = round(target_flop / 1e12, 4)
+    for role, flop, sec in (("target", target_flop, t_s), ("drafter", costs.drafter_flop, d_s)):
         tflops = flop / sec / 1e12 if sec > 0 else 0.0
         out[f"{role}_tflops"] = round_sig(tflops)
         out[f"{role}_mfu"] = round_sig(tflops / peak)
     # What the planner expects of this packet at plan.mfu_* (0.4): co-located one GPU does both
     # roles in turn; 1 target + 1 drafter is bound by the slower role.
-    t_plan = costs.target_flop / (cfg.plan.mfu_target * peak * 1e12)
+    t_plan = target_flop / (cfg.plan.mfu_target * peak * 1e12)
     d_plan = costs.drafter_flop / (cfg.plan.mfu_drafter * peak * 1e12)
     per_packet = t_plan + d_plan if cfg.topology.colocated else max(t_plan, d_plan)
     out["planner_s_per_packet"] = {

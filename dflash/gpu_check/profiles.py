@@ -7,9 +7,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-"""The checkout the check runs from: part a runs its ``tests/gpu``, part b its ``scripts/bench_loss.py``."""
+"""The checkout the check runs from: part kernels runs its ``tests/gpu``, part loss its ``scripts/bench_loss.py``."""
 EXPERIMENT = "qwen3_8b_8gpu"
-PARTS = ("a", "b", "c", "d")
+PARTS = ("kernels", "loss", "colocated", "split", "tp")
+
+
+@dataclass(frozen=True)
+class TrainPart:
+    """A training part's launch: its ranks, topology overrides and the words the table uses."""
+
+    nproc: int
+    topology: tuple[str, ...]
+    mode: str
+
+
+TRAIN_PARTS = {
+    "colocated": TrainPart(1, ("topology=colocated",), "co-located, 1 rank"),
+    "split": TrainPart(2, ("topology.num_targets=1", "topology.num_drafters=1"), "1 target + 1 drafter"),
+    "tp": TrainPart(
+        3,
+        ("topology.num_targets=1", "topology.target_tp=2", "topology.num_drafters=1"),
+        "1 target replica of 2 ranks (TP) + 1 drafter",
+    ),
+}
+"""Parts that are a torchrun training run (rank i on GPU i: part split needs 2 GPUs, part tp 3)."""
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
 
@@ -32,7 +53,7 @@ class Profile:
     """Documents in the probe's packet (token budget / docs tokens each)."""
     bench: tuple[str, ...]
     budgets: dict[str, float]
-    """Seconds per step of the check: a, b, setup (in-process), c_probe, c, d."""
+    """Seconds per step of the check: kernels, loss, setup (in-process), target_probe, colocated, split, tp."""
     inline_probe: bool
     """Run the target probe in this process (the dry run: one interpreter start less)."""
 
@@ -44,7 +65,7 @@ GPU = Profile(
     overrides=(),
     prompt_tokens=290,  # + 700 + the chat template: 16 samples of ~1000 tokens fill a 16,384 budget
     response_tokens=700,
-    steps={"c": 30, "d": 20},
+    steps={"colocated": 30, "split": 20, "tp": 20},
     warmup_steps=5,
     probe_docs=16,
     bench=(
@@ -53,8 +74,16 @@ GPU = Profile(
         *("--chunks", "2048,8192", "--repeats", "3", "--warmup", "1"),
     ),
     # One H200: 90 + 110 + 30 + 45 + 200 = 475 s, + ~5 s of this script's own start and end: 8 minutes.
-    # d (2+ GPUs only) adds its own 200 s.
-    budgets={"a": 90, "b": 110, "setup": 30, "c_probe": 45, "c": 200, "d": 200},
+    # split (2+ GPUs only) and tp (3+ GPUs only) add their own 200 s each.
+    budgets={
+        "kernels": 90,
+        "loss": 110,
+        "setup": 30,
+        "target_probe": 45,
+        "colocated": 200,
+        "split": 200,
+        "tp": 200,
+    },
     inline_probe=False,
 )
 DRY = Profile(
@@ -76,7 +105,7 @@ DRY = Profile(
     ),
     prompt_tokens=40,
     response_tokens=100,
-    steps={"c": 4, "d": 4},
+    steps={"colocated": 4, "split": 4, "tp": 4},
     warmup_steps=1,
     probe_docs=4,
     bench=(
@@ -84,6 +113,14 @@ DRY = Profile(
         *("--rows", "256", "--hidden", "32", "--vocab", "2048"),
         *("--chunks", "64,256", "--repeats", "1", "--warmup", "0"),
     ),
-    budgets={"a": 120, "b": 120, "setup": 120, "c_probe": 120, "c": 240, "d": 240},
+    budgets={
+        "kernels": 120,
+        "loss": 120,
+        "setup": 120,
+        "target_probe": 120,
+        "colocated": 240,
+        "split": 240,
+        "tp": 240,
+    },
     inline_probe=True,
 )

@@ -11,7 +11,7 @@ def judged_targets(results: dict[str, dict[str, Any]], judged: bool) -> dict[str
     """Each target with what it measures, its goal, its value and whether it was met. The performance
     ones are judged only when ``judged`` (a GPU run; ``met`` null in a dry run); no logits in the
     target's forward is judged everywhere."""
-    b, c = results.get("b", {}), results.get("c", {})
+    b, c = results.get("loss", {}), results.get("colocated", {})
     out: dict[str, dict[str, Any]] = {}
     best = b.get("best_chunked")
     value = best.get("peak_frac") if best else None

@@ -31,6 +31,8 @@ import math
 import torch
 from torch import Tensor
 
+from dflash.loss.device import kernel_device
+
 __all__ = ["LN2", "LOG2E", "block_math", "block_math_exp2", "get_block_math", "max_argmax"]
 
 _ARGMAX_BLOCK = 128  # columns per block of the blocked max/argmax
@@ -52,7 +54,7 @@ def _rowdot_(a: Tensor, b: Tensor) -> Tensor:
     slower; a per-row BLAS ``dot`` opens one parallel region per row, which stalls when the cores
     are shared). Other devices: one fused ``vecdot`` kernel.
     """
-    if a.device.type != "cpu":
+    if kernel_device(a.device) != "cpu":
         return torch.linalg.vecdot(a, b)
     return a.mul_(b).sum(1)
 
@@ -179,7 +181,7 @@ def block_math_exp2(
 ):
     """The ``T = 1`` block on base-2 logits ``z2 = z / ln 2`` (CPU fast path).
 
-    ``exp2`` is ~35% cheaper than ``exp`` on CPU, and the unnormalised ``e = 2^(z2 - shift)``
+    ``exp2`` is cheaper than ``exp`` on CPU, and the unnormalised ``e = 2^(z2 - shift)``
     (``shift`` = 0 when the row maxima allow, else the row max) replaces the softmax (its max and
     normalisation passes): the row sums are folded into the gradient coefficients and the per-row
     ``dh`` scale. On return ``zd`` holds

@@ -14,7 +14,7 @@ slot is tens of GB at a 150K-250K vocabulary. :func:`verifier_loss` instead:
    ``dL/dz_d`` written in place over the drafter logits (``q - c p``; the one-hot parts are
    scattered once per chunk). CPU fast path at ``T = 1``: the GEMMs produce base-2 logits
    (``h / ln 2`` times ``W^T``) and the softmaxes become unnormalised ``exp2(z2 - max)`` (``exp2``
-   is ~35% cheaper than ``exp`` on CPU), the row sums folded into the coefficients;
+   is cheaper than ``exp`` on CPU), the row sums folded into the coefficients;
 4. ``dh_chunk = G @ W`` (one GEMM), scaled per row by ``w_r * s / sum(w)`` (and ``1 / s_d`` on the
    exp2 path) on the ``[C, H]`` result.
 
@@ -28,12 +28,12 @@ Per row ``r`` (all logits in fp32, or fp64 for fp64 inputs)::
     VCE_r = lse(z_d) - z_d[argmax z_v]
     KL_r  = T^2 * KL(softmax(z_v / T) || softmax(z_d / T))
           = T^2 * (sum_v p_T (z_v - z_d) / T - lse(z_v / T) + lse(z_d / T))
-    loss  = sum_r w_r (ce CE_r + kl KL_r + verifier_ce VCE_r) / sum_r w_r
-    dL/dz_d[r] = w_r / sum(w) * (ce (q_1 - 1[label]) + kl T (q_T - p_T) + verifier_ce (q_1 - 1[argmax z_v]))
+    loss  = sum_r w_r (ce CE_r + kl KL_r + verifier_ce VCE_r) / N      (N = normalizer, default sum_r w_r)
+    dL/dz_d[r] = w_r / N * (ce (q_1 - 1[label]) + kl T (q_T - p_T) + verifier_ce (q_1 - 1[argmax z_v]))
 
 ``lse`` is recovered from the in-place softmax: ``lse = max - log(p[argmax])`` (``p[argmax] >= 1/V``,
-so it never underflows). The row argmax uses a blocked ``amax`` (``argmax`` itself is ~8x slower
-than ``amax`` on CPU); ties resolve to the first index, as ``torch.argmax``.
+so it never underflows). The row argmax uses a blocked ``amax`` (one reduction over the row, then
+``argmax`` over one block of columns only); ties resolve to the first index, as ``torch.argmax``.
 
 Elementwise passes over each ``[S, V]`` row block (ce+kl, T = 1, CPU): 2 blocked max reads, 1
 ``sub`` for ``d`` (read 2, write 1), per distribution 1 ``exp2_`` in place and 1 row ``sum`` (the
@@ -46,15 +46,15 @@ base-2 maximum is outside [-20, 64] in fp32), 1 ``mul_`` + ``sum`` for the row d
 
 Memory beyond the inputs: ``[C, V]`` fp32 x 2 (x 1 without ``verifier_hidden``) and the
 ``[S, V]`` scratch (x 2 at ``T != 1``; S = 128 rows on CPU, 256 on CUDA) in one workspace (on
-Linux CPU backed by transparent huge pages, and kept for the next call: first-touch page faults of
-fresh buffers measured 0.5-0.9 s per call at 1024 x 152K; ``keep_workspace=False`` or
-:func:`release_workspace` to free it), plus ``dh`` ``[R, H]`` and a compacted copy of the kept
+Linux CPU backed by transparent huge pages, and kept for the next call, so a fresh multi-GB buffer's
+first-touch page faults are paid once; ``keep_workspace=False`` or :func:`release_workspace` to
+free it), plus ``dh`` ``[R, H]`` and a compacted copy of the kept
 hidden rows. On CPU with bf16 inputs an fp32 copy of ``W`` is made once per call (CPU bf16 is for
 tests only).
 
 Call this outside any ``torch.compile`` region; ``compile=True`` compiles only the per-row-block
-math (Inductor; on CPU it needs a C++ compiler and measured slower than eager, whose softmax
-computes each ``exp`` once; meant for GPUs).
+math (Inductor; meant for GPUs: on CPU it needs a C++ compiler, and the eager CPU path already
+computes each ``exp`` once).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from dflash.loss.device import kernel_device
 from dflash.loss.kernels import LN2, LOG2E, block_math_exp2, get_block_math
 from dflash.loss.workspace import acquire_workspace, return_workspace
 
@@ -82,9 +83,9 @@ DEFAULT_MEM_BUDGET_GIB = 2.0
 
 _MIN_CHUNK = 16
 _MAX_CHUNK = 8192
-# Rows per elementwise block. On CPU the row ops are exp/bandwidth bound and cache residency of
-# smaller blocks measured no gain, while every op is an OpenMP parallel region: with shared cores,
-# 32-row blocks spent seconds in futex waits where 128-row blocks did not. Scratch: 128 x V x 4 B.
+# Rows per elementwise block. On CPU the row ops are exp/bandwidth bound, and every op is an
+# OpenMP parallel region: fewer, larger blocks mean fewer thread synchronisations when cores are
+# shared. Scratch: rows x V x 4 B.
 _CPU_ROW_BLOCK = 128
 _CUDA_ROW_BLOCK = 256
 _CPU_EXP2 = True  # the T = 1 CPU fast path (base-2 logits, unnormalised exp2); False: softmax path
@@ -149,7 +150,7 @@ def _device_mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     """``out = a @ b`` with ``out``'s (fp32/fp64) accumulation and output, never a low-precision output."""
     if a.dtype == out.dtype and b.dtype == out.dtype:
         return torch.mm(a, b, out=out)
-    if a.dtype == b.dtype and a.device.type == "cuda":
+    if a.dtype == b.dtype and kernel_device(a.device) == "cuda":
         try:
             return torch.mm(a, b, out_dtype=out.dtype, out=out)
         except (RuntimeError, TypeError):  # pragma: no cover - older torch / arch
@@ -167,8 +168,243 @@ class _Cfg:
     row_block: int
     need_grad: bool
     compile: bool
+    normalizer: float | None = None
+    """The loss is ``sum_r w_r l_r / normalizer``; None: ``sum_r w_r`` (the weighted mean)."""
     keep_workspace: bool = True
     result: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Rows:
+    """The rows with weight > 0 (a compacted copy when some rows have weight 0), in order."""
+
+    keep: Tensor
+    """[n] int64 indices of the kept rows among the R rows."""
+    compact: bool
+    h_d: Tensor
+    h_v: Tensor | None
+    labels: Tensor
+    weights: Tensor
+    """[n] in the compute dtype."""
+
+    @property
+    def n(self) -> int:
+        return int(self.keep.numel())
+
+
+def _kept_rows(h_d: Tensor, h_v: Tensor | None, labels: Tensor, weights: Tensor, cdt: torch.dtype) -> _Rows:
+    keep = torch.nonzero(weights > 0).view(-1)
+    if keep.numel() == h_d.shape[0]:
+        return _Rows(keep, False, h_d, h_v, labels, weights.to(cdt))
+    return _Rows(
+        keep,
+        True,
+        h_d.index_select(0, keep),
+        h_v.index_select(0, keep) if h_v is not None else None,
+        labels.index_select(0, keep),
+        weights.index_select(0, keep).to(cdt),
+    )
+
+
+@dataclass
+class _RowStats:
+    """Per kept row (compacted order): argmaxes, and the per-row terms (None: not computed)."""
+
+    ad: Tensor
+    av: Tensor | None
+    ce: Tensor | None
+    kl: Tensor | None
+    vce: Tensor | None
+
+    @classmethod
+    def empty(cls, n: int, with_verifier: bool, cdt: torch.dtype, device: torch.device) -> _RowStats:
+        def new(dtype: torch.dtype) -> Tensor:
+            return torch.empty(n, dtype=dtype, device=device)
+
+        v = with_verifier
+        return cls(
+            new(torch.int64),
+            new(torch.int64) if v else None,
+            new(cdt),
+            new(cdt) if v else None,
+            new(cdt) if v else None,
+        )
+
+
+class _ChunkLoop:
+    """The chunk buffers of one call and the work on one chunk of kept rows.
+
+    Per chunk: both projections into the fp32 ``[C, V]`` buffers, the row blocks (``block_math``
+    or, on the CPU exp2 path, ``block_math_exp2``) that fill the per-row outputs and leave the
+    gradient w.r.t. the drafter logits over the drafter buffer, the one-hot parts of that gradient
+    scattered once, and ``dh = G @ W`` scaled per row by ``w_r * s / normalizer`` (``/ s_d`` on
+    the exp2 path)."""
+
+    def __init__(self, w: Tensor, rows: _Rows, chunk: int, cdt: torch.dtype, cfg: _Cfg) -> None:
+        device, vocab, hid = w.device, w.shape[0], w.shape[1]
+        self.cfg, self.rows, self.w, self.cdt = cfg, rows, w, cdt
+        self.on_cuda = kernel_device(device) == "cuda"
+        # GEMM operand for the projections: W itself, or (CPU, low precision) an fp32 copy made once.
+        self.w_mm = w if w.dtype == cdt or self.on_cuda else w.to(cdt)
+        self.w_t = self.w_mm.t()
+        with_v = rows.h_v is not None
+        self.rb = max(1, min(cfg.row_block, chunk))
+        n_sc = 0 if not with_v else (1 if cfg.temperature == 1.0 else 2)
+        n_big = 2 if with_v else 1
+        numel = (n_big * chunk + n_sc * self.rb) * vocab
+        self.ws_full = acquire_workspace(numel, cdt, device, cfg.keep_workspace)
+        ws = self.ws_full[:numel]
+        bufs = ws[: n_big * chunk * vocab].view(n_big, chunk, vocab)
+        self.zd_buf, self.zv_buf = bufs[0], (bufs[1] if with_v else None)
+        scr = ws[n_big * chunk * vocab :].view(n_sc, self.rb, vocab)
+        self.sc = scr[0] if n_sc >= 1 else None
+        self.sc2 = scr[1] if n_sc >= 2 else None
+        self.dh_buf = torch.empty((chunk, hid), dtype=cdt, device=device) if cfg.need_grad else None
+        self.block_fn = get_block_math(cfg.compile)
+        # CPU, T = 1, fp32/fp64 GEMM operands: base-2 logits from (h / ln 2) @ W^T and the exp2 path
+        self.use_exp2 = (
+            _CPU_EXP2
+            and kernel_device(device) == "cpu"
+            and cfg.temperature == 1.0
+            and not cfg.compile
+            and self.w_mm.dtype == cdt
+        )
+        self.h_scale = LOG2E if self.use_exp2 else 1.0
+        self.z_scale = LN2 if self.use_exp2 else 1.0  # natural logit per unit of the buffers
+        self.arange_c = torch.arange(chunk, device=device)
+        self.fac_c = torch.ones(chunk, dtype=cdt, device=device)  # per-row s_d of the exp2 path
+        self.have_ce = True
+
+    def close(self) -> None:
+        """Give the workspace back (kept for the next call on CPU unless ``keep_workspace=False``)."""
+        self.zd_buf = self.zv_buf = self.sc = self.sc2 = None  # type: ignore[assignment]
+        return_workspace(self.ws_full, self.cfg.keep_workspace)
+
+    def _project(self, hc: Tensor, out: Tensor) -> None:
+        if hc.dtype != self.w_mm.dtype:
+            hc = hc.to(self.w_mm.dtype)
+        if self.h_scale != 1.0:
+            hc = hc * self.h_scale
+        _device_mm(hc, self.w_t, out)
+
+    def run(self, c0: int, c1: int, out: _RowStats, dh: Tensor | None, normalizer: Tensor) -> None:
+        """Kept rows ``[c0, c1)``: per-row outputs into ``out``, their gradient rows into ``dh``."""
+        rows, cfg, n = self.rows, self.cfg, c1 - c0
+        zd = self.zd_buf[:n]
+        self._project(rows.h_d[c0:c1], zd)
+        zv = None
+        if rows.h_v is not None:
+            assert self.zv_buf is not None
+            zv = self.zv_buf[:n]
+            self._project(rows.h_v[c0:c1], zv)
+        rows_c, lab_c = self.arange_c[:n], rows.labels[c0:c1]
+        zlab = zd[rows_c, lab_c]
+        if self.z_scale != 1.0:
+            zlab = zlab * self.z_scale
+        s_used = self._blocks(zd, zv, zlab, c0, out)
+        if not (cfg.need_grad and s_used > 0):
+            return
+        fac = self.fac_c[:n]
+        # one-hot parts of G / s (times s_d on the exp2 path), scattered once per chunk
+        if cfg.ce > 0:
+            zd.index_put_((rows_c, lab_c), fac * (-cfg.ce / s_used), accumulate=True)
+        if cfg.vce > 0:
+            assert out.av is not None
+            zd.index_put_((rows_c, out.av[c0:c1]), fac * (-cfg.vce / s_used), accumulate=True)
+        assert self.dh_buf is not None and dh is not None
+        dh_c = self.dh_buf[:n]
+        if self.on_cuda and self.w.dtype != self.cdt:
+            _device_mm(zd.to(self.w.dtype), self.w, dh_c)
+        else:
+            torch.mm(zd, self.w_mm, out=dh_c)
+        dh_c.mul_((rows.weights[c0:c1] * (s_used / normalizer) / fac).unsqueeze(1))
+        if rows.compact:
+            dh.index_copy_(0, rows.keep[c0:c1], dh_c.to(dh.dtype))
+        else:
+            dh[c0:c1] = dh_c
+
+    def _blocks(self, zd: Tensor, zv: Tensor | None, zlab: Tensor, c0: int, out: _RowStats) -> float:
+        """The row blocks of one chunk; returns the gradient scale ``s`` of the last block."""
+        cfg, n, s_used = self.cfg, zd.shape[0], 0.0
+        fac = self.fac_c[:n]
+        for b0 in range(0, n, self.rb):
+            b1 = min(b0 + self.rb, n)
+            m = b1 - b0
+            zv_b = zv[b0:b1] if zv is not None else None
+            sc_b = self.sc[:m] if self.sc is not None else None
+            if self.use_exp2:
+                ad, lse_d1, av, zav, kl_r, s, sd = block_math_exp2(
+                    zv_b, zd[b0:b1], sc_b, cfg.ce, cfg.kl, cfg.vce, cfg.need_grad
+                )
+                fac[b0:b1] = sd
+            else:
+                sc2_b = self.sc2[:m] if self.sc2 is not None else None
+                _, ad, lse_d1, av, zav, kl_r, s = self.block_fn(
+                    zv_b, zd[b0:b1], sc_b, sc2_b, cfg.ce, cfg.kl, cfg.vce, cfg.temperature, cfg.need_grad
+                )
+            g0, g1 = c0 + b0, c0 + b1
+            out.ad[g0:g1] = ad
+            if lse_d1 is None:
+                self.have_ce = False
+            else:
+                assert out.ce is not None
+                out.ce[g0:g1] = lse_d1 - zlab[b0:b1]
+            if zv is not None:
+                assert out.av is not None and out.kl is not None and out.vce is not None
+                out.av[g0:g1] = av
+                out.kl[g0:g1] = kl_r
+                if lse_d1 is not None:
+                    out.vce[g0:g1] = lse_d1 - zav
+            s_used = s
+        return s_used
+
+
+def _loss_and_terms(
+    rows: _Rows, out: _RowStats, cfg: _Cfg, w_sum: Tensor, normalizer: Tensor, cdt: torch.dtype
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss ``sum_r w_r l_r / normalizer`` and the weighted mean of every computed term."""
+    device = rows.weights.device
+
+    def wsum_over(x: Tensor, by: Tensor) -> Tensor:
+        if rows.n == 0:
+            return torch.zeros((), dtype=cdt, device=device)
+        return (rows.weights.double() @ x.double() / by.double()).to(cdt)
+
+    terms = {
+        name: wsum_over(x, w_sum)
+        for name, x in (("ce", out.ce), ("kl", out.kl), ("verifier_ce", out.vce))
+        if x is not None
+    }
+    if rows.n == 0:
+        return torch.zeros((), dtype=cdt, device=device), terms
+    per_row = torch.zeros(rows.n, dtype=cdt, device=device)
+    for coef, term in ((cfg.ce, out.ce), (cfg.kl, out.kl), (cfg.vce, out.vce)):
+        if coef > 0:
+            assert term is not None, "a weighted term was not computed"
+            per_row.add_(term, alpha=coef)
+    return wsum_over(per_row, normalizer), terms
+
+
+def _stats_in_row_order(rows: _Rows, out: _RowStats, labels: Tensor, r_all: int) -> VerifierLossStats:
+    """The per-row statistics back in the original order of the R rows (dropped rows filled)."""
+    device = labels.device
+
+    def expand(x: Tensor | None, fill: float) -> Tensor | None:
+        if x is None or not rows.compact:
+            return x
+        full = torch.full((r_all,), fill, dtype=x.dtype, device=device)
+        return full.index_copy_(0, rows.keep, x)
+
+    ad = expand(out.ad, -1)
+    assert ad is not None
+    stats = VerifierLossStats(drafter_argmax=ad, data_hit=(ad == labels) & (ad >= 0), ce=expand(out.ce, 0.0))
+    if rows.h_v is not None:
+        av = expand(out.av, -1)
+        stats.verifier_argmax = av
+        stats.verifier_hit = (ad == av) & (ad >= 0)
+        stats.kl = expand(out.kl, 0.0)
+        stats.verifier_ce = expand(out.vce, 0.0)
+    return stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,210 +414,33 @@ class _Cfg:
 def _forward_impl(
     h_d: Tensor, h_v: Tensor | None, w: Tensor, labels: Tensor, weights: Tensor, cfg: _Cfg
 ) -> tuple[Tensor, Tensor | None]:
+    """Loss and ``dh`` (``[R, H]``, None without grad); fills ``cfg.result``."""
     # autocast would recast the GEMMs to bf16 outputs: the precision here is explicit instead
     with torch.autocast(device_type=h_d.device.type, enabled=False):
-        return _forward_impl_body(h_d, h_v, w, labels, weights, cfg)
-
-
-def _forward_impl_body(
-    h_d: Tensor, h_v: Tensor | None, w: Tensor, labels: Tensor, weights: Tensor, cfg: _Cfg
-) -> tuple[Tensor, Tensor | None]:
-    device = h_d.device
-    r_all, hid = h_d.shape
-    vocab = w.shape[0]
-    cdt = torch.float64 if torch.float64 in (h_d.dtype, w.dtype) else torch.float32
-    keep = torch.nonzero(weights > 0).view(-1)
-    n_keep = int(keep.numel())
-    compact = n_keep < r_all
-    if compact:
-        h_d = h_d.index_select(0, keep)
-        h_v = h_v.index_select(0, keep) if h_v is not None else None
-        labels_k = labels.index_select(0, keep)
-        w_k = weights.index_select(0, keep).to(cdt)
-    else:
-        labels_k = labels
-        w_k = weights.to(cdt)
-    w_sum = w_k.sum()
-
-    # per-row outputs (compacted order)
-    ad_k = torch.empty(n_keep, dtype=torch.int64, device=device)
-    av_k = torch.empty(n_keep, dtype=torch.int64, device=device) if h_v is not None else None
-    ce_k: Tensor | None = torch.empty(n_keep, dtype=cdt, device=device)
-    kl_k = torch.empty(n_keep, dtype=cdt, device=device) if h_v is not None else None
-    vce_k = torch.empty(n_keep, dtype=cdt, device=device) if h_v is not None else None
-    have_ce = True
-    dh = torch.zeros((r_all, hid), dtype=h_d.dtype, device=device) if cfg.need_grad else None
-
-    chunk = max(1, min(cfg.chunk, n_keep)) if n_keep else 1
-    cfg.result["chunk_size"] = chunk
-    s_used = 0.0
-    if n_keep:
-        on_cuda = device.type == "cuda"
-        # GEMM operand for the projections: W itself, or (CPU, low precision) an fp32 copy made once.
-        if w.dtype == cdt or on_cuda:
-            w_mm = w
-        else:
-            w_mm = w.to(cdt)
-        w_t = w_mm.t()
-        rb = max(1, min(cfg.row_block, chunk))
-        n_sc = 0 if h_v is None else (1 if cfg.temperature == 1.0 else 2)
-        n_big = 1 if h_v is None else 2
-        ws_full = acquire_workspace((n_big * chunk + n_sc * rb) * vocab, cdt, device, cfg.keep_workspace)
-        ws = ws_full[: (n_big * chunk + n_sc * rb) * vocab]
-        bufs = ws[: n_big * chunk * vocab].view(n_big, chunk, vocab)
-        zd_buf = bufs[0]
-        zv_buf = bufs[1] if h_v is not None else None
-        scr = ws[n_big * chunk * vocab :].view(n_sc, rb, vocab)
-        sc = scr[0] if n_sc >= 1 else None
-        sc2 = scr[1] if n_sc >= 2 else None
-        dh_buf = torch.empty((chunk, hid), dtype=cdt, device=device) if cfg.need_grad else None
-        block_fn = get_block_math(cfg.compile)
-        # CPU, T = 1, fp32/fp64 GEMM operands: base-2 logits from (h / ln 2) @ W^T and the exp2 path
-        use_exp2 = (
-            _CPU_EXP2
-            and device.type == "cpu"
-            and cfg.temperature == 1.0
-            and not cfg.compile
-            and w_mm.dtype == cdt
+        cdt = torch.float64 if torch.float64 in (h_d.dtype, w.dtype) else torch.float32
+        rows = _kept_rows(h_d, h_v, labels, weights, cdt)
+        out = _RowStats.empty(rows.n, h_v is not None, cdt, h_d.device)
+        w_sum = rows.weights.sum()
+        normalizer = (
+            w_sum if cfg.normalizer is None else torch.tensor(cfg.normalizer, dtype=cdt, device=h_d.device)
         )
-        h_scale = LOG2E if use_exp2 else 1.0
-        z_scale = LN2 if use_exp2 else 1.0  # natural logit per unit of the buffers
-        arange_c = torch.arange(chunk, device=device)
-        fac_c = torch.ones(chunk, dtype=cdt, device=device)  # per-row s_d of the exp2 path
-
-        def project(hc: Tensor, out: Tensor) -> None:
-            if hc.dtype != w_mm.dtype:
-                hc = hc.to(w_mm.dtype)
-            if h_scale != 1.0:
-                hc = hc * h_scale
-            _device_mm(hc, w_t, out)
-
-        for c0 in range(0, n_keep, chunk):
-            c1 = min(c0 + chunk, n_keep)
-            n = c1 - c0
-            zd = zd_buf[:n]
-            project(h_d[c0:c1], zd)
-            zv = None
-            if h_v is not None:
-                assert zv_buf is not None
-                zv = zv_buf[:n]
-                project(h_v[c0:c1], zv)
-            rows_c = arange_c[:n]
-            lab_c = labels_k[c0:c1]
-            zlab = zd[rows_c, lab_c]
-            if z_scale != 1.0:
-                zlab = zlab * z_scale
-            av_c = av_k[c0:c1] if av_k is not None else None
-            fac = fac_c[:n]
-            for b0 in range(0, n, rb):
-                b1 = min(b0 + rb, n)
-                m = b1 - b0
-                zv_b = zv[b0:b1] if zv is not None else None
-                sc_b = sc[:m] if sc is not None else None
-                if use_exp2:
-                    ad, lse_d1, av, zav, kl_r, s, sd = block_math_exp2(
-                        zv_b, zd[b0:b1], sc_b, cfg.ce, cfg.kl, cfg.vce, cfg.need_grad
-                    )
-                    fac[b0:b1] = sd
-                else:
-                    _, ad, lse_d1, av, zav, kl_r, s = block_fn(
-                        zv_b,
-                        zd[b0:b1],
-                        sc_b,
-                        sc2[:m] if sc2 is not None else None,
-                        cfg.ce,
-                        cfg.kl,
-                        cfg.vce,
-                        cfg.temperature,
-                        cfg.need_grad,
-                    )
-                g0, g1 = c0 + b0, c0 + b1
-                ad_k[g0:g1] = ad
-                if lse_d1 is None:
-                    have_ce = False
-                else:
-                    assert ce_k is not None
-                    ce_k[g0:g1] = lse_d1 - zlab[b0:b1]
-                if zv is not None:
-                    assert av_k is not None and kl_k is not None and vce_k is not None
-                    av_k[g0:g1] = av
-                    kl_k[g0:g1] = kl_r
-                    if lse_d1 is not None:
-                        vce_k[g0:g1] = lse_d1 - zav
-                s_used = s
-            if cfg.need_grad and s_used > 0:
-                # one-hot parts of G / s (times s_d on the exp2 path), scattered once per chunk
-                if cfg.ce > 0:
-                    zd.index_put_((rows_c, lab_c), fac * (-cfg.ce / s_used), accumulate=True)
-                if cfg.vce > 0:
-                    zd.index_put_((rows_c, av_c), fac * (-cfg.vce / s_used), accumulate=True)
-                assert dh_buf is not None and dh is not None
-                dh_c = dh_buf[:n]
-                if on_cuda and w.dtype != cdt:
-                    _device_mm(zd.to(w.dtype), w, dh_c)
-                else:
-                    torch.mm(zd, w_mm, out=dh_c)
-                dh_c.mul_((w_k[c0:c1] * (s_used / w_sum) / fac).unsqueeze(1))
-                if compact:
-                    dh.index_copy_(0, keep[c0:c1], dh_c.to(dh.dtype))
-                else:
-                    dh[c0:c1] = dh_c
-        del zd, zv, bufs, zd_buf, zv_buf, scr, sc, sc2, ws
-        return_workspace(ws_full, cfg.keep_workspace)
-    if not have_ce:
-        ce_k = None
-        vce_k = None
-
-    # loss and weighted term means
-    def wmean(x: Tensor) -> Tensor:
-        if n_keep == 0:
-            return torch.zeros((), dtype=cdt, device=device)
-        return (w_k.double() @ x.double() / w_sum.double()).to(cdt)
-
-    zero = torch.zeros((), dtype=cdt, device=device)
-    terms: dict[str, Tensor] = {}
-    if ce_k is not None:
-        terms["ce"] = wmean(ce_k)
-    if kl_k is not None:
-        terms["kl"] = wmean(kl_k)
-    if vce_k is not None:
-        terms["verifier_ce"] = wmean(vce_k)
-    loss = zero.clone()
-    if n_keep:
-        per_row = torch.zeros(n_keep, dtype=cdt, device=device)
-        for coef, term in ((cfg.ce, ce_k), (cfg.kl, kl_k), (cfg.vce, vce_k)):
-            if coef > 0:
-                assert term is not None, "a weighted term was not computed"
-                per_row.add_(term, alpha=coef)
-        loss = wmean(per_row)
-
-    # stats back in the original row order
-    def expand(x: Tensor | None, fill) -> Tensor | None:
-        if x is None:
-            return None
-        if not compact:
-            return x
-        full = torch.full((r_all,), fill, dtype=x.dtype, device=device)
-        return full.index_copy_(0, keep, x)
-
-    ad_full = expand(ad_k, -1)
-    lab_ok = labels if not compact else expand(labels_k, -1)
-    assert ad_full is not None and lab_ok is not None
-    stats = VerifierLossStats(
-        drafter_argmax=ad_full,
-        data_hit=(ad_full == lab_ok) & (ad_full >= 0),
-        ce=expand(ce_k, 0.0),
-    )
-    if h_v is not None:
-        av_full = expand(av_k, -1)
-        stats.verifier_argmax = av_full
-        stats.verifier_hit = (ad_full == av_full) & (ad_full >= 0)
-        stats.kl = expand(kl_k, 0.0)
-        stats.verifier_ce = expand(vce_k, 0.0)
-    cfg.result["stats"] = stats
-    cfg.result["terms"] = terms
-    cfg.result["weight_sum"] = w_sum
-    return loss, dh
+        dh = torch.zeros(h_d.shape, dtype=h_d.dtype, device=h_d.device) if cfg.need_grad else None
+        chunk = max(1, min(cfg.chunk, rows.n)) if rows.n else 1
+        if rows.n:
+            loop = _ChunkLoop(w, rows, chunk, cdt, cfg)
+            for c0 in range(0, rows.n, chunk):
+                loop.run(c0, min(c0 + chunk, rows.n), out, dh, normalizer)
+            loop.close()
+            if not loop.have_ce:
+                out.ce = out.vce = None
+        loss, terms = _loss_and_terms(rows, out, cfg, w_sum, normalizer, cdt)
+        cfg.result.update(
+            chunk_size=chunk,
+            stats=_stats_in_row_order(rows, out, labels, h_d.shape[0]),
+            terms=terms,
+            weight_sum=w_sum,
+        )
+        return loss, dh
 
 
 class _VerifierLossFn(torch.autograd.Function):
@@ -415,6 +474,142 @@ def _check_coef(name: str, value: float) -> float:
     return v
 
 
+def _shape(x: object) -> tuple:
+    return tuple(getattr(x, "shape", ()))
+
+
+def _check_tensors(h_d: Tensor, h_v: Tensor | None, w: Tensor, labels: Tensor, weights: Tensor) -> None:
+    """Shapes, dtypes, devices and grad flags of the tensor arguments (ValueError naming the argument)."""
+    if not isinstance(h_d, Tensor) or h_d.dim() != 2:
+        raise ValueError(
+            f"drafter_hidden must be a 2-D [R, H] tensor, got {getattr(h_d, 'shape', type(h_d))}"
+        )
+    if not h_d.is_floating_point():
+        raise ValueError(f"drafter_hidden must be floating point, got {h_d.dtype}")
+    r_all, hid = h_d.shape
+    device = h_d.device
+    if not isinstance(w, Tensor) or w.dim() != 2 or w.shape[1] != hid:
+        raise ValueError(f"lm_head_weight must be [V, H={hid}], got {_shape(w)}")
+    if not w.is_floating_point():
+        raise ValueError(f"lm_head_weight must be floating point, got {w.dtype}")
+    if w.device != device:
+        raise ValueError(f"lm_head_weight is on device {w.device} but drafter_hidden on {device}")
+    if w.requires_grad:
+        raise ValueError(
+            "lm_head_weight must not require grad (the head is frozen); pass lm_head_weight.detach()"
+        )
+    if h_v is not None:
+        if not isinstance(h_v, Tensor) or tuple(h_v.shape) != (r_all, hid):
+            raise ValueError(
+                f"verifier_hidden must be [R={r_all}, H={hid}] like drafter_hidden, got {_shape(h_v)}"
+            )
+        if not h_v.is_floating_point():
+            raise ValueError(f"verifier_hidden must be floating point, got {h_v.dtype}")
+        if h_v.device != device:
+            raise ValueError(f"verifier_hidden is on device {h_v.device} but drafter_hidden on {device}")
+        if h_v.requires_grad:
+            raise ValueError("verifier_hidden must not require grad; pass verifier_hidden.detach()")
+    if not isinstance(labels, Tensor) or tuple(labels.shape) != (r_all,):
+        raise ValueError(f"labels must be [R={r_all}], got {_shape(labels)}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+    if labels.device != device:
+        raise ValueError(f"labels is on device {labels.device} but drafter_hidden on {device}")
+    if not isinstance(weights, Tensor) or tuple(weights.shape) != (r_all,):
+        raise ValueError(f"weights must be [R={r_all}], got {_shape(weights)}")
+    if not weights.is_floating_point():
+        raise ValueError(f"weights must be floating point, got {weights.dtype}")
+    if weights.device != device:
+        raise ValueError(f"weights is on device {weights.device} but drafter_hidden on {device}")
+    if weights.requires_grad:
+        raise ValueError("weights must not require grad")
+
+
+def _check_settings(
+    temperature: float,
+    chunk_size: int | None,
+    mem_budget_gib: float,
+    row_block: int | None,
+    normalizer: float | None,
+) -> float:
+    """The scalar settings (ValueError naming the argument); returns the temperature as a float."""
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a number, got {temperature!r}") from None
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    if not (
+        isinstance(mem_budget_gib, (int, float)) and mem_budget_gib > 0 and math.isfinite(mem_budget_gib)
+    ):
+        raise ValueError(f"mem_budget_gib must be a finite number > 0, got {mem_budget_gib!r}")
+    if row_block is not None and (not isinstance(row_block, int) or row_block < 1):
+        raise ValueError(f"row_block must be None or an int >= 1, got {row_block!r}")
+    if normalizer is not None and not (float(normalizer) > 0 and math.isfinite(float(normalizer))):
+        raise ValueError(f"normalizer must be None or a finite number > 0, got {normalizer!r}")
+    return temperature
+
+
+def _check_values(labels: Tensor, weights: Tensor, vocab: int) -> None:
+    """Finite, non-negative weights and in-vocabulary labels on the weighted rows (one host sync)."""
+    if labels.numel() == 0:
+        return
+    with torch.no_grad():
+        pos = weights > 0
+        bad = torch.stack(
+            [
+                ~torch.isfinite(weights).all(),
+                (weights < 0).any(),
+                (pos & ((labels < 0) | (labels >= vocab))).any(),
+            ]
+        ).tolist()
+    if bad[0]:
+        raise ValueError("weights must be finite (found inf or nan)")
+    if bad[1]:
+        raise ValueError("weights must be >= 0 (found a negative weight)")
+    if bad[2]:
+        raise ValueError(f"labels must lie in [0, V={vocab}) on rows with weight > 0")
+
+
+def _checked_settings(
+    h_d: Tensor,
+    h_v: Tensor | None,
+    w: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    terms: dict,
+    tuning: dict,
+    keep_workspace: bool,
+) -> _Cfg:
+    """Every argument of :func:`verifier_loss` checked (ValueError naming it), as the call's settings."""
+    _check_tensors(h_d, h_v, w, labels, weights)
+    ce, kl, vce = (_check_coef(n, terms[n]) for n in ("ce", "kl", "verifier_ce"))
+    normalizer, row_block, chunk = tuning["normalizer"], tuning["row_block"], terms["chunk_size"]
+    temperature = _check_settings(
+        terms["temperature"], chunk, tuning["mem_budget_gib"], row_block, normalizer
+    )
+    if h_v is None and (kl > 0 or vce > 0):
+        raise ValueError(f"verifier_hidden is required when kl ({kl}) or verifier_ce ({vce}) is > 0")
+    vocab = w.shape[0]
+    _check_values(labels, weights, vocab)
+    wide = torch.float64 in (h_d.dtype, w.dtype)
+    return _Cfg(
+        ce=ce,
+        kl=kl,
+        vce=vce,
+        temperature=temperature,
+        chunk=chunk or default_chunk_size(vocab, tuning["mem_budget_gib"], h_v is not None, 8 if wide else 4),
+        row_block=row_block or (_CUDA_ROW_BLOCK if kernel_device(h_d.device) == "cuda" else _CPU_ROW_BLOCK),
+        need_grad=torch.is_grad_enabled() and h_d.requires_grad,
+        compile=bool(tuning["compile"]),
+        normalizer=None if normalizer is None else float(normalizer),
+        keep_workspace=bool(keep_workspace),
+    )
+
+
 def verifier_loss(
     drafter_hidden: Tensor,
     verifier_hidden: Tensor | None,
@@ -429,6 +624,7 @@ def verifier_loss(
     mem_budget_gib: float = DEFAULT_MEM_BUDGET_GIB,
     compile: bool = False,
     *,
+    normalizer: float | None = None,
     row_block: int | None = None,
     keep_workspace: bool = True,
 ) -> VerifierLossOutput:
@@ -451,144 +647,39 @@ def verifier_loss(
         mem_budget_gib: budget of the ``[C, V]`` chunk buffers when ``chunk_size`` is None
             (default 2 GiB, the ``LossConfig`` default).
         compile: ``torch.compile`` the per-row-block math (the chunk loop stays eager).
+        normalizer: the loss is ``sum_r w_r l_r / normalizer`` (and its gradient follows); None is
+            ``sum_r w_r``, the weighted mean over these rows. A caller that sums several calls and
+            divides once by a global weight sum passes 1.
         row_block: rows per elementwise block (tuning; default 128 on CPU, 256 on CUDA).
-        keep_workspace: on CPU keep the chunk buffers for the next call (saves their page faults,
-            ~0.5-0.9 s per call at 1024 x 152K); :func:`release_workspace` frees them. No effect
-            on CUDA, where the caching allocator does the same.
+        keep_workspace: on CPU keep the chunk buffers for the next call (their first-touch page
+            faults are paid once); :func:`release_workspace` frees them (CUDA: the allocator does).
 
     Returns:
         :class:`VerifierLossOutput`: ``loss`` (scalar, fp32 or fp64; 0 with a zero gradient when
-        all weights are 0), per-row ``stats``, weighted-mean ``terms``.
+        all weights are 0), per-row ``stats``, weighted-mean ``terms`` (always divided by the
+        weight sum, whatever ``normalizer``).
 
     Raises:
         ValueError: naming the argument, on mismatched shapes, dtypes or devices, negative or
             non-finite weights, labels outside ``[0, V)``, ``verifier_hidden`` or ``lm_head_weight``
-            requiring grad, negative coefficients, ``temperature <= 0``, ``chunk_size < 1``, or a
-            missing ``verifier_hidden`` when ``kl`` or ``verifier_ce`` is non-zero.
+            requiring grad, negative coefficients, ``temperature <= 0``, ``chunk_size < 1``, a
+            non-positive ``normalizer``, or no ``verifier_hidden`` with ``kl`` or ``verifier_ce``.
     """
-    # ---- argument checks (all raise ValueError naming the argument)
-    if not isinstance(drafter_hidden, Tensor) or drafter_hidden.dim() != 2:
-        raise ValueError(
-            f"drafter_hidden must be a 2-D [R, H] tensor, got "
-            f"{getattr(drafter_hidden, 'shape', type(drafter_hidden))}"
-        )
-    if not drafter_hidden.is_floating_point():
-        raise ValueError(f"drafter_hidden must be floating point, got {drafter_hidden.dtype}")
-    r_all, hid = drafter_hidden.shape
-    device = drafter_hidden.device
-    if not isinstance(lm_head_weight, Tensor) or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hid:
-        raise ValueError(
-            f"lm_head_weight must be [V, H={hid}], got {tuple(getattr(lm_head_weight, 'shape', ()))}"
-        )
-    if not lm_head_weight.is_floating_point():
-        raise ValueError(f"lm_head_weight must be floating point, got {lm_head_weight.dtype}")
-    if lm_head_weight.device != device:
-        raise ValueError(
-            f"lm_head_weight is on device {lm_head_weight.device} but drafter_hidden on {device}"
-        )
-    if lm_head_weight.requires_grad:
-        raise ValueError(
-            "lm_head_weight must not require grad (the head is frozen); pass lm_head_weight.detach()"
-        )
-    vocab = lm_head_weight.shape[0]
-    if verifier_hidden is not None:
-        if not isinstance(verifier_hidden, Tensor) or tuple(verifier_hidden.shape) != (r_all, hid):
-            raise ValueError(
-                f"verifier_hidden must be [R={r_all}, H={hid}] like drafter_hidden, got "
-                f"{tuple(getattr(verifier_hidden, 'shape', ()))}"
-            )
-        if not verifier_hidden.is_floating_point():
-            raise ValueError(f"verifier_hidden must be floating point, got {verifier_hidden.dtype}")
-        if verifier_hidden.device != device:
-            raise ValueError(
-                f"verifier_hidden is on device {verifier_hidden.device} but drafter_hidden on {device}"
-            )
-        if verifier_hidden.requires_grad:
-            raise ValueError("verifier_hidden must not require grad; pass verifier_hidden.detach()")
-    if not isinstance(labels, Tensor) or tuple(labels.shape) != (r_all,):
-        raise ValueError(f"labels must be [R={r_all}], got {tuple(getattr(labels, 'shape', ()))}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
-    if labels.device != device:
-        raise ValueError(f"labels is on device {labels.device} but drafter_hidden on {device}")
-    if not isinstance(weights, Tensor) or tuple(weights.shape) != (r_all,):
-        raise ValueError(f"weights must be [R={r_all}], got {tuple(getattr(weights, 'shape', ()))}")
-    if not weights.is_floating_point():
-        raise ValueError(f"weights must be floating point, got {weights.dtype}")
-    if weights.device != device:
-        raise ValueError(f"weights is on device {weights.device} but drafter_hidden on {device}")
-    if weights.requires_grad:
-        raise ValueError("weights must not require grad")
-    ce = _check_coef("ce", ce)
-    kl = _check_coef("kl", kl)
-    verifier_ce = _check_coef("verifier_ce", verifier_ce)
-    try:
-        temperature = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature must be a number, got {temperature!r}") from None
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
-    if not (
-        isinstance(mem_budget_gib, (int, float)) and mem_budget_gib > 0 and math.isfinite(mem_budget_gib)
-    ):
-        raise ValueError(f"mem_budget_gib must be a finite number > 0, got {mem_budget_gib!r}")
-    if row_block is not None and (not isinstance(row_block, int) or row_block < 1):
-        raise ValueError(f"row_block must be None or an int >= 1, got {row_block!r}")
-    if verifier_hidden is None and (kl > 0 or verifier_ce > 0):
-        raise ValueError(f"verifier_hidden is required when kl ({kl}) or verifier_ce ({verifier_ce}) is > 0")
-    # value checks: one host sync for all of them
-    with torch.no_grad():
-        pos = weights > 0
-        bad = (
-            torch.stack(
-                [
-                    ~torch.isfinite(weights).all(),
-                    (weights < 0).any(),
-                    (pos & ((labels < 0) | (labels >= vocab))).any(),
-                ]
-            ).tolist()
-            if r_all
-            else [False, False, False]
-        )
-    if bad[0]:
-        raise ValueError("weights must be finite (found inf or nan)")
-    if bad[1]:
-        raise ValueError("weights must be >= 0 (found a negative weight)")
-    if bad[2]:
-        raise ValueError(f"labels must lie in [0, V={vocab}) on rows with weight > 0")
-
-    labels = labels.to(torch.int64)
-    if chunk_size is None:
-        cdt_bytes = 8 if torch.float64 in (drafter_hidden.dtype, lm_head_weight.dtype) else 4
-        chunk_size = default_chunk_size(vocab, mem_budget_gib, verifier_hidden is not None, cdt_bytes)
-    if row_block is None:
-        row_block = _CUDA_ROW_BLOCK if device.type == "cuda" else _CPU_ROW_BLOCK
-    need_grad = torch.is_grad_enabled() and drafter_hidden.requires_grad
-    cfg = _Cfg(
-        ce=ce,
-        kl=kl,
-        vce=verifier_ce,
-        temperature=temperature,
-        chunk=chunk_size,
-        row_block=row_block,
-        need_grad=need_grad,
-        compile=bool(compile),
-        keep_workspace=bool(keep_workspace),
+    cfg = _checked_settings(
+        drafter_hidden,
+        verifier_hidden,
+        lm_head_weight,
+        labels,
+        weights,
+        dict(ce=ce, kl=kl, verifier_ce=verifier_ce, temperature=temperature, chunk_size=chunk_size),
+        dict(mem_budget_gib=mem_budget_gib, compile=compile, normalizer=normalizer, row_block=row_block),
+        keep_workspace,
     )
-    vh = verifier_hidden.detach() if verifier_hidden is not None else None
-    if need_grad:
+    labels, vh = labels.to(torch.int64), verifier_hidden.detach() if verifier_hidden is not None else None
+    if cfg.need_grad:
         loss = _VerifierLossFn.apply(drafter_hidden, vh, lm_head_weight, labels, weights, cfg)
     else:
         with torch.no_grad():
             loss, _ = _forward_impl(drafter_hidden.detach(), vh, lm_head_weight, labels, weights, cfg)
     res = cfg.result
-    return VerifierLossOutput(
-        loss=loss,
-        stats=res["stats"],
-        terms=res["terms"],
-        weight_sum=res["weight_sum"],
-        chunk_size=res["chunk_size"],
-    )
+    return VerifierLossOutput(loss, res["stats"], res["terms"], res["weight_sum"], res["chunk_size"])

@@ -2,9 +2,8 @@
 
 :func:`~dflash.loss.verifier.verifier_loss` puts its ``[C, V]`` chunk buffers and ``[S, V]``
 scratch in one flat buffer (GBs at a 150K-250K vocabulary). First touch of a fresh multi-GB CPU
-buffer costs page faults, measured 0.5-0.9 s per call at 1024 x 152K (the two 622 MB buffers of a
-1024-row chunk, 2-core VM, even with huge pages), so on CPU the largest workspace per
-``(device, dtype)`` is kept for the next call, as the CUDA caching allocator does on GPUs:
+buffer costs a page fault per page (a large share of a call at these sizes, even with huge
+pages), so on CPU the largest workspace per ``(device, dtype)`` is kept for the next call, as the CUDA caching allocator does on GPUs:
 :func:`acquire_workspace` takes it (or allocates a fresh one), :func:`return_workspace` puts it
 back and :func:`release_workspace` frees it. On Linux a fresh CPU buffer is backed by transparent
 huge pages when possible (``madvise(MADV_HUGEPAGE)``). Thread-safe: a concurrent call finds the
@@ -19,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from dflash.loss.device import kernel_device
 
 __all__ = ["acquire_workspace", "release_workspace", "return_workspace"]
 
@@ -50,14 +51,14 @@ def _madvise_huge(ptr: int, nbytes: int) -> bool:
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A flat uninitialised buffer; on Linux CPU backed by transparent huge pages when possible.
 
-    A fresh multi-GB CPU buffer costs ~0.3 s per GB in 4 KiB page faults on first touch; with
-    ``MADV_HUGEPAGE`` (honoured when THP is ``madvise`` or ``always``) it is ~10x cheaper and the
-    elementwise passes see fewer TLB misses.
+    A fresh CPU buffer takes one page fault per 4 KiB page on first touch; with ``MADV_HUGEPAGE``
+    (honoured when THP is ``madvise`` or ``always``) one per 2 MiB page, and the elementwise passes
+    see fewer TLB misses.
     """
     item = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * item
     if (
-        device.type != "cpu"
+        kernel_device(device) != "cpu"
         or nbytes < 8 * _HUGE_PAGE
         or _libc_madvise is False
         or not sys.platform.startswith("linux")
@@ -77,12 +78,11 @@ def acquire_workspace(numel: int, dtype: torch.dtype, device: torch.device, keep
     """A flat workspace of at least ``numel`` elements: on CPU the one kept from an earlier call
     when it is large enough.
 
-    First touch of a fresh multi-GB CPU buffer costs page faults (measured 0.5-0.9 s per call for
-    the two 622 MB buffers of a 1024-row chunk at V = 152K on a 2-core VM, even with huge pages),
-    so on CPU the workspace is kept between calls, as the CUDA caching allocator does on GPUs. A
+    First touch of a fresh multi-GB CPU buffer costs a page fault per page, so on CPU the
+    workspace is kept between calls, as the CUDA caching allocator does on GPUs. A
     concurrent call finds the cache empty and allocates its own.
     """
-    if keep and device.type == "cpu":
+    if keep and kernel_device(device) == "cpu":
         with _WS_LOCK:
             ws = _WS_CACHE.pop((device, dtype), None)
         if ws is not None and ws.numel() >= numel:
@@ -93,7 +93,7 @@ def acquire_workspace(numel: int, dtype: torch.dtype, device: torch.device, keep
 
 def return_workspace(ws: Tensor, keep: bool) -> None:
     """Keep ``ws`` for the next call (CPU, ``keep``) unless a larger one is already kept."""
-    if keep and ws.device.type == "cpu":
+    if keep and kernel_device(ws.device) == "cpu":
         key = (ws.device, ws.dtype)
         with _WS_LOCK:
             cur = _WS_CACHE.get(key)

@@ -4,7 +4,7 @@
 ``memory.py``     memory per GPU per role, GiB by item (pure Python)
 ``throughput.py`` packets/s of every N:M split and of the co-located mode (pure Python)
 ``inputs.py``     what a config implies: the GPU, the target's shape, the drafter, data statistics, the packet
-``planner.py``    the plan of one config; ``report.py`` its table and JSON; ``app.py`` ``python -m dflash.plan``
+``planner.py``    the plan of one config; ``tables.py`` its table and JSON; ``app.py`` ``python -m dflash.plan``
 
 The trainer imports the pure part at run time (``perf/tflops/*`` and busy fractions)::
 

@@ -3,11 +3,14 @@
     python -m dflash.plan experiment=qwen3_8b_8gpu plan.world_size=8 plan.gpu=h200
     python -m dflash.plan experiment=qwen3_6_27b_8gpu plan.gpu=h100 plan.mfu_drafter=0.3
     python -m dflash.plan experiment=qwen3_8b_8gpu plan.world_size=1 plan.gpu=h100   # one GPU: co-located
+    python -m dflash.plan experiment=qwen3_8b_8gpu plan.measure=true   # + each role rehearsed at real size
 
 The training config and its overrides (``conf/plan_app.yaml`` composes ``conf/config.yaml``) plus
-``plan.*``. Prints the table of :mod:`dflash.plan.report` and ends with one JSON line. Needs no
+``plan.*``. Prints the table of :mod:`dflash.plan.tables` and ends with one JSON line. Needs no
 GPU and no network, builds nothing and writes nothing; ``data.path`` may stay unset. A bad value
-is one short message (exit status 2), as in every dflash app.
+is one short message (exit status 2), as in every dflash app. ``plan.measure=true`` also runs each
+role's step at real size on CPU fake tensors (:mod:`dflash.plan.rehearse`, a minute or two) and
+adds ``measured_gib`` and ``estimated_gib`` to the JSON line.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import Config, PlanConfig, register_configs, to_config
-from dflash.config_checks import raise_problems
+from dflash.config.checks import raise_problems
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.planner import make_plan
-from dflash.plan.report import render, summary
+from dflash.plan.tables import fitting_overrides, measured_summary, render, render_measured, summary
 
 register_configs()
 
@@ -68,9 +71,17 @@ def plan_config(dcfg: DictConfig) -> Config:
 def run(dcfg: DictConfig) -> dict[str, Any]:
     """Plan ``dcfg``: print the table, then the JSON summary as the last line; returns the summary."""
     cfg = plan_config(dcfg)
-    plan = make_plan(cfg, resolve_inputs(cfg))
-    print(render(plan, cfg.name))
-    out = summary(plan, cfg.name, cfg.plan.gpu)
+    inputs = resolve_inputs(cfg)
+    plan = make_plan(cfg, inputs)
+    fixes = fitting_overrides(cfg, plan)
+    print(render(plan, cfg.name, fixes), flush=True)
+    out = summary(plan, cfg.name, cfg.plan.gpu, fixes)
+    if cfg.plan.measure:
+        from dflash.plan.rehearse import rehearse  # torch and the fake-tensor machinery: only when asked
+
+        measured = {role: m for (role, _), m in rehearse(cfg, inputs, settings=plan.settings).items()}
+        print("\n" + render_measured(plan, measured), flush=True)
+        out.update(measured_summary(plan, measured))
     print(json.dumps(out), flush=True)
     return out
 
@@ -81,6 +92,6 @@ def plan_task(dcfg: DictConfig, _run_dir: Path) -> int:
 
 
 def main() -> None:
-    from dflash.cli import run_app
+    from dflash.config.cli import run_app
 
     run_app("plan_app", Config, plan_task)

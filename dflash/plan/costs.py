@@ -19,7 +19,19 @@ Target (headless forward, never the lm_head), per computed token (padding includ
   ``dv = nv*dv_head``): projections ``2*H*(2*dk + 2*dv + 2*nv) + 2*dv*H`` (in_proj_qkv, in_proj_z,
   in_proj_a/b, out_proj), causal conv ``2*K*(2*dk + dv)`` and the delta rule ``6*nv*dk_head*dv_head``
   (state times key, rank-1 state update, state times query; the chunked kernels do about as much);
-- SwiGLU MLP ``6*H*F``.
+- SwiGLU MLP ``6*H*F``; a mixture-of-experts layer instead (``E`` experts of width ``F_e``, ``k_e``
+  of them per token, a shared expert of width ``F_s``): router ``2*H*E``, routed experts
+  ``k_e*6*H*F_e`` (the ACTIVE parameters: a token runs only its experts), shared expert
+  ``6*H*F_s + 2*H`` (its sigmoid gate).
+
+Target tensor parallelism (``k`` ranks per replica, :class:`dflash.targets.tp.TpLayout`): every
+part the plan splits costs each rank ``1/k`` of its FLOPs (heads, FFN width, or whole experts with
+expert parallelism: ``k_e/k`` experts per token per rank on average); what the plan keeps whole
+(routers, gpt-oss attention) each rank computes in full. The residual stream is replicated by one
+all-reduce of the ``[T, H]`` activations after every split attention, MLP, expert and shared-expert
+block, plus one after the split embedding; split Gated DeltaNet projections gather their outputs
+(``colwise_gather_output``: ``2*dk + 2*dv + 2*nv + H`` columns per token). A ring all-reduce of
+``S`` bytes sends ``2*(k-1)/k*S`` per rank, an all-gather of ``S`` gathered bytes ``(k-1)/k*S``.
 
 Drafter step (forward + backward), per packet:
 
@@ -48,6 +60,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from dflash.config import LossConfig, TargetShape
+from dflash.targets.tp import TpLayout
 
 AttentionKind = Literal["sparse", "dense"]
 """How many keys an attention kernel computes per query: only the visible ones, or the whole row."""
@@ -118,6 +131,9 @@ class PacketCosts:
     """Headless target forward (decoder layers; no embedding lookup, no lm_head)."""
     target_attention_flop: float
     """The part of ``target_flop`` spent in attention scores and weighted sums."""
+    target_flop_by_part: dict[str, float]
+    """``target_flop`` by part of the decoder layers (:func:`target_flop_by_part`; ``attention``
+    includes ``attention_scores``), for the time of a tensor-parallel replica."""
     drafter_layers_flop: float
     """``fc`` and the decoder layers, forward + backward."""
     drafter_attention_flop: float
@@ -139,8 +155,9 @@ class PacketCosts:
         return self.drafter_layers_flop + self.drafter_loss_total
 
 
-def target_layer_flop_per_token(target: TargetShape, keys_per_query: float) -> tuple[float, float]:
-    """``(all layers, their attention part)`` FLOPs of one token through the target's decoder layers."""
+def target_flop_by_part(target: TargetShape, keys_per_query: float) -> dict[str, float]:
+    """FLOPs of one token through all decoder layers, by part (the parts of
+    :data:`dflash.targets.tp.PART_PREFIXES`, ``attention`` including its scores, plus ``router``)."""
     h, f = target.hidden_size, target.intermediate_size
     gate = 2 if target.attn_output_gate else 1
     nh, nkv, hd = target.num_heads, target.num_kv_heads, target.head_dim
@@ -154,10 +171,69 @@ def target_layer_flop_per_token(target: TargetShape, keys_per_query: float) -> t
         + 2 * target.linear_conv_kernel_dim * (2 * dk + dv)
         + 6 * nv * target.linear_key_head_dim * target.linear_value_head_dim
     )
-    mlp = 6 * h * f
     num_full = target.num_layers - target.num_linear_layers
-    total = num_full * (full_proj + full_attn + mlp) + target.num_linear_layers * (linear + mlp)
-    return total, num_full * full_attn
+    layers = target.num_layers
+    parts = {
+        "attention": num_full * (full_proj + full_attn),
+        "attention_scores": num_full * full_attn,
+        "linear_attention": target.num_linear_layers * linear,
+        "mlp": 0.0 if target.num_experts else layers * 6 * h * f,
+        "experts": layers * target.num_experts_per_tok * 6 * h * target.moe_intermediate_size,
+        "router": layers * 2 * h * target.num_experts,
+        "shared_expert": layers * (6 * h * target.shared_expert_intermediate_size + 2 * h)
+        if target.shared_expert_intermediate_size
+        else 0.0,
+    }
+    return {k: float(v) for k, v in parts.items()}
+
+
+def target_layer_flop_per_token(target: TargetShape, keys_per_query: float) -> tuple[float, float]:
+    """``(all layers, their attention part)`` FLOPs of one token through the target's decoder layers."""
+    parts = target_flop_by_part(target, keys_per_query)
+    total = sum(v for k, v in parts.items() if k != "attention_scores")
+    return total, parts["attention_scores"]
+
+
+def tp_bytes_per_token(target: TargetShape, layout: TpLayout, dtype_bytes: int) -> dict[str, float]:
+    """Bytes one rank of a ``layout.tp_size``-rank replica sends per token to replicate the residual
+    stream, by kind (module docstring): ``all_reduce`` (all layers and the embedding) and ``gather``
+    (split linear-attention projections)."""
+    k = layout.tp_size
+    if k <= 1:
+        return {"all_reduce": 0.0, "gather": 0.0}
+    h = target.hidden_size
+    num_full = target.num_layers - target.num_linear_layers
+    per_layer_blocks = (
+        int(layout.split("mlp") and not target.num_experts)
+        + int(layout.split("experts") and target.num_experts > 0)
+        + int(layout.split("shared_expert") and target.shared_expert_intermediate_size > 0)
+    )
+    reduces = (
+        num_full * int(layout.split("attention"))
+        + target.num_layers * per_layer_blocks
+        + int(layout.split("embedding"))
+    )
+    nv = target.linear_num_value_heads
+    dk = target.linear_num_key_heads * target.linear_key_head_dim
+    dv = nv * target.linear_value_head_dim
+    gathered = (
+        target.num_linear_layers * (2 * dk + 2 * dv + 2 * nv + h) if layout.split("linear_attention") else 0
+    )
+    return {
+        "all_reduce": 2 * (k - 1) / k * reduces * h * dtype_bytes,
+        "gather": (k - 1) / k * gathered * dtype_bytes,
+    }
+
+
+def target_rank_flop(target_flop_by_part: dict[str, float], layout: TpLayout) -> float:
+    """FLOPs one rank of the replica computes, from :func:`target_flop_by_part` times tokens."""
+    k = layout.tp_size
+    total = 0.0
+    for part, flop in target_flop_by_part.items():
+        if part == "attention_scores":
+            continue
+        total += flop / k if layout.split(part) else flop
+    return total
 
 
 def target_keys_per_query(packet: PacketShape, attention: AttentionKind) -> float:
@@ -208,12 +284,11 @@ def packet_costs(
         raise ValueError(
             f"drafter hidden size {drafter.hidden_size} != target hidden size {target.hidden_size}"
         )
-    per_token, attn_per_token = target_layer_flop_per_token(
-        target, target_keys_per_query(packet, target_attention)
-    )
+    per_part = target_flop_by_part(target, target_keys_per_query(packet, target_attention))
     t_tokens = packet.target_tokens or packet.tokens
-    target_flop = per_token * t_tokens
-    target_attention_flop = attn_per_token * t_tokens
+    by_part = {k: v * t_tokens for k, v in per_part.items()}
+    target_flop = sum(v for k, v in by_part.items() if k != "attention_scores")
+    target_attention_flop = by_part["attention_scores"]
 
     h, bs = drafter.hidden_size, drafter.block_size
     nh, nkv, hd = drafter.num_heads, drafter.num_kv_heads, drafter.head_dim
@@ -236,6 +311,7 @@ def packet_costs(
     return PacketCosts(
         target_flop=float(target_flop),
         target_attention_flop=float(target_attention_flop),
+        target_flop_by_part=by_part,
         drafter_layers_flop=float(drafter_layers_flop),
         drafter_attention_flop=float(drafter_attention_flop),
         drafter_loss_flop={k: float(v) for k, v in loss_flop.items()},

@@ -17,14 +17,14 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
-from dflash.config import Config, GpuSpec, TargetShape, dataset_settings, drafter_attention
+from dflash.config import Config, GpuSpec, TargetShape, dataset_settings
+from dflash.config.resolve import drafter_attention, resolve_path
 from dflash.data.embedded import embedded_corpus_path
-from dflash.data.sources import EMBEDDED
-from dflash.drafter.model import DrafterArch
+from dflash.data.sources import EMBEDDED, resolve_data_path
+from dflash.drafter.arch import DrafterArch, build_arch
 from dflash.loss.verifier import default_chunk_size
 from dflash.plan.costs import AttentionKind, PacketShape
-from dflash.plan.memory import AUTOCAST_ACT_BYTES, RunDtypes
-from dflash.setup import build_arch, resolve_path
+from dflash.plan.memory import RunDtypes
 from dflash.targets.loader import TargetMeta, read_target_meta, resolve_layer_ids
 
 GPU_DIR = Path(__file__).resolve().parents[2] / "conf" / "gpu"
@@ -54,9 +54,13 @@ def shape_from_meta(meta: TargetMeta) -> TargetShape:
     """The cost model's shape of a target whose config.json was read (hybrid layers from ``layer_types``)."""
     text = meta.text_config
     num_linear = sum("linear" in str(t) for t in text.get("layer_types") or [])
+    num_experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
 
     def linear(key: str) -> int:
         return int(text.get(key) or 0) if num_linear else 0
+
+    def moe(key: str, fallback: int = 0) -> int:
+        return int(text.get(key) or fallback) if num_experts else 0
 
     return TargetShape(
         num_layers=meta.num_layers,
@@ -76,13 +80,19 @@ def shape_from_meta(meta: TargetMeta) -> TargetShape:
         linear_key_head_dim=linear("linear_key_head_dim"),
         linear_value_head_dim=linear("linear_value_head_dim"),
         linear_conv_kernel_dim=linear("linear_conv_kernel_dim"),
+        model_type=meta.model_type,
+        num_experts=num_experts,
+        num_experts_per_tok=moe("num_experts_per_tok"),
+        # gpt-oss names the expert width intermediate_size
+        moe_intermediate_size=moe("moe_intermediate_size", meta.intermediate_size),
+        shared_expert_intermediate_size=moe("shared_expert_intermediate_size"),
     )
 
 
 def meta_from_shape(shape: TargetShape) -> TargetMeta:
     """A TargetMeta carrying only ``shape`` (for ``build_arch`` and the tap ids without config.json)."""
     return TargetMeta(
-        model_type="target.shape",
+        model_type=shape.model_type or "target.shape",
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -98,12 +108,14 @@ def meta_from_shape(shape: TargetShape) -> TargetMeta:
 
 
 def shape_problems(declared: TargetShape, actual: TargetShape) -> list[str]:
-    """Every field of ``target.shape`` that differs from the target's config.json."""
+    """Every field of ``target.shape`` that differs from the target's config.json (``model_type``
+    only when declared)."""
     return [
         f"target.shape.{f.name}={getattr(declared, f.name)} but the target's config.json gives "
         f"{getattr(actual, f.name)}; fix conf/target/<name>.yaml"
         for f in dataclasses.fields(TargetShape)
         if getattr(declared, f.name) != getattr(actual, f.name)
+        and not (f.name == "model_type" and declared.model_type is None)
     ]
 
 
@@ -163,6 +175,7 @@ def cached_dataset_stats(cfg: Config, target_dir: str) -> DataStats | None:
     if not data.path:
         return None
     root = Path(resolve_path(data.cache_dir))
+    source: str | list[str]
     if data.path == EMBEDDED:
         source = str(
             embedded_corpus_path(
@@ -170,7 +183,7 @@ def cached_dataset_stats(cfg: Config, target_dir: str) -> DataStats | None:
             )
         )
     else:
-        source = resolve_path(data.path)
+        source = resolve_data_path(data.path, resolve_path)
     want = dataset_settings(data)
     metas = sorted(root.glob("*/meta.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     for meta_file in metas:
@@ -223,14 +236,13 @@ def attention_kinds(cfg: Config, num_seqs: int) -> tuple[AttentionKind, Attentio
 
 
 def run_dtypes(cfg: Config) -> RunDtypes:
-    """Element sizes: ``auto`` is bf16 on GPU and fp32 on CPU (as ``dflash.setup.torch_dtype``)."""
+    """Element sizes: ``auto`` is bf16 on GPU and fp32 on CPU (as ``dflash.train.setup.torch_dtype``)."""
     gpu = plan_device(cfg) == "cuda"
 
     def width(name: str) -> int:
         return 4 if name == "float32" or (name == "auto" and not gpu) else 2
 
-    activation = AUTOCAST_ACT_BYTES if width(cfg.drafter.dtype) == 2 else 4.0
-    return RunDtypes(target_bytes=width(cfg.target.dtype), activation_bytes=activation)
+    return RunDtypes(target_bytes=width(cfg.target.dtype), autocast=width(cfg.drafter.dtype) == 2, cuda=gpu)
 
 
 def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:

@@ -1,57 +1,102 @@
 """Memory per GPU for each role (GiB by item): the planner's memory model (pure Python, no torch).
 
-Exact items (what the code allocates):
+The element counts below are what the code allocates, read off the real-size rehearsal
+(:mod:`dflash.plan.rehearse`: the training step of each role on fake tensors with the GPU code paths),
+which ``tests/unit/test_rehearse.py`` holds them to within 5% per role for every shipped experiment.
+Notation: ``H`` hidden, ``A = nh*hd`` query width, ``K = nkv*hd`` key/value width, ``F`` FFN, ``V``
+vocabulary, ``n_tap`` taps, ``a`` target dtype bytes, ``P`` trainable drafter parameters, ``T``
+packet tokens, ``Q = blocks * block_size`` block tokens and ``S`` context rows of the drafter (both
+padded to the static flex shape), ``R`` loss rows, ``C`` loss chunk rows.
 
-- target weights: every parameter of the ``*ForCausalLM`` in the target dtype (the lm_head is
-  loaded although never run; tied embeddings are counted once);
-- drafter weights, gradients and AdamW moments: fp32, 4 + 4 + 8 bytes per trainable parameter
-  (the trainer keeps fp32 master weights and computes under bf16 autocast);
-- the drafter's frozen embedding and lm_head copies (``2 * V * H`` in the target dtype);
-- the loss workspace: ``n_buf`` fp32 ``[C, V]`` chunk buffers (2 with verifier logits, 1
-  without) plus ``dh`` and the compacted rows ``[R, H]`` in fp32;
-- packet buffers: a target holds the packet it builds plus ``max_in_flight`` unacknowledged ones,
-  a drafter the packet it trains on plus the one it receives ahead.
+Target rank: weights (every parameter in the target dtype; the lm_head is loaded, never run; all
+experts of a mixture-of-experts target; on a tensor-parallel replica each rank holds ``1/k`` of every
+part the plan splits, :class:`dflash.targets.tp.TpLayout`, and the rest whole), the
+``max_in_flight`` packets not yet acknowledged, and the forward of the next packet: the tap buffer
+``T*n_tap*H*a`` plus the largest working set of one layer (inference mode keeps nothing between layers):
 
-Estimates (stated element counts, checked against saved-tensor sizes of the tiny drafter in
-tests/unit/test_plan.py):
+- MLP: ``(4H + 3F)*a`` per computed token (input, residual, norm output; gate/up, SiLU, product;
+  a mixture of experts ``3*(k_e*F_e + F_s) + E`` in place of ``3F``; a split part's share on a TP rank);
+- full attention: ``(3H + (g + 2)*A + K)*a`` per token (``g = 2`` with an output gate: q, gate,
+  repeated k and v, RoPE'd q and k) plus, with a dense-attention kernel, per row of ``r`` tokens the
+  boolean mask and the additive mask SDPA makes of it before its CUDA kernels: ``r*r*(2 + a)``;
+- Gated DeltaNet (hybrid targets, transformers' torch fallback, fp32): ``4*nv*(10*dv + 3*64)`` per
+  token plus its conv and gate rows ``(2*dk + 2*dv)*a`` and ``3H*a``.
 
-- drafter activations saved for backward, per decoder layer: ``10*H + 4*nh*hd + 4*nkv*hd + 4*F``
-  elements per block token (norm inputs and outputs, q/k/v, attention output, MLP gate/up/product)
-  and ``4*nkv*hd`` per context token (its keys and values before and after norm and RoPE), plus
-  ``(n_tap + 3)*H`` per context token once (fc input and output, hidden norm); 4 bytes per element
-  in fp32, about 3 under bf16 autocast (bf16 GEMM operands, fp32 norms and residual stream);
-- target activations (inference mode, nothing kept between layers): the working set of one layer,
-  ``4*H + (g + 1)*nh*hd + 2*nkv*hd + 3*F`` elements per computed token, plus for a dense-attention
-  kernel the ``[row, row]`` mask of each row (1 byte bool + the additive mask SDPA derives from
-  it in the compute dtype).
+Drafter rank (bf16 autocast, the GPU default; fp32 runs count 4 bytes and no casts):
+
+- weights, gradients and AdamW moments: ``4P + 4P + 8P`` (fp32 master weights), divided by the
+  drafters that share them with ``drafter.shard`` (:func:`drafter_state`: ``optimizer`` also holds the
+  whole weights for the step, ``full`` four layer-sized buffers in backward);
+- the frozen embedding and lm_head ``2*V*H*a`` (a co-located rank uses the target's own);
+- one packet (the one being trained on; the next one's receive posts only its header);
+- activations saved for backward, per layer ``Q*(26H + 10A + 10K + 8F + 12nh + 4nkv + 16) +
+  S*(4H + 10K + 4nkv)`` bytes (fp32 residual stream and norms, bf16 GEMM inputs cast once per consumer,
+  bf16 GEMM outputs, flex's output and log-sum-exp) plus the bf16 copy of the layer's weights that
+  autocast caches, and once ``S*(2*n_tap*H + 6H)`` (fc input, context norm), ``Q*10H`` (noise
+  embedding, final norm), ``2*n_tap*H*H`` (fc's bf16 weight) and RoPE tables ``8*rd*(Q + S)``;
+- with per-layer checkpointing (``drafter.activation_checkpointing``) the layers keep only their
+  inputs ``(L + 1)*Q*4H`` and the context ``S*4H``; the peak is the larger of the loss (weight casts
+  still cached) and the backward of one layer (its activations recomputed, ``Q*(4H + 4F)`` of gradients);
+- the loss workspace: ``(2C + 256)*V*4`` (drafter and verifier logit chunks, the 256-row scratch;
+  ``C*V*4`` without a verifier), the bf16 copy of a gradient chunk ``C*V*2``, the gathered drafter rows
+  and their gradient ``2*R*H*4``, the verifier rows ``R*H*a`` and ``C*H*4``.
+
+Co-located rank: the target's weights, the drafter's state, one packet, and the larger of the target
+forward and the drafter step's transient (activations and loss workspace).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from dflash.config import TargetShape
 from dflash.plan.costs import AttentionKind, DrafterShape, PacketShape
+from dflash.targets.tp import TpLayout
 
 GIB = 2**30
 ADAM_BYTES_PER_PARAM = 4 + 4 + 8
 """fp32 weights, fp32 gradients, fp32 AdamW first and second moments."""
-AUTOCAST_ACT_BYTES = 3.0
-"""Mean bytes per saved activation element under bf16 autocast (measured 2.6-3.0 on the tiny drafter)."""
+CUDA_ROW_BLOCK = 256
+"""Rows of the loss's elementwise scratch on CUDA (``dflash.loss.verifier``)."""
+DELTA_CHUNK = 64
+"""Chunk length of transformers' torch Gated DeltaNet fallback."""
+SHARD_MODES = ("none", "optimizer", "full")
 
 
 @dataclass(frozen=True)
 class RunDtypes:
-    """Element sizes of a run: target weights and hidden states, drafter activations."""
+    """Element sizes of a run and where its kernels run."""
 
     target_bytes: int = 2
     """bf16 target (weights, hidden states on the wire, frozen embedding and lm_head)."""
-    activation_bytes: float = AUTOCAST_ACT_BYTES
-    """Per saved drafter activation element: 4 in fp32, :data:`AUTOCAST_ACT_BYTES` under bf16 autocast."""
+    autocast: bool = True
+    """The drafter computes under bf16 autocast (fp32 master weights); False: fp32 throughout."""
+    cuda: bool = True
+    """CUDA kernels (the loss's bf16 GEMM operands); False: CPU ones."""
 
 
-def target_num_params(target: TargetShape) -> int:
-    """Parameters of the target ``*ForCausalLM`` (matrices only; norms and biases are negligible)."""
+@dataclass(frozen=True)
+class DrafterSettings:
+    """Memory levers of a drafter rank."""
+
+    checkpoint: bool = False
+    """Per-layer activation checkpointing."""
+    shard: str = "none"
+    """``drafter.shard``: none, optimizer (AdamW state and gradients sharded) or full (weights too)."""
+    num_drafters: int = 1
+    """Drafters the state is sharded over."""
+
+
+PLAIN = DrafterSettings()
+"""No checkpointing, no sharding."""
+
+
+def target_params_by_part(target: TargetShape) -> dict[str, int]:
+    """Parameters of the target ``*ForCausalLM`` by part (matrices only; norms and biases are
+    negligible): the decoder-layer parts of :func:`dflash.plan.costs.target_flop_by_part` (all
+    experts), ``embedding`` and ``lm_head`` (0 when tied: counted once)."""
     h, f = target.hidden_size, target.intermediate_size
     nh, nkv, hd = target.num_heads, target.num_kv_heads, target.head_dim
     gate = 2 if target.attn_output_gate else 1
@@ -59,18 +104,101 @@ def target_num_params(target: TargetShape) -> int:
     nk, nv = target.linear_num_key_heads, target.linear_num_value_heads
     dk, dv = nk * target.linear_key_head_dim, nv * target.linear_value_head_dim
     linear = h * (2 * dk + 2 * dv + 2 * nv) + dv * h + target.linear_conv_kernel_dim * (2 * dk + dv)
-    num_full = target.num_layers - target.num_linear_layers
-    layers = num_full * full + target.num_linear_layers * linear + target.num_layers * 3 * h * f
-    embeddings = (1 if target.tie_word_embeddings else 2) * target.vocab_size * h
-    return layers + embeddings
+    layers = target.num_layers
+    shared = target.shared_expert_intermediate_size
+    return {
+        "attention": (layers - target.num_linear_layers) * full,
+        "linear_attention": target.num_linear_layers * linear,
+        "mlp": 0 if target.num_experts else layers * 3 * h * f,
+        "experts": layers * target.num_experts * 3 * h * target.moe_intermediate_size,
+        "router": layers * h * target.num_experts,
+        "shared_expert": layers * (3 * h * shared + h) if shared else 0,
+        "embedding": target.vocab_size * h,
+        "lm_head": 0 if target.tie_word_embeddings else target.vocab_size * h,
+    }
+
+
+def target_num_params(target: TargetShape) -> int:
+    """Parameters of the target ``*ForCausalLM`` (matrices only; norms and biases are negligible)."""
+    return sum(target_params_by_part(target).values())
+
+
+def target_active_params(target: TargetShape) -> int:
+    """Parameters one token runs through: the decoder layers with only ``num_experts_per_tok``
+    experts, and one embedding row (the lm_head never runs on a target rank)."""
+    parts = target_params_by_part(target)
+    experts = (
+        target.num_layers * target.num_experts_per_tok * 3 * target.hidden_size * target.moe_intermediate_size
+    )
+    return sum(v for k, v in parts.items() if k not in ("experts", "embedding", "lm_head")) + experts
+
+
+def target_rank_params(target: TargetShape, layout: TpLayout | None) -> float:
+    """Parameters one rank of a ``layout.tp_size``-rank replica holds (``layout=None``: the whole target)."""
+    parts = target_params_by_part(target)
+    if layout is None:
+        return float(sum(parts.values()))
+    return sum(v / layout.tp_size if layout.split(k) else float(v) for k, v in parts.items())
+
+
+def drafter_layer_params(drafter: DrafterShape) -> int:
+    """Weights of one drafter decoder layer (q, k, v, o projections and the SwiGLU MLP)."""
+    h = drafter.hidden_size
+    nh, nkv, hd = drafter.num_heads, drafter.num_kv_heads, drafter.head_dim
+    return 2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * drafter.intermediate_size
 
 
 def drafter_num_params(drafter: DrafterShape) -> int:
     """Trainable drafter parameters: decoder layers and ``fc`` (the norms are negligible)."""
-    h = drafter.hidden_size
-    nh, nkv, hd = drafter.num_heads, drafter.num_kv_heads, drafter.head_dim
-    layer = 2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * drafter.intermediate_size
-    return drafter.num_layers * layer + drafter.num_taps * h * h
+    return drafter.num_layers * drafter_layer_params(drafter) + drafter.num_taps * drafter.hidden_size**2
+
+
+def payload_bytes(packet: PacketShape, num_taps: int, hidden: int, dtype_bytes: int) -> int:
+    """One packet's tensors: hidden states, input ids (int64), loss mask (uint8), lengths and ids (int64)."""
+    t = packet.tokens
+    return t * (num_taps + 1) * hidden * dtype_bytes + 9 * t + 16 * packet.num_seqs
+
+
+def target_working_bytes(
+    target: TargetShape,
+    packet: PacketShape,
+    *,
+    attention: AttentionKind,
+    a: int,
+    layout: TpLayout | None = None,
+) -> float:
+    """The largest working set of one target layer in a headless forward (bytes; module doc); on a
+    tensor-parallel rank (``layout``) a split part's rows are its share ``1/k``."""
+
+    def share(part: str) -> float:
+        return 1 / layout.tp_size if layout is not None and layout.split(part) else 1.0
+
+    h = target.hidden_size
+    q = target.num_heads * target.head_dim * share("attention")
+    kv = target.num_kv_heads * target.head_dim * share("attention")
+    g = 2 if target.attn_output_gate else 1
+    if target.num_experts:
+        experts = 3 * target.num_experts_per_tok * target.moe_intermediate_size * share("experts")
+        ffn = (
+            experts + 3 * target.shared_expert_intermediate_size * share("shared_expert") + target.num_experts
+        )
+    else:
+        ffn = 3 * target.intermediate_size * share("mlp")
+    tokens = packet.target_tokens or packet.tokens
+    mlp = tokens * (4 * h + ffn) * a
+    attn = tokens * (3 * h + (g + 2) * q + kv) * a
+    if attention == "dense":
+        row = packet.target_row_tokens or packet.tokens
+        mask = (tokens // row) * row * row
+        mlp += mask
+        attn += mask * (2 + a)
+    if not target.num_linear_layers:
+        return max(mlp, attn)
+    nv = target.linear_num_value_heads * share("linear_attention")
+    dk = target.linear_num_key_heads * target.linear_key_head_dim * share("linear_attention")
+    dv = nv * target.linear_value_head_dim
+    delta = tokens * (4 * (10 * dv + 3 * nv * DELTA_CHUNK) + (2 * dk + 2 * dv) * a + 3 * h * a)
+    return max(mlp, attn, delta)
 
 
 def target_memory(
@@ -81,22 +209,94 @@ def target_memory(
     attention: AttentionKind,
     max_in_flight: int,
     dtypes: RunDtypes,
+    layout: TpLayout | None = None,
 ) -> dict[str, float]:
-    """GiB by item on a target rank: ``weights``, ``activations``, ``packets``."""
+    """GiB by item on a target rank: ``weights``, ``activations`` (the packet being made: its tap
+    buffer and the largest layer working set), ``packets`` (``max_in_flight`` still in flight);
+    ``layout``: on one rank of a tensor-parallel replica (its sender holds the packets in flight)."""
     a = dtypes.target_bytes
-    h, nh, nkv, hd = target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim
-    gate = 2 if target.attn_output_gate else 1
     tokens = packet.target_tokens or packet.tokens
-    working = tokens * (4 * h + (gate + 1) * nh * hd + 2 * nkv * hd + 3 * target.intermediate_size) * a
-    if attention == "dense":
-        row = packet.target_row_tokens or packet.tokens
-        working += (tokens // row) * row * row * (1 + a)
-    packet_bytes = packet.tokens * (num_taps + 1) * h * a
+    taps = tokens * num_taps * target.hidden_size * a
+    working = target_working_bytes(target, packet, attention=attention, a=a, layout=layout)
     return {
-        "weights": target_num_params(target) * a / GIB,
-        "activations": working / GIB,
-        "packets": (1 + max_in_flight) * packet_bytes / GIB,
+        "weights": target_rank_params(target, layout) * a / GIB,
+        "activations": (taps + working) / GIB,
+        "packets": max_in_flight * payload_bytes(packet, num_taps, target.hidden_size, a) / GIB,
     }
+
+
+def drafter_state(drafter: DrafterShape, settings: DrafterSettings) -> dict[str, float]:
+    """GiB of fp32 ``weights``, ``gradients`` and ``adamw`` per drafter rank at the loss.
+
+    ``optimizer`` shards gradients and moments over the drafters and holds the whole weights from the
+    first forward to the end of backward (FSDP2 without resharding after forward); ``full`` shards the
+    weights too and gathers one layer at a time (:func:`shard_backward_bytes`).
+    """
+    p = drafter_num_params(drafter)
+    m = settings.num_drafters if settings.shard != "none" else 1
+    weights = {"none": 4 * p, "optimizer": 4 * p + 4 * p / m, "full": 4 * p / m}[settings.shard]
+    return {"weights": weights / GIB, "gradients": 4 * p / m / GIB, "adamw": 8 * p / m / GIB}
+
+
+def shard_backward_bytes(drafter: DrafterShape, settings: DrafterSettings) -> float:
+    """What ``full`` sharding adds to the backward of a layer: four fp32 layer-sized buffers (its
+    gathered weights, the next layer's gathered ahead, its whole gradient and the reduce-scatter's)."""
+    full = settings.shard == "full" and settings.num_drafters > 1
+    return 16 * drafter_layer_params(drafter) if full else 0.0
+
+
+def _layer_activation_bytes(drafter: DrafterShape, q: int, s: int, autocast: bool) -> float:
+    """Bytes one drafter layer saves for backward (module doc), its weight casts included."""
+    h, f = drafter.hidden_size, drafter.intermediate_size
+    nh, nkv = drafter.num_heads, drafter.num_kv_heads
+    a, k = nh * drafter.head_dim, nkv * drafter.head_dim
+    small = q * (12 * nh + 4 * nkv + 16) + s * 4 * nkv  # norm statistics, flex's log-sum-exp
+    if autocast:
+        big = q * (26 * h + 10 * a + 10 * k + 8 * f) + s * (4 * h + 10 * k)
+        return big + small + 2 * drafter_layer_params(drafter)
+    return q * 4 * (6 * h + 4 * a + 4 * k + 4 * f) + s * 4 * 4 * k + small
+
+
+def drafter_activations(
+    drafter: DrafterShape, q: int, s: int, dtypes: RunDtypes, checkpoint: bool
+) -> tuple[float, float]:
+    """``(at the loss, in backward)`` bytes of drafter activations (module doc)."""
+    h, f, n_tap, layers = drafter.hidden_size, drafter.intermediate_size, drafter.num_taps, drafter.num_layers
+    rd = int(drafter.head_dim * getattr(drafter, "partial_rotary_factor", 1.0))
+    c = 2 if dtypes.autocast else 4  # bytes of a GEMM output
+    casts = 2 * drafter_num_params(drafter) if dtypes.autocast else 0
+    # fc's input (cast to bf16, or the fp32 copy of the taps) and the context norm; RoPE tables
+    once = s * (2 * n_tap * h + 6 * h if dtypes.autocast else 4 * n_tap * h + 12 * h) + 8 * rd * (q + s)
+    ends = q * (8 + dtypes.target_bytes) * h  # the noise embedding, the final norm
+    layer = _layer_activation_bytes(drafter, q, s, dtypes.autocast)
+    if not checkpoint:
+        full = (
+            once
+            + ends
+            + layers * layer
+            + (casts - layers * 2 * drafter_layer_params(drafter) if casts else 0)
+        )
+        return full, full
+    # the layers keep their inputs (and, under autocast, the context, which only casts read otherwise)
+    saved = once + (s * 4 * h if dtypes.autocast else 0) + layers * q * 4 * h
+    at_loss = saved + q * 4 * h + ends + casts
+    # one layer recomputed (its output is not kept) and the gradients of its input and MLP rows
+    backward = saved + layer - q * 4 * h + q * (4 * h + 2 * c * f)
+    return at_loss, backward
+
+
+def loss_workspace_bytes(
+    drafter: DrafterShape, rows: int, chunk_rows: int, *, verifier_logits: bool, dtypes: RunDtypes
+) -> float:
+    """Bytes of the chunked loss at its peak (module doc)."""
+    v, h, a = drafter.vocab_size, drafter.hidden_size, dtypes.target_bytes
+    chunk = min(chunk_rows, max(rows, 1))
+    scratch = min(CUDA_ROW_BLOCK if dtypes.cuda else 128, chunk) if verifier_logits else 0
+    logits = ((2 if verifier_logits else 1) * chunk + scratch) * v * 4
+    if a < 4:
+        logits += chunk * v * 2 if dtypes.cuda else v * h * 4  # the bf16 gradient chunk / an fp32 head
+    rows_bytes = 2 * rows * h * 4 + (rows * h * a if verifier_logits else 0) + chunk * h * 4
+    return logits + rows_bytes
 
 
 def drafter_memory(
@@ -106,51 +306,49 @@ def drafter_memory(
     loss_chunk_rows: int,
     verifier_logits: bool,
     dtypes: RunDtypes,
+    settings: DrafterSettings = PLAIN,
 ) -> dict[str, float]:
-    """GiB by item on a drafter rank: ``weights``, ``gradients``, ``adamw``, ``embed_and_head``,
-    ``activations``, ``loss_workspace``, ``packets``. ``loss_chunk_rows``: the loss chunk ``C``
-    (``dflash.loss.verifier.default_chunk_size`` or ``loss.chunk_size``)."""
+    """GiB by item on a drafter rank at its peak: ``weights``, ``gradients``, ``adamw``,
+    ``embed_and_head``, ``activations``, ``loss_workspace``, ``packets``. ``loss_chunk_rows``: the
+    loss chunk ``C`` (``dflash.loss.verifier.default_chunk_size`` or ``loss.chunk_size``)."""
     h, bs = drafter.hidden_size, drafter.block_size
-    nh, nkv, hd, f = drafter.num_heads, drafter.num_kv_heads, drafter.head_dim, drafter.intermediate_size
-    params = drafter_num_params(drafter)
     blocks = packet.drafter_blocks if packet.drafter_blocks is not None else packet.num_anchors
-    q = blocks * bs
-    s_c = packet.drafter_context_tokens or packet.tokens
-    per_block_token = 10 * h + 4 * nh * hd + 4 * nkv * hd + 4 * f
-    elements = (
-        drafter.num_layers * (q * per_block_token + s_c * 4 * nkv * hd) + s_c * (drafter.num_taps + 3) * h
-    )
+    q, s = blocks * bs, packet.drafter_context_tokens or packet.tokens
     rows = packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (bs - 1)
-    chunk = min(loss_chunk_rows, max(rows, 1))
-    workspace = (2 if verifier_logits else 1) * chunk * drafter.vocab_size * 4 + 2 * rows * h * 4
-    packet_bytes = packet.tokens * (drafter.num_taps + 1) * h * dtypes.target_bytes
+    at_loss, backward = drafter_activations(drafter, q, s, dtypes, settings.checkpoint)
+    backward += shard_backward_bytes(drafter, settings)
+    workspace = loss_workspace_bytes(
+        drafter, rows, loss_chunk_rows, verifier_logits=verifier_logits, dtypes=dtypes
+    )
+    if at_loss + workspace >= backward:
+        activations, loss = at_loss, workspace
+    else:
+        activations, loss = backward, 0.0
     return {
-        "weights": params * 4 / GIB,
-        "gradients": params * 4 / GIB,
-        "adamw": params * 8 / GIB,
+        **drafter_state(drafter, settings),
         "embed_and_head": 2 * drafter.vocab_size * h * dtypes.target_bytes / GIB,
-        "activations": elements * dtypes.activation_bytes / GIB,
-        "loss_workspace": workspace / GIB,
-        "packets": 2 * packet_bytes / GIB,
+        "activations": activations / GIB,
+        "loss_workspace": loss / GIB,
+        "packets": payload_bytes(packet, drafter.num_taps, h, dtypes.target_bytes) / GIB,
     }
 
 
 def colocated_memory(target_items: dict[str, float], drafter_items: dict[str, float]) -> dict[str, float]:
     """GiB by item on a co-located rank: the target and a drafter replica on one device.
 
-    Both weight sets, the drafter's gradients, AdamW moments and frozen copies stay; the target's
-    activations are freed before the drafter step, so the transient peak is the larger of the
-    target's activations and the drafter's activations plus loss workspace; one packet, handed
-    over in memory."""
+    The drafter uses the target's embedding and lm_head (no copy); the target's activations are
+    freed before the drafter step, so the peak is in the target forward (its tap buffer and layer
+    working set) or in the drafter step (its activations and loss workspace, and the packet the
+    forward made, handed over in memory), whichever is larger."""
     drafter_transient = drafter_items["activations"] + drafter_items["loss_workspace"]
+    in_target = target_items["activations"] >= drafter_transient + drafter_items["packets"]
     return {
         "target_weights": target_items["weights"],
         "drafter_weights": drafter_items["weights"],
         "gradients": drafter_items["gradients"],
         "adamw": drafter_items["adamw"],
-        "embed_and_head": drafter_items["embed_and_head"],
-        "activations_peak": max(target_items["activations"], drafter_transient),
-        "packets": drafter_items["packets"] / 2,
+        "activations_peak": target_items["activations"] if in_target else drafter_transient,
+        "packets": 0.0 if in_target else drafter_items["packets"],
     }
 
 
@@ -164,6 +362,7 @@ def memory_per_role(
     loss_chunk_rows: int,
     verifier_logits: bool,
     dtypes: RunDtypes,
+    settings: DrafterSettings = PLAIN,
 ) -> dict[str, dict[str, float]]:
     """GiB by item for each role: ``target``, ``drafter`` and ``colocated`` (both on one GPU)."""
     t = target_memory(
@@ -175,6 +374,73 @@ def memory_per_role(
         dtypes=dtypes,
     )
     d = drafter_memory(
-        drafter, packet, loss_chunk_rows=loss_chunk_rows, verifier_logits=verifier_logits, dtypes=dtypes
+        drafter,
+        packet,
+        loss_chunk_rows=loss_chunk_rows,
+        verifier_logits=verifier_logits,
+        dtypes=dtypes,
+        settings=settings,
     )
     return {"target": t, "drafter": d, "colocated": colocated_memory(t, d)}
+
+
+_CONFIG_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
+"""TargetShape / DrafterShape field -> its config.json name (the others are the same)."""
+_SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+)
+_MLP = "the MLP (3 x num_hidden_layers x hidden_size x intermediate_size)"
+_EMBEDDINGS = "the embedding and lm_head (vocab_size x hidden_size)"
+
+
+def weights_problem(
+    what: str,
+    source: str,
+    shape: TargetShape | DrafterShape,
+    bytes_per_param: float,
+    capacity_bytes: float,
+    capacity: str,
+) -> str | None:
+    """Why the weights a shape implies cannot fit the device, checked before anything is
+    allocated; None when they fit.
+
+    ``shape`` is a target's (:class:`TargetShape`, counted by :func:`target_num_params`) or a
+    drafter's (a dataclass such as ``DrafterArch``, counted by :func:`drafter_num_params`);
+    ``bytes_per_param`` what one parameter costs there (the dtype's size; a trained drafter
+    :data:`ADAM_BYTES_PER_PARAM`). ``source`` names the file or config the shape came from,
+    ``capacity`` the device memory (``host RAM``, ``free memory of cuda:0``). The message gives the
+    config.json fields the count reads, the implied GiB and the share of its largest part (the MLP,
+    the embeddings, the attention weights)."""
+    flexible: Any = shape  # dataclasses.replace on either kind of shape
+    if isinstance(shape, TargetShape):
+        total = target_num_params(shape)
+        shares = {
+            _MLP: total - target_num_params(dataclasses.replace(shape, intermediate_size=0)),
+            _EMBEDDINGS: total - target_num_params(dataclasses.replace(shape, vocab_size=0)),
+        }
+    else:
+        total = drafter_num_params(shape)
+        shares = {_MLP: total - drafter_num_params(dataclasses.replace(flexible, intermediate_size=0))}
+    need = total * bytes_per_param
+    if need <= capacity_bytes:
+        return None
+    shares["the attention weights"] = total - sum(shares.values())
+    largest = max(shares, key=lambda k: shares[k])
+    fields = ", ".join(
+        f"{_CONFIG_NAMES.get(n, n)}={getattr(shape, n)}" for n in _SHAPE_FIELDS if hasattr(shape, n)
+    )
+    return (
+        f"{source}: {fields} imply {need / GIB:.1f} GiB of {what} weights ({total:.3g} parameters x "
+        f"{bytes_per_param:g} bytes; {shares[largest] * bytes_per_param / GIB:.1f} GiB of it {largest}), more "
+        f"than the {capacity_bytes / GIB:.1f} GiB of {capacity}: nothing was allocated; fix those fields"
+    )

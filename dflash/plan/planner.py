@@ -1,22 +1,34 @@
-"""The plan of one config: per-packet costs, memory per role, every N:M split and the co-located mode."""
+"""The plan of one config: per-packet costs, memory per role, every N:M split (with target replicas
+of one or more GPUs) and the co-located mode."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.config import Config
-from dflash.plan.costs import PacketCosts, packet_costs
+from dflash.config import Config, GpuSpec, TargetShape
+from dflash.plan.costs import PacketCosts, packet_costs, target_rank_flop, tp_bytes_per_token
+from dflash.plan.fit import CheckpointDecision, decide_checkpointing, num_drafters, role_memory
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs
-from dflash.plan.memory import GIB, drafter_num_params, memory_per_role
+from dflash.plan.memory import GIB, DrafterSettings, drafter_num_params, target_memory
 from dflash.plan.throughput import RoleTimes, Split, best_split, colocated, disaggregated, role_times
+from dflash.targets.tp import TpLayout, tp_layout, tp_problems
 
 ROLES = ("target", "drafter", "colocated")
 FIT_HINTS = {
     "target": "lower data.token_budget (activations and a dense mask grow with it) or use a larger GPU",
-    "drafter": "lower drafter.max_anchors_per_packet (activations grow with the blocks per packet) or "
-    "data.token_budget",
+    "drafter": "lower drafter.max_anchors_per_packet (activations grow with the blocks per packet)",
     "colocated": "lower drafter.max_anchors_per_packet, or (2+ GPUs) run disaggregated",
 }
+
+
+def fit_hint(role: str, settings: DrafterSettings) -> str:
+    """What to change when ``role`` does not fit: the drafter's levers not yet in use, then FIT_HINTS."""
+    if role == "target":
+        return FIT_HINTS[role]
+    levers = [] if settings.checkpoint else ["drafter.activation_checkpointing=layers"]
+    if settings.shard != "full" and (role == "colocated" or settings.num_drafters > 1):
+        levers.append("drafter.shard=full")
+    return f"set {' and '.join(levers)}, or {FIT_HINTS[role]}" if levers else FIT_HINTS[role]
 
 
 @dataclass(frozen=True)
@@ -24,14 +36,18 @@ class Plan:
     inputs: PlanInputs
     costs: PacketCosts
     memory: dict[str, dict[str, float]]
-    """GiB by item for each of :data:`ROLES`."""
+    """GiB by item for each of :data:`ROLES` (the target on one GPU)."""
     capacity_gib: float
     """What one GPU offers to tensors: HBM minus ``plan.reserved_gib``."""
+    settings: DrafterSettings
+    """The drafter's memory levers the estimates assume (``auto`` checkpointing resolved)."""
+    checkpointing: CheckpointDecision
     fits: dict[str, bool]
-    """Whether each role's memory fits ``capacity_gib``."""
+    """Whether each role's memory fits ``capacity_gib`` (the target on one GPU)."""
     times: RoleTimes
     splits: list[Split]
-    """Every N:M of the world, N = 1 .. W-1."""
+    """Every split of the world: N:M (N = 1 .. W-1) and, for each tensor-parallel degree k of
+    :attr:`layouts`, N replicas of k GPUs and the M = W - N*k drafters left."""
     colocated: Split
     best: Split
     """The fastest disaggregated split (that fits, when any does); on one GPU the co-located mode."""
@@ -39,6 +55,14 @@ class Plan:
     """The config's own topology, when it uses the whole world."""
     world_size: int
     warnings: list[str]
+    layouts: dict[int, TpLayout]
+    """Tensor-parallel degrees k > 1 the target can use on this GPU (k divides gpus_per_node and
+    the plan can split the shape k ways), with what a rank holds."""
+    replica_memory: dict[int, dict[str, float]]
+    """GiB by item on one rank of a k-GPU replica, by k (1: ``memory["target"]``)."""
+    replica_fits: dict[int, bool]
+    tp_bytes_per_packet: dict[int, dict[str, float]]
+    """Bytes one rank of a k-GPU replica sends per packet (``all_reduce``, ``gather``), by k."""
 
     @property
     def mode(self) -> str:
@@ -57,6 +81,81 @@ class Plan:
         return self.inputs.packet.num_seqs
 
 
+def tp_layouts(target: TargetShape, gpu: GpuSpec, world_size: int) -> dict[int, TpLayout]:
+    """The tensor-parallel degrees ``k > 1`` a replica of ``target`` can use: ``k`` divides the GPUs
+    of a node (a replica stays inside one), leaves a GPU for a drafter, and the model's transformers
+    plan can split the shape ``k`` ways (:func:`dflash.targets.tp.tp_problems`)."""
+    out = {}
+    for k in range(2, min(gpu.gpus_per_node, world_size - 1) + 1):
+        if gpu.gpus_per_node % k:
+            continue
+        layout = tp_layout(target.model_type, target.num_experts, k)
+        problems = tp_problems(
+            layout,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            num_experts=target.num_experts,
+            moe_intermediate_size=target.moe_intermediate_size,
+        )
+        if not problems:
+            out[k] = layout
+    return out
+
+
+def _replicas(
+    cfg: Config, inputs: PlanInputs, costs: PacketCosts, layouts: dict[int, TpLayout]
+) -> tuple[dict[int, dict[str, float]], dict[int, tuple[float, float]], dict[int, dict[str, float]]]:
+    """Memory of one replica rank, ``(FLOPs, bytes sent)`` per packet of one rank, and those bytes by kind."""
+    memory, work, sent = {}, {}, {}
+    shape, tokens = inputs.target.shape, inputs.packet.target_tokens or inputs.packet.tokens
+    for k, layout in layouts.items():
+        memory[k] = target_memory(
+            shape,
+            inputs.packet,
+            inputs.arch.num_taps,
+            attention=inputs.target_attention,
+            max_in_flight=cfg.topology.max_in_flight,
+            dtypes=inputs.dtypes,
+            layout=layout,
+        )
+        sent[k] = {
+            kind: b * tokens
+            for kind, b in tp_bytes_per_token(shape, layout, inputs.dtypes.target_bytes).items()
+        }
+        work[k] = (target_rank_flop(costs.target_flop_by_part, layout), sum(sent[k].values()))
+    return memory, work, sent
+
+
+def _warnings(
+    plan_fits: dict[str, bool],
+    replica_fits: dict[int, bool],
+    need: dict[str, float],
+    capacity: float,
+    cfg: Config,
+    gpu: GpuSpec,
+    world: int,
+    settings: DrafterSettings,
+) -> list[str]:
+    """A warning for every role that fits no GPU (the target: on one GPU, naming the replicas that fit)."""
+    warnings = []
+    for role in ROLES if world > 1 else ("colocated",):
+        if plan_fits[role]:
+            continue
+        hint = fit_hint(role, settings)
+        if role == "target":
+            fitting = [k for k, ok in replica_fits.items() if ok and k > 1]
+            hint = (
+                f"tensor-parallel replicas fit: topology.target_tp={fitting[0]} (the splits NxK use them)"
+                if fitting
+                else hint + ", or tensor-parallel replicas (topology.target_tp): none fits either"
+            )
+        warnings.append(
+            f"{role} does not fit one GPU: {need[role]:.1f} GiB needed, {capacity:.1f} GiB available on "
+            f"{gpu.name} ({gpu.hbm_gb:g} GB minus plan.reserved_gib={cfg.plan.reserved_gib:g}); {hint}"
+        )
+    return warnings
+
+
 def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     """Costs, memory and throughput of ``cfg`` on ``plan.world_size`` GPUs of ``plan.gpu``."""
     p, gpu, world = cfg.plan, inputs.gpu, cfg.plan.world_size
@@ -70,18 +169,14 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         verifier_metrics=VERIFIER_METRICS,
         hidden_dtype_bytes=inputs.dtypes.target_bytes,
     )
-    memory = memory_per_role(
-        inputs.target.shape,
-        inputs.arch,
-        inputs.packet,
-        target_attention=inputs.target_attention,
-        max_in_flight=cfg.topology.max_in_flight,
-        loss_chunk_rows=inputs.loss_chunk_rows,
-        verifier_logits=inputs.verifier_logits,
-        dtypes=inputs.dtypes,
-    )
     capacity = gpu.hbm_gb * 1e9 / GIB - p.reserved_gib
+    decision = decide_checkpointing(cfg, inputs, capacity, world_size=world)
+    settings = DrafterSettings(decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world))
+    memory = role_memory(cfg, inputs, settings)
     fits = {role: sum(memory[role].values()) <= capacity for role in ROLES}
+    layouts = tp_layouts(inputs.target.shape, gpu, world)
+    replica_memory, work, sent = _replicas(cfg, inputs, costs, layouts)
+    replica_fits = {1: fits["target"], **{k: sum(m.values()) <= capacity for k, m in replica_memory.items()}}
     times = role_times(
         costs,
         gpu,
@@ -89,31 +184,38 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         mfu_drafter=p.mfu_drafter,
         drafter_params=drafter_num_params(inputs.arch),
         grad_accum_steps=cfg.optim.grad_accum_steps,
+        replicas=work,
+        # checkpointed layers run their forward again: a third of their forward + backward
+        recompute_flop=costs.drafter_layers_flop / 3 if settings.checkpoint else 0.0,
     )
-    both = fits["target"] and fits["drafter"]
-    splits = [disaggregated(times, costs.payload_bytes, gpu, world, n, both) for n in range(1, world)]
+    splits = [
+        disaggregated(times, costs.payload_bytes, gpu, world, n, replica_fits[k] and fits["drafter"], k)
+        for k in (1, *layouts)
+        for n in range(1, (world - 1) // k + 1)
+    ]
     co = colocated(times, gpu, world, fits["colocated"])
     t = cfg.topology
     configured = (
         co
         if t.colocated
         else next(
-            (s for s in splits if (s.num_targets, s.num_drafters) == (t.num_targets, t.num_drafters)), None
+            (
+                s
+                for s in splits
+                if (s.num_targets, s.num_drafters, s.target_tp)
+                == (t.num_targets, t.num_drafters, t.target_tp)
+            ),
+            None,
         )
     )
-    warnings = list(inputs.target.problems)
-    for role in ROLES if world > 1 else ("colocated",):
-        if not fits[role]:
-            need = sum(memory[role].values())
-            warnings.append(
-                f"{role} does not fit: {need:.1f} GiB needed per GPU, {capacity:.1f} GiB available on "
-                f"{gpu.name} ({gpu.hbm_gb:g} GB minus plan.reserved_gib={p.reserved_gib:g}); {FIT_HINTS[role]}"
-            )
+    need = {role: sum(memory[role].values()) for role in ROLES}
     return Plan(
         inputs=inputs,
         costs=costs,
         memory=memory,
         capacity_gib=capacity,
+        settings=settings,
+        checkpointing=decision,
         fits=fits,
         times=times,
         splits=splits,
@@ -121,5 +223,10 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         best=best_split(splits) if splits else co,
         configured=configured,
         world_size=world,
-        warnings=warnings,
+        warnings=list(inputs.target.problems)
+        + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world, settings),
+        layouts=layouts,
+        replica_memory={1: memory["target"], **replica_memory},
+        replica_fits=replica_fits,
+        tp_bytes_per_packet=sent,
     )

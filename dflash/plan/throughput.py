@@ -17,6 +17,13 @@ Disaggregated ``N:M`` (``N`` targets, ``M`` drafters): packets/s
 what a packet carries and ``link`` one direction of a GPU's NVLink (or of its network share when
 the world spans hosts): each target sends, each drafter receives, its share of the packets.
 
+Tensor-parallel replicas ``NxK:M`` (``N`` replicas of ``K`` GPUs, world ``N*K + M``): ``t_target`` is
+a replica's time per packet, ``t_replica = rank_flop / (P * mfu_target) + tp_bytes / link_nvlink``:
+the FLOPs of one rank (the split parts ``1/K``, the rest whole; :func:`dflash.plan.costs.target_rank_flop`)
+plus its all-reduces and gathers over one direction of NVLink, not overlapped with compute
+(transformers' TP runs them on the compute stream). A replica stays inside a node (``K`` divides
+``gpus_per_node``), so its collectives never use the network; one rank of it sends each packet.
+
 Co-located (every GPU holds the target and a drafter replica and runs both per packet, no
 send/recv): packets/s ``= W / (t_target + t_drafter)`` with the all-reduce among all ``W``.
 
@@ -26,7 +33,7 @@ memory (among all when none fits), ties going to more drafters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dflash.config import GpuSpec
 from dflash.plan.costs import PacketCosts
@@ -44,6 +51,11 @@ class RoleTimes:
     mfu_drafter: float
     drafter_params: int
     grad_accum_steps: int
+    replica_s: dict[int, float] = field(default_factory=dict)
+    """Seconds per packet of a tensor-parallel replica of ``k`` GPUs, by ``k`` (1: ``target_s``)."""
+
+    def target_replica_s(self, target_tp: int) -> float:
+        return self.target_s if target_tp == 1 else self.replica_s[target_tp]
 
     def drafter_step_s(self, num_drafters: int, gpu: GpuSpec, world_size: int) -> float:
         """Drafter seconds per packet including its share of the step's all-reduce and AdamW update."""
@@ -60,18 +72,28 @@ class Split:
     mode: str
     """``disaggregated`` or ``colocated``."""
     num_targets: int
+    """Target replicas (disaggregated) or ranks (co-located)."""
     num_drafters: int
     packets_per_s: float
     bound: str
     """What limits it: ``targets``, ``drafters``, ``link`` (disaggregated) or ``both`` (co-located)."""
     fits: bool
+    target_tp: int = 1
+    """GPUs per target replica."""
 
     @property
     def label(self) -> str:
+        if self.mode == "colocated":
+            return f"co-located x{self.num_targets}"
+        replicas = f"{self.num_targets}x{self.target_tp}" if self.target_tp > 1 else str(self.num_targets)
+        return f"{replicas}:{self.num_drafters}"
+
+    @property
+    def world_size(self) -> int:
         return (
-            f"co-located x{self.num_targets}"
+            self.num_drafters
             if self.mode == "colocated"
-            else f"{self.num_targets}:{self.num_drafters}"
+            else self.num_targets * self.target_tp + self.num_drafters
         )
 
 
@@ -83,16 +105,24 @@ def role_times(
     mfu_drafter: float,
     drafter_params: int,
     grad_accum_steps: int,
+    replicas: dict[int, tuple[float, float]] | None = None,
+    recompute_flop: float = 0.0,
 ) -> RoleTimes:
-    """``t = FLOP / (peak * MFU)`` for each role on one GPU of ``gpu``."""
+    """``t = FLOP / (peak * MFU)`` for each role on one GPU of ``gpu``; ``replicas``: ``k ->
+    (FLOPs of one rank, bytes one rank sends)`` per packet of a ``k``-GPU tensor-parallel replica;
+    ``recompute_flop``: what activation checkpointing runs again per packet (the layers' forward)."""
     peak = gpu.bf16_tflops * 1e12
+    nvlink = gpu.nvlink_gbps / 2 * 1e9
     return RoleTimes(
         target_s=costs.target_flop / (peak * mfu_target),
-        drafter_s=costs.drafter_flop / (peak * mfu_drafter),
+        drafter_s=(costs.drafter_flop + recompute_flop) / (peak * mfu_drafter),
         mfu_target=mfu_target,
         mfu_drafter=mfu_drafter,
         drafter_params=drafter_params,
         grad_accum_steps=grad_accum_steps,
+        replica_s={
+            k: flop / (peak * mfu_target) + sent / nvlink for k, (flop, sent) in (replicas or {}).items()
+        },
     )
 
 
@@ -110,17 +140,19 @@ def disaggregated(
     world_size: int,
     num_targets: int,
     fits: bool,
+    target_tp: int = 1,
 ) -> Split:
-    """Packets/s of ``num_targets`` targets and ``world_size - num_targets`` drafters."""
-    m = world_size - num_targets
+    """Packets/s of ``num_targets`` target replicas of ``target_tp`` GPUs and the drafters on the
+    ``world_size - num_targets * target_tp`` GPUs left."""
+    m = world_size - num_targets * target_tp
     link = link_bytes_per_s(gpu, world_size) / payload_bytes
     bounds = {
-        "targets": num_targets / times.target_s,
+        "targets": num_targets / times.target_replica_s(target_tp),
         "drafters": m / times.drafter_step_s(m, gpu, world_size),
         "link": min(num_targets, m) * link,
     }
     bound = min(bounds, key=lambda k: bounds[k])
-    return Split("disaggregated", num_targets, m, bounds[bound], bound, fits)
+    return Split("disaggregated", num_targets, m, bounds[bound], bound, fits, target_tp)
 
 
 def colocated(times: RoleTimes, gpu: GpuSpec, world_size: int, fits: bool) -> Split:
@@ -130,8 +162,29 @@ def colocated(times: RoleTimes, gpu: GpuSpec, world_size: int, fits: bool) -> Sp
 
 
 def best_split(splits: list[Split]) -> Split:
-    """The disaggregated split with the most packets/s (ties: more drafters), among those that fit
-    when any does (otherwise among all: the caller warns that a role does not fit)."""
+    """The disaggregated split with the most packets/s (ties: more drafters, then smaller replicas),
+    among those that fit when any does (otherwise among all: the caller warns that a role does not fit)."""
     disaggregated_splits = [s for s in splits if s.mode == "disaggregated"]
     candidates = [s for s in disaggregated_splits if s.fits] or disaggregated_splits
-    return max(candidates, key=lambda s: (round(s.packets_per_s, 9), s.num_drafters))
+    return max(candidates, key=lambda s: (round(s.packets_per_s, 9), s.num_drafters, -s.target_tp))
+
+
+def placement(split: Split, gpus_per_node: int) -> list[str]:
+    """One line per node: which of its GPUs hold which target replica (``target_tp`` consecutive
+    ranks from rank 0, never across a node since ``target_tp`` divides ``gpus_per_node``) or drafters."""
+    if split.mode == "colocated":
+        return [f"every GPU: the target and a drafter replica ({split.num_drafters} ranks)"]
+    k = split.target_tp
+    owner = [f"replica {r // k}" if k > 1 else "targets" for r in range(split.num_targets * k)]
+    owner += ["drafters"] * split.num_drafters
+    lines = []
+    for start in range(0, len(owner), gpus_per_node):
+        runs: list[list] = []  # [first GPU, last GPU, owner]
+        for i, what in enumerate(owner[start : start + gpus_per_node]):
+            if runs and runs[-1][2] == what:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i, what])
+        gpus = [f"GPU {a} {w}" if a == b else f"GPUs {a}-{b} {w}" for a, b, w in runs]
+        lines.append(f"node {start // gpus_per_node}: " + ", ".join(gpus))
+    return lines

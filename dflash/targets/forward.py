@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dflash.targets.hooks import tap_hooks
+from dflash.targets.hooks import full_tensor, tap_hooks
 from dflash.targets.loader import base_model
 
 
@@ -27,7 +27,9 @@ def target_forward(
 
     Tap i (``layer_ids[i]``) fills ``aux[..., i*H:(i+1)*H]`` with the output of that decoder layer
     (= ``hidden_states[l+1]``); ``final_hidden`` is the base model's ``last_hidden_state`` (after the
-    final norm). Runs ``base_model(model)(..., use_cache=False)``; the lm_head never runs.
+    final norm). Runs ``base_model(model)(..., use_cache=False)``; the lm_head never runs. With a
+    tensor-parallel target (``dflash.targets.tp``) every rank of the replica calls it on the same
+    batch and gets the same full tensors.
     """
     ids = [int(i) for i in layer_ids]
     n = len(ids)
@@ -46,7 +48,7 @@ def target_forward(
         out = base(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
-    final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    final = full_tensor(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
     if "aux" not in state:
         raise RuntimeError(f"target forward ran but no tap hook fired (layer_ids={ids})")
     return state["aux"], final

@@ -18,8 +18,16 @@ from dflash.targets.loader import check_tap_ids, decoder_layers
 
 
 def layer_output(output) -> torch.Tensor:
-    """The hidden states of a decoder layer's output: a Tensor (transformers 5) or a tuple (4.x)."""
-    return output[0] if isinstance(output, (tuple, list)) else output
+    """The hidden states of a decoder layer's output: a Tensor (transformers 5) or a tuple (4.x),
+    as a full local tensor (see :func:`full_tensor`)."""
+    return full_tensor(output[0] if isinstance(output, (tuple, list)) else output)
+
+
+def full_tensor(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` itself, or the full tensor of a DTensor. transformers' tensor-parallel plans hand
+    back plain replicated tensors after every split block (``use_local_output``); a plan that left
+    the residual stream sharded would be gathered here, so taps are full tensors on every rank."""
+    return hidden.full_tensor() if hasattr(hidden, "full_tensor") else hidden
 
 
 def check_layer_ids(model: nn.Module, layer_ids: list[int]) -> nn.ModuleList:

@@ -12,6 +12,7 @@ Three ways in, from cheapest to most expensive:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,13 +20,14 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dflash.config import DEFAULT_NUM_TAPS, TargetConfig
 from dflash.metrics import human_count
+from dflash.targets.tp import distributed_config, local_num_bytes, replica_mesh
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -78,11 +80,36 @@ class TargetMeta:
         return any("linear" in str(t) for t in layer_types)
 
 
+def is_local_dir(path: str) -> bool:
+    """Whether ``path`` names a directory on this machine (transformers then loads it, not the hub)."""
+    return os.path.isdir(os.path.expanduser(path))
+
+
+def check_remote_code_source(cfg: TargetConfig, path: str) -> None:
+    """Refuse ``trust_remote_code`` with a pinned ``revision`` for a local directory ``path``: the pin
+    fixes what is downloaded from the hub, so locally it checks nothing and the directory's own
+    Python files would run as if they were the pinned code."""
+    _check_local_remote_code(path, cfg.revision, cfg.trust_remote_code)
+
+
+def _check_local_remote_code(path: str, revision: str | None, trust_remote_code: bool) -> None:
+    if trust_remote_code and revision is not None and is_local_dir(path):
+        raise ValueError(
+            f"target.trust_remote_code=true with target.revision={revision} but target.path={path} is a local "
+            "directory: a revision pins only what is downloaded from the hub, so here it checks nothing and "
+            "the directory's own Python files would run; give the hub id (target.path=<org>/<name>) with the "
+            "revision, or set target.trust_remote_code=false (transformers' own code)"
+        )
+
+
 def _load_config(path: str, revision: str | None, trust_remote_code: bool):
     """The target's config; a path that is neither a checkpoint directory nor a reachable hub id is a
-    ``ValueError`` saying which, and what to give instead."""
+    ``ValueError`` saying which, and what to give instead. A text config.json without
+    ``num_key_value_heads`` gets ``num_attention_heads`` (no grouped-query attention), as its
+    checkpoint has; some config classes (Qwen3) would otherwise fill in their own default."""
     from transformers import AutoConfig
 
+    _check_local_remote_code(path, revision, trust_remote_code)
     local = path.startswith(("/", "./", "../", "~")) or os.path.isabs(path) or os.path.exists(path)
     if local and not os.path.isdir(os.path.expanduser(path)):
         raise ValueError(
@@ -94,7 +121,8 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
             f"target.path={path}: the directory has no config.json; give the target's checkpoint directory"
         )
     try:
-        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+        raw, _ = type(config).get_config_dict(path, revision=revision)
     except (
         OSError,
         ValueError,
@@ -108,13 +136,24 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
             f"directory with config.json and *.safetensors, or a hub id with network access "
             f"(e.g. download it first: huggingface-cli download {path} --local-dir <dir>)"
         ) from None
+    text, raw_text = config.get_text_config(decoder=True), raw.get("text_config") or raw
+    if (
+        isinstance(raw_text, dict)
+        and "num_key_value_heads" not in raw_text
+        and hasattr(text, "num_attention_heads")
+    ):
+        text.num_key_value_heads = text.num_attention_heads
+    return config
 
 
 def read_target_meta(
     path: str, *, revision: str | None = None, trust_remote_code: bool = False
 ) -> TargetMeta:
     """The target's shape from its config.json; the text config for VLM wrappers (e.g. qwen3_5)."""
-    config = _load_config(path, revision, trust_remote_code)
+    return _meta_of(_load_config(path, revision, trust_remote_code))
+
+
+def _meta_of(config) -> TargetMeta:
     text = config.get_text_config(decoder=True)
     num_heads = int(text.num_attention_heads)
     hidden = int(text.hidden_size)
@@ -137,6 +176,29 @@ def read_target_meta(
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 0),
         text_config=text.to_dict(),
     )
+
+
+def device_capacity(device: torch.device) -> tuple[int, str]:
+    """``(bytes, what they are)`` a process may allocate on ``device``: the free memory of a CUDA
+    device (``torch.cuda.mem_get_info``), the host's physical RAM on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory of {device}"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM"
+
+
+def target_size_problems(
+    meta: TargetMeta, source: str, dtype: torch.dtype, device: torch.device, *, shards: int = 1
+) -> list[str]:
+    """Why the target whose ``config.json`` gave ``meta`` cannot be held on ``device`` in ``dtype``
+    (the planner's weight count, ``dflash.plan.memory``; ``shards``: the ranks of a tensor-parallel
+    replica, each holding its share); checked before anything is allocated."""
+    from dflash.plan.inputs import shape_from_meta
+    from dflash.plan.memory import weights_problem
+
+    per_param = torch.empty((), dtype=dtype).element_size() / shards
+    problem = weights_problem("target", source, shape_from_meta(meta), per_param, *device_capacity(device))
+    return [problem] if problem else []
 
 
 def default_layer_ids(num_layers: int, num_taps: int) -> list[int]:
@@ -211,29 +273,51 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+def load_target(
+    cfg: TargetConfig, device: torch.device, dtype: torch.dtype, tp_group: Any = None
+) -> PreTrainedModel:
     """The frozen target ``*ForCausalLM``: eval, requires_grad off, on ``device`` (with
-    ``target.random_weights``: built from config.json with random weights, no weights file read)."""
+    ``target.random_weights``: built from config.json with random weights, no weights file read).
+
+    ``tp_group``: the process group of this rank's tensor-parallel replica (``dflash.targets.tp``);
+    with more than one rank the weights are DTensors sharded over it and each rank reads only its
+    shard of the checkpoint. Every rank of the group must call this together. ValueError before
+    anything is allocated when its config.json implies more weights than the device holds.
+    """
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     check_remote_code(cfg)
     t0 = time.perf_counter()
+    tp_size = 1 if tp_group is None else tp_group.size()
+    config = _load_config(cfg.path, cfg.revision, cfg.trust_remote_code)
+    where = f"target.path={cfg.path} (config.json)"
+    problems = target_size_problems(_meta_of(config), where, dtype, device, shards=tp_size)
+    if problems:
+        raise ValueError(problems[0])
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=cfg.attn_implementation)
+    sharding: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if tp_size > 1:
+        kwargs["distributed_config"] = distributed_config(config.get_text_config(decoder=True), tp_size)
+        sharding = replica_mesh(tp_group, device)
     if cfg.random_weights:
-        # Built on the device from config.json; the same seed on every rank gives the same weights.
-        config = _load_config(cfg.path, cfg.revision, cfg.trust_remote_code)
-        torch.manual_seed(RANDOM_WEIGHTS_SEED)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=cfg.attn_implementation
+        torch.manual_seed(RANDOM_WEIGHTS_SEED)  # every rank builds the same weights
+    with sharding:
+        if cfg.random_weights and tp_size > 1:  # every tensor missing: initialised shard by shard
+            text = config.get_text_config(decoder=True)
+            model_cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
+            model = model_cls.from_pretrained(None, config=text, state_dict={}, **kwargs)
+        elif cfg.random_weights:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.path,
+                config=config,
+                revision=cfg.revision,
+                trust_remote_code=cfg.trust_remote_code,
+                **kwargs,
             )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.path,
-            dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
-            revision=cfg.revision,
-            trust_remote_code=cfg.trust_remote_code,
-        )
     model.eval()
     model.requires_grad_(False)
     model.to(device)
@@ -243,15 +327,14 @@ def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> 
         raise RuntimeError(
             f"target {cfg.path}: {len(on_meta)} tensors left on the meta device, e.g. {on_meta[:3]}"
         )
-    num_params = sum(p.numel() for p in model.parameters())
-    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     log.info(
-        "loaded target %s (%s) on %s: %s params, %.2f GiB %s, %.1fs",
+        "loaded target %s (%s) on %s%s: %s params, %.2f GiB %s on this rank, %.1fs",
         cfg.path,
         type(model).__name__,
         device,
-        human_count(num_params),
-        num_bytes / 2**30,
+        f" (tensor parallel over {tp_size} ranks)" if tp_size > 1 else "",
+        human_count(sum(p.numel() for p in model.parameters())),
+        local_num_bytes(model) / 2**30,
         dtype,
         time.perf_counter() - t0,
     )
@@ -262,7 +345,7 @@ def load_target(cfg: TargetConfig, device: torch.device, dtype: torch.dtype) -> 
 # Embedding and lm_head by tensor name
 
 
-def _resolve_file(path: str, filename: str, revision: str | None) -> str | None:
+def resolve_file(path: str, filename: str, revision: str | None) -> str | None:
     """Local file of ``filename`` in a checkpoint dir or hub repo (cache or download); None if absent."""
     if os.path.isdir(path):
         p = Path(path) / filename
@@ -282,11 +365,11 @@ def _resolve_file(path: str, filename: str, revision: str | None) -> str | None:
 
 def _checkpoint_index(path: str, revision: str | None) -> dict[str, str]:
     """tensor name -> local safetensors file, reading only the index (sharded) or header (single)."""
-    index_file = _resolve_file(path, INDEX_FILE, revision)
+    index_file = resolve_file(path, INDEX_FILE, revision)
     if index_file is not None:
         weight_map = json.loads(Path(index_file).read_text())["weight_map"]
         return {name: f"{os.path.dirname(index_file)}\0{shard}" for name, shard in weight_map.items()}
-    single = _resolve_file(path, SINGLE_FILE, revision)
+    single = resolve_file(path, SINGLE_FILE, revision)
     if single is None:
         raise FileNotFoundError(
             f"target checkpoint {path!r} (revision {revision}): neither {INDEX_FILE} nor {SINGLE_FILE} found"
@@ -304,7 +387,7 @@ def _read_tensor(path: str, revision: str | None, location: str, name: str) -> t
         folder, shard = location.split("\0", 1)
         file: str | None = os.path.join(folder, shard)
         if not os.path.isfile(str(file)):  # hub: shards are fetched on demand
-            file = _resolve_file(path, shard, revision)
+            file = resolve_file(path, shard, revision)
             if file is None:
                 raise FileNotFoundError(
                     f"target checkpoint {path!r}: shard {shard} (holding {name}) not found"

@@ -12,6 +12,12 @@ The build is deterministic (same files, seed and step count; one CPU thread, sin
 changes the float sums and so the weights), keyed on the whole spec and guarded by a file lock, so
 every rank may call ``ensure_tiny_target`` at once and only one builds. The default spec trains
 400 steps of 4 x 128 tokens: about 75 s of one CPU core.
+
+The build only ever writes a directory the project owns: :func:`tiny_target_path` builds into
+``target.path`` only when it is a new (or empty) directory under ``paths.cache_dir`` or an earlier
+build (its marker, ``dflash_tiny_done.json``, is there); any other path is the user's model and is
+loaded as it is. The marker records the size and sha256 of every file of the build; a reuse checks
+them and rebuilds a damaged build (e.g. weights overwritten with NaN) instead of loading it.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from typing import Any
 
 import torch
 
-from dflash.config import TinyTargetConfig
+from dflash.config import TargetConfig, TinyTargetConfig
 from dflash.data.chat import render
 from dflash.data.stdlib import code_snippets, stdlib_text_files
-from dflash.files import atomic_write, file_lock
+from dflash.files import atomic_directory, digest_files, digest_problems, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -71,23 +77,49 @@ def build_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB) -> Any:
     return hf
 
 
-def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Any:
-    """A random-init ``*ForCausalLM`` from ``spec`` (fp32, untied head so greedy text is not an echo).
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
+"""Mixture-of-experts model types a tiny target can be (``TinyTargetConfig.num_experts`` > 0)."""
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+"""Qwen3.5/3.6 text models: Gated DeltaNet linear attention with full attention every 4th layer."""
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
-    ``qwen3_5_text`` is a hybrid target (Qwen3.5/3.6 text model: gated-delta-net linear attention with
-    a full-attention layer every 4th), its linear heads sized like the attention heads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    linear = {}
-    if spec.model_type == "qwen3_5_text":
-        linear = dict(
+def model_kwargs(spec: TinyTargetConfig) -> dict[str, Any]:
+    """The config fields of ``spec`` beyond the dense ones: linear-attention heads sized like the
+    attention heads (hybrid types), and the experts (MoE types)."""
+    extra: dict[str, Any] = {}
+    if spec.model_type in HYBRID_MODEL_TYPES:
+        extra.update(
             linear_num_key_heads=spec.num_kv_heads,
             linear_num_value_heads=spec.num_heads,
             linear_key_head_dim=spec.head_dim,
             linear_value_head_dim=spec.head_dim,
         )
-    cfg = AutoConfig.for_model(
-        spec.model_type,
+    if (spec.model_type in MOE_MODEL_TYPES) != (spec.num_experts > 0):
+        raise ValueError(
+            f"target.tiny.model_type={spec.model_type} with target.tiny.num_experts={spec.num_experts}: "
+            f"MoE types {list(MOE_MODEL_TYPES)} need num_experts > 0, the others 0"
+        )
+    if spec.num_experts:
+        extra.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok)
+        if spec.model_type == "gpt_oss":  # its intermediate_size is the expert width
+            extra.update(intermediate_size=spec.moe_intermediate_size)
+        else:
+            extra.update(moe_intermediate_size=spec.moe_intermediate_size)
+        if spec.model_type == "qwen3_5_moe_text":
+            extra.update(shared_expert_intermediate_size=spec.moe_intermediate_size)
+    return extra
+
+
+def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Any:
+    """A random-init ``*ForCausalLM`` from ``spec`` (fp32, untied head so greedy text is not an echo).
+
+    ``qwen3_5_text`` is a hybrid target (Qwen3.5/3.6 text model: gated-delta-net linear attention with
+    a full-attention layer every 4th), its linear heads sized like the attention heads; the MoE types
+    (:data:`MOE_MODEL_TYPES`) route every token to ``num_experts_per_tok`` of ``num_experts`` experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -101,13 +133,23 @@ def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
-        **linear,
     )
+    cfg = AutoConfig.for_model(spec.model_type, **{**kwargs, **model_kwargs(spec)})
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = pad_token_id
     return model.eval()
+
+
+def spec_key(spec: TinyTargetConfig) -> dict[str, Any]:
+    """The cache key of a build: every field of ``spec``, the expert fields only for an MoE spec (so
+    a dense spec keeps the key it had before those fields existed)."""
+    key = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+    if not spec.num_experts:
+        for k in MOE_FIELDS:
+            key.pop(k)
+    return key
 
 
 def training_stream(tokenizer: Any, seed: int) -> Iterator[int]:
@@ -168,27 +210,92 @@ def train(model: Any, tokenizer: Any, spec: TinyTargetConfig) -> list[float]:
     return losses
 
 
-def ensure_tiny_target(path: str | os.PathLike, spec: TinyTargetConfig) -> Path:
-    """Build the tiny target + tokenizer at ``path`` unless a complete build with ``spec`` is there.
+def _is_within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
 
-    Safe to call from every rank at once: one builds under a file lock, the others wait and reuse.
-    Returns the directory, loadable with ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``.
+
+def _is_new(path: Path) -> bool:
+    """Nothing there to overwrite: no such path, or an empty directory."""
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+def _load_as_is(path: str | os.PathLike, why: str) -> None:
+    log.warning(
+        "target.path=%s is %s: loading it as it is and ignoring target.tiny (set target.tiny=null to "
+        "silence this); nothing is written there",
+        path,
+        why,
+    )
+
+
+def tiny_target_path(target: TargetConfig, path: str, cache_dir: str | os.PathLike) -> str:
+    """The directory (or hub id) to load the target from, ``path`` being the resolved ``target.path``.
+
+    With ``target.tiny`` set, the tiny target is built (or its earlier build checked) at ``path``
+    only when the project owns that directory: it holds the marker of an earlier build, or it is a
+    new or empty directory under ``cache_dir`` (``paths.cache_dir``, where conf/target/tiny.yaml
+    puts it). Any other path is the user's model, a hub id or a typo: returned unchanged, to be
+    loaded as it is (a missing directory is then named by the loader), with a warning that
+    ``target.tiny`` is ignored; nothing is written there. Without ``target.tiny``: ``path``."""
+    if target.tiny is None:
+        return path
+    out = Path(path).expanduser().resolve()
+    root = Path(cache_dir).expanduser().resolve()
+    if (out / _DONE).is_file() or (_is_within(out, root) and _is_new(out)):
+        return str(ensure_tiny_target(out, target.tiny))
+    _load_as_is(
+        path,
+        f"not a tiny target built by dflash (no {_DONE}) nor a new directory under paths.cache_dir={root}",
+    )
+    return path
+
+
+def _reusable(out: Path, want: dict[str, Any]) -> bool:
+    """Whether ``out`` holds a complete, undamaged build of ``want`` (a damaged one is logged)."""
+    done = out / _DONE
+    if not done.is_file():
+        return False
+    try:
+        marker = json.loads(done.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("tiny target %s: unreadable marker %s (%s); rebuilding", out, done, exc)
+        return False
+    if not isinstance(marker, dict) or {k: marker.get(k) for k in want} != want:
+        return False
+    problems = digest_problems(out, marker.get("files"))
+    if problems:
+        log.warning("tiny target %s is damaged, rebuilding it: %s", out, "; ".join(problems))
+    return not problems
+
+
+def ensure_tiny_target(path: str | os.PathLike, spec: TinyTargetConfig) -> Path:
+    """Build the tiny target + tokenizer at ``path`` unless a complete, undamaged build with
+    ``spec`` is there (every file is checked against the sizes and sha256 its marker recorded).
+
+    Only writes a directory it owns: a new or empty one, or an earlier build (its marker is there).
+    A directory holding other files is someone's model: it is returned unchanged (to be loaded as
+    it is) with a warning, never written. The build is made in a temp sibling and put in place
+    whole (``atomic_directory``). Safe to call from every rank at once: one builds under a file
+    lock, the others wait and reuse. Returns the directory, loadable with
+    ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``.
     """
     out = Path(path).resolve()
-    want = {"spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}, "version": BUILD_VERSION}
+    if not (out / _DONE).is_file() and not _is_new(out):
+        _load_as_is(path, f"a directory no tiny-target build wrote (no {_DONE} there)")
+        return out
+    want = {"spec": spec_key(spec), "version": BUILD_VERSION}
     with file_lock(out.parent / f".{out.name}.lock"):
-        done = out / _DONE
-        if done.exists() and {k: v for k, v in json.loads(done.read_text()).items() if k in want} == want:
+        if _reusable(out, want):
             return out
-        done.unlink(missing_ok=True)
-        out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        tok = build_tokenizer(out)
-        vocab = len(tok) + spec.extra_vocab
-        model = build_model(spec, vocab, tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
-        losses = train(model, tok, spec) if spec.train_steps > 0 else []
-        model.save_pretrained(out)
-        final_loss = sum(losses[-50:]) / max(len(losses[-50:]), 1)
-        atomic_write(done, json.dumps({**want, "final_loss": final_loss}))
+        with atomic_directory(out) as tmp:
+            tok = build_tokenizer(tmp)
+            vocab = len(tok) + spec.extra_vocab
+            model = build_model(spec, vocab, tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
+            losses = train(model, tok, spec) if spec.train_steps > 0 else []
+            model.save_pretrained(tmp)
+            final_loss = sum(losses[-50:]) / max(len(losses[-50:]), 1)
+            files = digest_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+            (tmp / _DONE).write_text(json.dumps({**want, "final_loss": final_loss, "files": files}, indent=1))
         log.info("tiny target built at %s in %.0f s", out, time.perf_counter() - t0)
     return out

@@ -9,10 +9,9 @@ output (stdout and stderr of every rank) is what is counted. The typo runs under
 (workers' output captured per rank with ``--redirects 3 --log-dir``; torchrun's failure report about
 the failed workers is not ours and is left out of the count; tests/rank_exit.py does not forward
 torchrun's SIGTERM), each rank a fresh ``python -m dflash.train``: a command line parsed as torchrun
-passes it to a new interpreter. The others
-are in-process launches (tests/runner.py). Every other misconfiguration goes through the same entry
-point in-process (``dflash.train.train`` as rank 0 of a 3-rank world), which is where the launches
-above spend their time anyway.
+passes it to a new interpreter. The others are in-process launches (tests/runner.py). Every other
+misconfiguration goes through the same entry point in-process (``dflash.train.job.train`` as rank 0
+of a 3-rank world), which is where the launches above spend their time anyway.
 """
 
 from __future__ import annotations
@@ -21,13 +20,17 @@ import pytest
 from faultkit import figure
 from runner import FAST, launch, no_leftover_processes
 
-from dflash.cli import compose_config
 from dflash.config import EXIT_USER_ERROR, UserError, register_configs
+from dflash.config.cli import compose_config
 
 pytestmark = pytest.mark.faults
 
 LAUNCHED = [
-    ("typo without +", ["train.max_step=5"], "Could not override 'train.max_step'"),
+    (
+        "typo without +",
+        ["train.max_step=5"],
+        "unknown config key(s): train.max_step (did you mean train.max_steps?)",
+    ),
     ("unknown +key", ["+train.max_step=5"], "train.max_step (did you mean train.max_steps?)"),
     (
         "eval without held-out data",
@@ -121,7 +124,6 @@ IN_PROCESS = [
         "target.trust_remote_code=true needs target.revision=<40-hex commit hash>",
     ),
     ("duplicate layer ids", ["target.layer_ids=[1,1,4]"], "target.layer_ids=[1, 1, 4] has duplicates"),
-    ("unknown logging.mode", ["logging.mode=online_please"], "logging.mode='online_please' is not one of"),
     ("token_budget < max_length", ["data.token_budget=100"], "data.token_budget=100 < data.max_length=160"),
 ]
 
@@ -130,7 +132,7 @@ IN_PROCESS = [
 def test_mistake_is_a_user_error_of_the_entry_point(
     tmp_path, run_cache, monkeypatch, case, overrides, needle
 ):
-    from dflash.train import train
+    from dflash.train.job import train
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(run_cache))
     monkeypatch.setenv("RANK", "0")

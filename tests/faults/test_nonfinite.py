@@ -14,7 +14,7 @@ from runner import launch, no_leftover_processes
 from safetensors.torch import load_file
 from wandb_reader import read_history
 
-from dflash.checkpoint import load_checkpoint
+from dflash.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.faults
 

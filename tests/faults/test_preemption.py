@@ -22,8 +22,8 @@ import pytest
 from faultkit import STEPS, figure, losses, resumed_step
 from runner import launch, ledger_steps, no_leftover_processes
 
-from dflash.checkpoint import load_checkpoint
 from dflash.config import EXIT_STOPPED
+from dflash.train.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 

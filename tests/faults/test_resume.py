@@ -23,7 +23,7 @@ def test_stop_at_5_resume_to_12_is_bit_exact(tmp_path, run_cache, reference):
     log = second.rank_log(2)
     assert "resumed from" in log and "at step 5" in log
     assert (
-        "ledger.jsonl: kept 5 records up to step 5, dropped 1 (later steps, a torn or unreadable line 6)"
+        "ledger.jsonl: kept 5 records up to step 5; took out 0 later step(s), 1 torn last line, 0 damaged line(s)"
         in log
     )
     assert_continues_reference(second, reference, 5)  # the ledger equals the uninterrupted run's

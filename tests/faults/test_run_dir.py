@@ -19,8 +19,8 @@ from faultkit import figure
 from ranks import free_port
 from runner import Launch, launch, no_leftover_processes
 
-from dflash.checkpoint import load_checkpoint
 from dflash.config import EXIT_USER_ERROR
+from dflash.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.faults
 

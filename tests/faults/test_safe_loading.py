@@ -13,7 +13,7 @@ import torch
 from faultkit import SENTINEL, STEPS, figure
 from runner import env_for, launch, no_leftover_processes
 
-from dflash.checkpoint import CheckpointError, load_checkpoint
+from dflash.train.checkpoint import CheckpointError, load_checkpoint
 
 pytestmark = pytest.mark.faults
 

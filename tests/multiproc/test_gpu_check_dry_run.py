@@ -1,6 +1,7 @@
 """``python scripts/gpu_check.py --dry-run``: every part of the GPU check runs on CPU at tiny sizes
-(pytest -m gpu, the loss benchmark, the target probe and a co-located run, 1 target + 1 drafter over
-gloo) and ends with one JSON line, so the GPU script cannot rot between GPU sessions."""
+(pytest -m gpu, the loss benchmark, the target probe and a co-located run, 1 target + 1 drafter and
+1 TP=2 target replica + 1 drafter over gloo) and ends with one JSON line, so the GPU script cannot
+rot between GPU sessions."""
 
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     assert summary["dry_run"] is True and summary["passed"] is True
     assert "copied from" in summary["setup"]["tokenizer"]  # the cached tiny target's: nothing rebuilt
     parts = summary["parts"]
-    assert list(parts) == ["a", "b", "c", "d"] and all(p["ran"] for p in parts.values())
+    assert list(parts) == ["kernels", "loss", "colocated", "split", "tp"]
+    assert all(p["ran"] for p in parts.values())
 
-    a = parts["a"]  # every CUDA test collected and skipped
+    a = parts["kernels"]  # every CUDA test collected and skipped
     assert a["status"] == "skipped" and a["counts"]["skipped"] >= 10 and a["counts"]["failed"] == 0
 
-    b = parts["b"]
+    b = parts["loss"]
     assert b["status"] == "passed"
     assert {(c["case"], c["chunk"]) for c in b["cases"]} == {
         *(
@@ -60,7 +62,7 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
         b["best_chunked_ce"]["time_s"] / lce[0]["time_s"], 4
     )
 
-    for name, nranks in (("c", 1), ("d", 2)):
+    for name, nranks in (("colocated", 1), ("split", 2), ("tp", 2)):  # tp: its sender's and the drafter's
         r = parts[name]
         assert r["status"] == "passed" and r["steps"] == r["steps_requested"] == 4, (name, r)
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and r["first_step_s"] > 0
@@ -72,20 +74,26 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
         assert p["target_tflop_per_packet"] > 0 and p["drafter_tflop_per_packet"] > 0
         assert p["target_mfu"] > 0 and p["drafter_mfu"] > 0
         t_plan, d_plan = p["planner_s_per_packet"]["target"], p["planner_s_per_packet"]["drafter"]
-        per_packet = (
-            t_plan + d_plan if name == "c" else max(t_plan, d_plan)
-        )  # both roles in turn, or the slower
+        per_packet = t_plan + d_plan if name == "colocated" else max(t_plan, d_plan)  # in turn, or the slower
         assert p["planner_samples_per_s"] == pytest.approx(r["packet"]["seqs"] / per_packet, rel=1e-3)
-    c, d = parts["c"], parts["d"]
+    c, d = parts["colocated"], parts["split"]
     # co-located (1 rank) and 1 target + 1 drafter train the same packets from the same seed: equal
     # losses, and the planner prices the same packet the same way
     assert c["final_loss"] == d["final_loss"] and c["packet"] == d["packet"], (c, d)
     for k in ("target_tflop_per_packet", "drafter_tflop_per_packet"):
         assert c["planner"][k] == d["planner"][k]
-    assert "target_forward" in parts["c"]["phases_s"] and "recv_wait" in parts["d"]["phases_s"]
-    assert set(parts["d"]["peak_mem_gib_by_role"]) == {"target", "drafter"}
+    assert "target_forward" in parts["colocated"]["phases_s"] and "recv_wait" in parts["split"]["phases_s"]
+    assert set(parts["split"]["peak_mem_gib_by_role"]) == {"target", "drafter"}
+    tp = parts["tp"]  # a replica's rank computes part of the target's FLOPs and holds part of it
+    assert set(tp["peak_mem_gib"]) == {"0", "2"} and set(tp["peak_mem_gib_by_role"]) == {"target", "drafter"}
+    p = tp["planner"]
+    assert 0 < p["target_rank_tflop_per_packet"] < p["target_tflop_per_packet"]
+    assert 0 < p["memory_gib"]["target_rank"] < p["memory_gib"]["target"]
+    assert "topology.target_tp=2" in tp["command"] and tp["command"].startswith(
+        "torchrun --standalone --nproc_per_node 3"
+    )
 
-    probe = parts["c"]["target_probe"]  # the headless forward makes no logits; model(...) does
+    probe = parts["colocated"]["target_probe"]  # the headless forward makes no logits; model(...) does
     assert probe["status"] == "passed" and probe["headless"]["vocab_tensors"] == 0
     assert probe["full"]["vocab_tensor_shapes"] == [[1, 640, 2112]]
 
@@ -94,6 +102,7 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     assert [t["met"] for k, t in targets.items() if k != "target_logits_gib"] == [None, None, None]
     table = proc.stdout
     assert "gpu check PASSED" in table and "1 target + 1 drafter (gloo)" in table
+    assert "1 target replica of 2 ranks (TP) + 1 drafter (gloo)" in table
     print(
         f"FIGURE gpu_check dry run: {seconds:.1f} s wall, parts {[(k, v['part_s']) for k, v in parts.items()]}"
     )

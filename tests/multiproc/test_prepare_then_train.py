@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from dflash.config import DataConfig
 from dflash.data.cache import build_or_load_dataset
 from dflash.data.chat import tokenize_conversation
-from dflash.data.report import CLOSE, OPEN, marked_runs
+from dflash.data.display import CLOSE, OPEN, marked_runs
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -1,21 +1,18 @@
 """The packet transport between real processes: 2 targets + 1 drafter on gloo (CPU).
 
-Each test starts a world of 3 rank processes (tests/ranks.py; ``init_distributed`` with a
-``file://`` rendezvous), runs one scenario per rank, and collects each rank's result from a JSON
-file. A deadline kills every rank that is still alive, so no test can hang.
+Each test starts a world of 3 rank processes (tests/ranks.py ``run_ranks``; ``init_distributed``
+with a ``file://`` rendezvous), runs one scenario per rank, and collects each rank's result from a
+JSON file. A deadline kills every rank that is still alive, so no test can hang.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import traceback
 from pathlib import Path
 
 import pytest
-from ranks import World, rank_specs
-from testpaths import REPO
+from ranks import finish_rank, rank_env, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,11 +26,11 @@ MAX_TOKENS = 256
 # process harness
 
 
-def _entry(rank: int, tmp: str, scenario: str, num_targets: int, num_drafters: int) -> None:
-    result: dict = {"rank": rank}
-    try:
+def _entry(rank: int, world: int, tmp: str, scenario: str, num_targets: int, num_drafters: int) -> None:
+    def body() -> dict:
+        rank_env(rank, world)
         from dflash.config import TopologyConfig
-        from dflash.distributed.process_group import init_distributed
+        from dflash.distributed.process_group import destroy, init_distributed
 
         cfg = TopologyConfig(
             num_targets=num_targets,
@@ -43,44 +40,23 @@ def _entry(rank: int, tmp: str, scenario: str, num_targets: int, num_drafters: i
             init_timeout_s=30.0,
         )
         ctx = init_distributed(cfg, init_method=f"file://{tmp}/pg")
-        result.update(SCENARIOS[scenario](ctx, Path(tmp)) or {})
-        result["ok"] = True
+        result = SCENARIOS[scenario](ctx, Path(tmp)) or {}
         if result.pop("destroy", True):
-            from dflash.distributed.process_group import destroy
-
             destroy(ctx)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        result.update(ok=False, error_type=type(e).__name__, error=str(e), traceback=traceback.format_exc())
-    Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
-    os._exit(0)
+        return result
+
+    finish_rank(rank, tmp, body)
 
 
 def run_world(
     tmp_path: Path, scenario: str, deadline_s: float = 40.0, num_targets: int = 2, num_drafters: int = 1
 ) -> dict[int, dict]:
-    """Start the ranks (tests/ranks.py), join them with a deadline (killing stragglers), return each
-    rank's result."""
-    n = num_targets + num_drafters
-
-    def env(rank: int) -> dict[str, str]:
-        ranks = {"RANK": rank, "WORLD_SIZE": n, "LOCAL_RANK": rank, "OMP_NUM_THREADS": 1}
-        return {**os.environ, **{k: str(v) for k, v in ranks.items()}}
-
-    args = (str(tmp_path), scenario, num_targets, num_drafters)
-    world = World(rank_specs(n, _entry, args, env, REPO, tmp_path / "stdio"))
-    world.run(deadline_s, stop_peers_on_failure=False)
-    assert not world.hung, (
-        f"scenario {scenario}: ranks {world.hung} still running after {deadline_s}s (killed)"
-    )
-    results = {}
-    for r, e in world.exits.items():
-        f = tmp_path / f"rank{r}.json"
-        results[r] = (
-            json.loads(f.read_text())
-            if f.exists()
-            else {"ok": False, "error": f"no result, exit code {e.returncode}"}
-        )
-    return results
+    """Start the ranks of ``scenario``, join them with a deadline, return each rank's result."""
+    args = (scenario, num_targets, num_drafters)
+    try:
+        return run_ranks(tmp_path, _entry, num_targets + num_drafters, args, deadline_s=deadline_s)
+    except AssertionError as e:
+        raise AssertionError(f"scenario {scenario}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +130,7 @@ def _target_loop(
         timeout,
         max_in_flight,
         start_index=None if lazy else start,
-        control_group=ctx.control_group,
+        groups=ctx.link_groups[(ctx.rank, 2)],
     )
     time.sleep(sleep_before)
     for g in topo.packets_of_target(ctx.rank, start, start + packets):
@@ -170,9 +146,7 @@ def _drafter_link(ctx, spec, timeout=20.0, start=0):
     from dflash.distributed.links import DrafterLink
     from dflash.distributed.topology import Topology
 
-    return DrafterLink(
-        Topology(2, 1, WORLD), 2, spec, timeout, start_index=start, control_group=ctx.control_group
-    )
+    return DrafterLink(Topology(2, 1, WORLD), 2, spec, timeout, start_index=start, groups=ctx.drafter_links())
 
 
 def _resume_world(ctx, next_packet, num_steps):
@@ -195,7 +169,7 @@ def sc_happy(ctx, tmp):
     from dflash.distributed.links import DrafterLink
     from dflash.distributed.topology import Topology
 
-    warm_up_links(Topology(2, 1, WORLD), ctx.rank, ctx.device, 20.0, control_group=ctx.control_group)
+    warm_up_links(Topology(2, 1, WORLD), ctx.rank, ctx.device, 20.0, groups=ctx.link_groups)
     n_a, n_b = 8, 24
     if ctx.role == "target":
         a = _target_loop(ctx, _spec(torch.float32), n_a)
@@ -217,7 +191,7 @@ def sc_happy(ctx, tmp):
     drained_a = link.stop_all()
     start_b, _ = _resume_world(ctx, n_a, n_b)
     link = DrafterLink(
-        ctx.topology, 2, _spec(torch.bfloat16), 20.0, control_group=ctx.control_group
+        ctx.topology, 2, _spec(torch.bfloat16), 20.0, groups=ctx.drafter_links()
     )  # start fixed by the first recv
     consumed_b = 5
     for g in range(start_b, start_b + consumed_b):
@@ -317,8 +291,8 @@ def sc_target_sleeps(ctx, tmp):
     import torch
     import torch.distributed as dist
 
+    from dflash.distributed import process_group
     from dflash.distributed.links import PeerError
-    from dflash.distributed.process_group import set_timeout
 
     if ctx.role == "target":
         try:
@@ -337,13 +311,15 @@ def sc_target_sleeps(ctx, tmp):
         link.recv(1)
     except PeerError as e:
         out.update(peer_error=str(e), elapsed=time.monotonic() - t0)
-    # The process-group timeout (init_timeout_s=30) lowered to 2 s bounds a collective that the
-    # targets never join. (On gloo it does not shorten blocking point-to-point receives: their
-    # timeout is fixed when the group is created; the transport passes explicit wait timeouts.)
-    set_timeout(ctx, 2.0)
+    # The process-group timeout (backend_timeout_s(init_timeout_s=30) = 120 s) lowered to
+    # backend_timeout_s(0.75) = 2 s (a 0.5 s margin here) bounds a collective that the targets never
+    # join. (On gloo it does not shorten blocking point-to-point receives: their timeout is fixed when
+    # the group is created; the transport passes explicit wait timeouts.)
+    process_group.BACKEND_TIMEOUT_MARGIN_S = 0.5
+    process_group.set_timeout(ctx, 0.75)
     t0 = time.monotonic()
     try:
-        dist.barrier(group=ctx.control_group)
+        dist.barrier()
     except RuntimeError as e:
         out.update(pg_timeout_error=str(e)[:300], pg_elapsed=time.monotonic() - t0)
     return out
@@ -362,7 +338,7 @@ def sc_two_drafters(ctx, tmp):
     start, num_steps = _resume_world(ctx, 6, 5)
     if ctx.role == "target":
         links = {
-            d: TargetLink(topo, 0, d, spec, 20.0, 2, control_group=ctx.control_group)
+            d: TargetLink(topo, 0, d, spec, 20.0, 2, groups=ctx.link_groups[(0, d)])
             for d in linked_drafters(topo, 0)
         }
         for g in topo.packets_of_target(0, start, start + num_steps * topo.packets_per_step):
@@ -371,7 +347,7 @@ def sc_two_drafters(ctx, tmp):
             link.wait_for_stop()
             link.send_end()
         return {"sent": {d: link.num_sent for d, link in links.items()}, "start": start}
-    link = DrafterLink(topo, ctx.rank, spec, 20.0, control_group=ctx.control_group)
+    link = DrafterLink(topo, ctx.rank, spec, 20.0, groups=ctx.drafter_links())
     first_step = start // topo.packets_per_step
     got, mismatched = [], []
     for step in range(first_step, first_step + num_steps):
@@ -478,5 +454,5 @@ def test_stuck_target_reported_after_timeout(tmp_path):
         "the target is dead or stuck"
     )
     assert 2.8 < d["elapsed"] < 6
-    # init.set_timeout lowered the process-group timeout from 30 s to 2 s (torch 2.13 _set_pg_timeout)
+    # set_timeout lowered the process-group timeout from 120 s to 2 s (torch 2.13 _set_pg_timeout)
     assert "pg_timeout_error" in d and 1.8 < d["pg_elapsed"] < 6, d

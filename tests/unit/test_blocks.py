@@ -111,7 +111,8 @@ def test_mask_respects_documents_and_padding_blocks_see_only_themselves():
 
 def test_static_shape_padding_does_not_change_the_objective():
     from dflash.config import LossConfig
-    from dflash.drafter.model import DFlashDraftModel, DrafterArch
+    from dflash.drafter.arch import DrafterArch
+    from dflash.drafter.model import DFlashDraftModel
     from dflash.drafter.objective import dflash_loss
 
     torch.manual_seed(0)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-import dflash.checkpoint as ckpt_mod
-from dflash.checkpoint import (
+import dflash.train.checkpoint as ckpt_mod
+from dflash.train.checkpoint import (
     MARKER,
     CheckpointError,
     TrainState,
@@ -25,8 +25,8 @@ from dflash.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from dflash.rng_state import capture_rng_state, restore_rng_state
-from dflash.run_dir import check_contract
+from dflash.train.rng_state import capture_rng_state, restore_rng_state
+from dflash.train.run_dir import check_contract
 
 CONTRACT = {"hidden_size": 128, "layer_ids": [1, 3], "num_targets": 2, "data": {"fingerprint": "abc"}}
 
@@ -228,7 +228,7 @@ def test_enospc_during_payload_leaves_previous_intact(tmp_path, monkeypatch):
 def test_abandoned_newer_checkpoints_are_moved_aside_on_save(tmp_path, caplog):
     for s in (5, 10, 15):
         _save(tmp_path, s, keep=3)
-    with caplog.at_level(logging.WARNING, logger="dflash.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash.train.checkpoint"):
         _save(tmp_path, 10, keep=3)  # resumed from 10 and saved again
     assert [n for n in _steps(tmp_path) if n.startswith("step_")] == ["step_00000005", "step_00000010"]
     assert "step_00000015" in caplog.text
@@ -264,7 +264,7 @@ def test_damaged_newest_falls_back_with_warning(tmp_path, caplog, damage, fname,
     _save(tmp_path, 5)
     _save(tmp_path, 10)
     damage(tmp_path / "step_00000010" / fname)
-    with caplog.at_level(logging.WARNING, logger="dflash.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash.train.checkpoint"):
         loaded = find_resume_checkpoint(tmp_path)
     assert loaded is not None and loaded.step == 5 and loaded.path == tmp_path / "step_00000005"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -284,8 +284,10 @@ def test_stray_tmp_and_unmarked_dirs_ignored(tmp_path):
 
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000005"
     assert find_resume_checkpoint(tmp_path).step == 5
-    _save(tmp_path, 10)  # the next save clears both leftovers
-    assert _steps(tmp_path) == ["step_00000005", "step_00000010"]
+    _save(tmp_path, 10)  # the next save clears the stray temp dir; the unmarked one is not its own
+    assert _steps(tmp_path) == ["step_00000005", "step_00000010", "step_00000015"]
+    assert not stray.exists() and (unmarked / "model.safetensors").exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000010"
 
 
 def test_all_damaged_raises_naming_files(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from dflash.data.chat import MalformedConversation, prompt_ids, tokenize_conversation
+from dflash.data.chat import CUT_AT_MAX_TOKENS, MalformedConversation, prompt_ids, tokenize_conversation
 
 # The Qwen3 chat template without the tool branches: earlier assistant turns lose their <think>
 # part, the last one always gets a (possibly empty) think block, enable_thinking=False adds it to
@@ -89,6 +89,26 @@ def test_single_turn_masks_content_and_end_token(tok):
     end = tok.convert_tokens_to_ids("<|im_end|>")
     assert ids[-1] != end and mask[-1] == 0  # the "\n" after <|im_end|> is not supervised
     assert ids[-2] == end and mask[-2] == 1
+
+
+def test_a_turn_cut_at_max_tokens_has_no_supervised_end_token(tok):
+    """A turn marked ``cut_at_max_tokens`` (finish reason ``length``): the template still closes it
+    with <|im_end|>, which the target never wrote there, so only its content is supervised; the
+    same tokens come out, and a later turn that ended on its own keeps its end token."""
+    msgs = conv(("user", "one"), ("assistant", "cut off in the mid"), ("user", "two"), ("assistant", "done"))
+    cut = [dict(m) for m in msgs]
+    cut[1][CUT_AT_MAX_TOKENS] = True
+    ids, mask = tokenize_conversation(tok, msgs)
+    cut_ids, cut_mask = tokenize_conversation(tok, cut)
+    assert cut_ids == ids
+    assert masked_text(tok, msgs) == ["cut off in the mid<|im_end|>", "done<|im_end|>"]
+    assert masked_text(tok, cut) == ["cut off in the mid", "done<|im_end|>"]
+    (diff,) = [i for i, (a, b) in enumerate(zip(mask, cut_mask, strict=True)) if a != b]
+    assert ids[diff] == tok.convert_tokens_to_ids("<|im_end|>") and (mask[diff], cut_mask[diff]) == (1, 0)
+    assert diff < max(i for i, m in enumerate(mask) if m)  # the first turn's end, not the last one's
+    cut[1][CUT_AT_MAX_TOKENS] = "yes"
+    with pytest.raises(MalformedConversation, match="cut_at_max_tokens='yes'; expected true or false"):
+        tokenize_conversation(tok, cut)
 
 
 def test_system_and_multi_turn(tok):

@@ -218,10 +218,11 @@ def test_sharegpt_records_and_missing_datasets(tok, tmp_path):
         build_or_load_dataset(make_cfg(tmp_path, tmp_path / "missing.jsonl"), tok, vocab(tok))
 
 
-def test_a_path_that_is_not_a_file_needs_datasets(tok, tmp_path, monkeypatch):
+def test_a_file_that_is_not_jsonl_needs_datasets(tok, tmp_path, monkeypatch):
+    (tmp_path / "chat.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     with pytest.raises(ValueError, match=r"`datasets` is not installed: pip install 'dflash\[data\]'"):
-        build_or_load_dataset(make_cfg(tmp_path, tmp_path), tok, vocab(tok))
+        build_or_load_dataset(make_cfg(tmp_path, tmp_path / "chat.parquet"), tok, vocab(tok))
 
 
 def test_a_saved_datasets_dataset_equals_the_same_records_in_jsonl(tok, tmp_path):

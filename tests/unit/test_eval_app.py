@@ -13,12 +13,13 @@ import torch
 from ranks import run_module
 from wandb_reader import read_wandb_run
 
-from dflash.cli import compose_config
+from dflash.config.cli import compose_config
+from dflash.drafter.arch import DrafterArch, rope_from_config
 from dflash.drafter.export import export_drafter
-from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
-from dflash.eval.app import EvalAppConfig, register_eval_schema
+from dflash.drafter.model import DFlashDraftModel
+from dflash.eval.config import EvalAppConfig, register_eval_schema
 from dflash.eval.loading import load_for_eval, load_prompts
-from dflash.eval.report import build_report, evaluate, report_metrics, report_table
+from dflash.eval.results import build_report, evaluate, report_metrics, report_table
 
 LAYER_IDS = [1, 2, 4]  # conf/target/tiny.yaml
 QUESTIONS = ["def foo(x):", "import os", "class A:"]
@@ -97,7 +98,7 @@ def _overrides(target_dir, drafter, prompts, *extra) -> list[str]:
 
 
 def test_build_report_on_hand_made_results():
-    from dflash.eval.report import PromptResult
+    from dflash.eval.results import PromptResult
 
     a = PromptResult(0, 5, [1, 2, 3, 4, 5], [1, 3, 1], 0.01, 4, [1, 2, 3, 4, 5], 0.02)
     b = PromptResult(1, 7, [7, 8, 9], [2, 4], 0.02, 3, [7, 8, 0], 0.06)
@@ -209,9 +210,9 @@ def test_eval_and_periodic_eval_on_a_hybrid_target(files, tiny_hybrid_target_dir
     """A Qwen3.5 text target (linear + full attention): ``dflash.eval``'s loading and evaluate, and the
     periodic eval of a training run, decode losslessly with a sliding-window drafter and report tau."""
     from dflash.config import register_configs, to_config
-    from dflash.eval.periodic import PeriodicEval, eval_metrics
-    from dflash.setup import prepare
     from dflash.targets.loader import load_embed_and_head
+    from dflash.train.periodic_eval import PeriodicEval, eval_metrics
+    from dflash.train.setup import prepare
 
     _, _, prompts_path = files
     layout = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8, num_layers=2)
@@ -342,3 +343,97 @@ def test_app_subprocess_logs_tau_to_offline_wandb(files, tiny_target_dir, tmp_pa
     assert row["eval/accept_len_histogram/values"] == [row[f"eval/accept_len_hist/{k}"] for k in range(1, 5)]
     assert run.summary["eval/tau"] == pytest.approx(report["tau"])
     assert run.config["drafter_path"] == str(drafter)
+
+
+# ------------------------------------------------------------------------------ hostile inputs (issue 19)
+
+
+def _hostile_drafter(drafter: Path, out: Path, **config) -> Path:
+    import shutil
+
+    shutil.copytree(drafter, out)
+    raw = json.loads((out / "config.json").read_text())
+    raw.pop("layer_types", None)
+    (out / "config.json").write_text(json.dumps({**raw, **config}))
+    return out
+
+
+@pytest.mark.parametrize(
+    "config", [{"intermediate_size": 10**9}, {"num_hidden_layers": 10**5, "intermediate_size": 10**5}]
+)
+def test_a_hostile_drafter_shape_is_refused_before_anything_is_built(
+    files, tiny_target_dir, tmp_path, config
+):
+    """An FFN of 10^9 (1.5 TB) or 10^5 layers (15 TB) in the drafter's config.json: one error naming
+    the file, the fields and the GiB, before the target or the drafter is built (was: minutes)."""
+    import time
+
+    _, drafter, prompts = files
+    hostile = _hostile_drafter(drafter, tmp_path / "hostile", **config)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as err:
+        load_for_eval(_compose(_overrides(tiny_target_dir, hostile, prompts)))
+    assert time.perf_counter() - t0 < 10
+    msg = str(err.value)
+    assert f"drafter_path={hostile}/config.json: " in msg and "GiB of drafter weights" in msg
+    assert all(f"{k}={v}" in msg for k, v in config.items())
+    assert "host RAM" in msg and "nothing was allocated" in msg
+
+
+def test_out_of_vocab_prompt_ids_are_refused_before_the_target_loads(files, tiny_target_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    _, drafter, _ = files
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    prompts = tmp_path / "ids.jsonl"
+    rows = [
+        {"input_ids": [5, 6, vocab + 3, 7, 8], "loss_mask": [0, 0, 0, 1, 1]},
+        {"input_ids": [5, 6, 9, 7, 8], "loss_mask": [0, 0, 0, 1, 1]},
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    assert load_prompts(str(prompts), tok, vocab_size=vocab) == [[5, 6, 9]]  # the bad one skipped, named
+    prompts.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(ValueError, match=r"no usable prompt .*check target.tokenizer"):  # was: IndexError
+        load_for_eval(_compose(_overrides(tiny_target_dir, drafter, prompts)))
+
+
+def test_a_tokenizer_without_chat_template_is_one_error_naming_target_tokenizer(
+    files, tiny_target_dir, tmp_path
+):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    _, _, prompts = files
+    bare = tmp_path / "bare_tokenizer"
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(bare)
+    (bare / "chat_template.jinja").unlink()
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = AutoTokenizer.from_pretrained(bare)
+    assert not tok.chat_template
+    with pytest.raises(
+        ValueError,
+        match=rf"has no chat template, and prompts holds .*\(first: {prompts}:1\); set target.tokenizer=",
+    ):
+        load_prompts(str(prompts), tok)
+    shutil.rmtree(bare)
+
+
+@pytest.mark.parametrize("missing", ["prompts", "drafter_path"])
+def test_the_app_reports_a_missing_file_in_one_line_with_exit_2(files, tiny_target_dir, tmp_path, missing):
+    _, drafter, prompts = files
+    paths = {"prompts": prompts, "drafter_path": drafter, missing: tmp_path / f"no_{missing}.jsonl"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    argv = [
+        *_overrides(tiny_target_dir, paths["drafter_path"], paths["prompts"]),
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    proc = run_module(
+        "dflash.eval", argv, env=env, cwd=tmp_path, timeout=120
+    )  # forked, as the app test above
+    assert proc.returncode == 2, proc.stderr[-3000:]  # was 1, with a 20-line traceback
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dflash: error:")]
+    assert len(errors) == 1 and f"{missing}=" in errors[0] and "Traceback" not in proc.stderr, proc.stderr

@@ -16,10 +16,12 @@ from dflash.gpu_check.check import Check
 from dflash.gpu_check.figures import loss_figures, pytest_counts, step_figures
 from dflash.gpu_check.planner import find_gpu_spec
 from dflash.gpu_check.procs import run_proc
-from dflash.gpu_check.report import render
+from dflash.gpu_check.table import render
 
 
-def _check(tmp_path: Path, *, dry_run: bool = False, parts: str = "a,b,c,d", count: int = 1):
+def _check(
+    tmp_path: Path, *, dry_run: bool = False, parts: str = "kernels,loss,colocated,split", count: int = 1
+):
     args = argparse.Namespace(
         dry_run=dry_run,
         gpu=None,
@@ -130,12 +132,14 @@ def test_step_figures_steady_medians_compile_time_and_packet():
 
 def test_budget_one_h200_is_8_minutes_and_unused_time_passes_on(tmp_path, monkeypatch):
     chk = _check(tmp_path)
-    assert chk.plan == ["a", "b", "setup", "c_probe", "c"] and chk.total_s == 475  # no part d on 1 GPU
-    assert chk.timeout("a") == pytest.approx(90, abs=1)
-    monkeypatch.setattr(chk, "t0", time.perf_counter() - 40)  # part a took 40 of its 90 s
-    assert chk.timeout("b") == pytest.approx(110 + 50, abs=1)
+    assert (
+        chk.plan == ["kernels", "loss", "setup", "target_probe", "colocated"] and chk.total_s == 475
+    )  # no part split on 1 GPU
+    assert chk.timeout("kernels") == pytest.approx(90, abs=1)
+    monkeypatch.setattr(chk, "t0", time.perf_counter() - 40)  # part kernels took 40 of its 90 s
+    assert chk.timeout("loss") == pytest.approx(110 + 50, abs=1)
     two = _check(tmp_path, count=2)
-    assert two.plan[-1] == "d" and two.total_s == 675
+    assert two.plan[-1] == "split" and two.total_s == 675
     assert _check(tmp_path, dry_run=True).concurrent and not chk.concurrent
 
 
@@ -161,17 +165,17 @@ def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
         },
     }
     chk.results = {
-        "a": {
+        "kernels": {
             "status": "passed",
             "counts": {"passed": 11, "failed": 0, "skipped": 0, "errors": 0},
             "part_s": 50,
         },
-        "b": {
+        "loss": {
             "status": "passed",
             "best_chunked": {"chunk": 8192, "tflops": 640.0, "peak_frac": 0.6471},
             "cases": [],
         },
-        "c": {
+        "colocated": {
             **step_figures([_row(1, 50.0), *(_row(s, 2.0) for s in range(2, 31))], 5, 1),
             "status": "passed",
             "mode": "co-located, 1 rank",
@@ -193,7 +197,7 @@ def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
             "peak_mem_gib_by_role": {"colocated": 91.2},
             "target_probe": probe,
         },
-        "d": {"status": "skipped", "note": "1 GPU: needs 2+", "ran": False},
+        "split": {"status": "skipped", "note": "1 GPU: needs 2+", "ran": False},
     }
     out = chk.summary(done=True)
     t = out["targets"]
@@ -204,7 +208,7 @@ def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
     table = render(chk, out)
     assert "NOT MET" in table and "vocab-sized tensors 0" in table and "gpu check PASSED" in table
     assert "30/30 steps (steady 6-30)" in table and "compile ~48 s, 0 recompiles" in table
-    chk.results["c"]["status"] = "failed"
+    chk.results["colocated"]["status"] = "failed"
     assert chk.summary(done=True)["passed"] is False
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dflash.config import LossConfig
+from dflash.drafter.arch import DrafterArch
 from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks
-from dflash.drafter.model import DFlashDraftModel, DrafterArch
+from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss, prefix_accept
 
 BS, V, H = 4, 60, 32
@@ -109,3 +110,43 @@ def test_prefix_accept_counts_the_leading_run_of_hits():
         [[False, True, True, False, True], [True, False, True, True, True], [False, True, True, True, True]]
     )
     assert prefix_accept(hits).tolist() == [3, 1, 5]  # slot 0 is the given token and is ignored
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{}, dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)],
+    ids=["full", "mixed"],
+)
+def test_layer_checkpointing_gives_the_same_loss_and_gradients(layout):
+    """drafter.activation_checkpointing=layers: each layer recomputes its forward in backward; the loss
+    and every gradient equal the plain step's (fp32, to 1e-6), and the layers do run twice."""
+    model, pos, ids, mask, aux, final, embed, head, anchors = _setup(**layout)
+    model = model.float()
+    cfg = LossConfig(ce=1.0, kl=0.5, chunk_size=5)
+    runs = []
+    for checkpoint in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.checkpoint_layers = checkpoint
+        calls = []
+        hook = model.layers[0].register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        out = dflash_loss(
+            model,
+            aux.float(),
+            final.float(),
+            ids,
+            mask,
+            anchors,
+            embed.float(),
+            head.float(),
+            cfg,
+            position_ids=pos,
+        )
+        out.loss.backward()
+        hook.remove()
+        runs.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls)))
+    (loss, grads, calls), (loss_ck, grads_ck, calls_ck) = runs
+    assert (calls, calls_ck) == (1, 2)
+    torch.testing.assert_close(loss_ck, loss, rtol=0, atol=1e-6)
+    assert grads.keys() == grads_ck.keys() and all(g.abs().sum() > 0 for g in grads.values())
+    for name in grads:
+        torch.testing.assert_close(grads_ck[name], grads[name], rtol=0, atol=1e-6, msg=name)

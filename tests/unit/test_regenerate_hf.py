@@ -1,22 +1,28 @@
 """backend=hf: the same regeneration without a server (batched HF generate), equal to the target's
 greedy continuation; its peak memory stays flat as max_tokens grows, unlike a generation that keeps
-the scores of every step."""
+the scores of every step; a stop signal ends it at the next token."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
+from openai_stub import wait_for
 from testpaths import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.data.chat import generation_prompt_ids
+from dflash.config import EXIT_STOPPED
+from dflash.data.chat import CUT_AT_MAX_TOKENS, generation_prompt_ids
 from dflash.data.regenerate.app import run
 from dflash.data.regenerate.config import RegenerateConfig
+from dflash.data.regenerate.hf_backend import eos_ids
 
 MAX_TOKENS = 20
 
@@ -65,7 +71,10 @@ def test_hf_backend_regenerates_turn_by_turn_as_greedy_generate(tiny_target_dir,
                 ids = torch.tensor([generation_prompt_ids(tok, conv)])
                 with torch.inference_mode():
                     gen = model.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS)[0, ids.shape[1] :]
-                assert got == {"role": "assistant", "content": tok.decode(gen, skip_special_tokens=True)}, idx
+                want = {"role": "assistant", "content": tok.decode(gen, skip_special_tokens=True)}
+                if len(gen) == MAX_TOKENS and int(gen[-1]) not in eos_ids(tok, model):
+                    want[CUT_AT_MAX_TOKENS] = True  # cut at max_tokens: marked
+                assert got == want, idx
             else:
                 assert got == kept.pop(0)
             conv.append(got)
@@ -132,3 +141,40 @@ def test_hf_generation_peak_memory_is_flat_in_max_tokens(tmp_path):
     print(f"\npeak extra MiB: {peak}")
     assert peak["long"] - peak["short"] < 40
     assert peak["scores_kept"] > 600  # the control: what the test would see if scores were kept
+
+
+def test_hf_backend_stops_on_sigterm_during_generate(tiny_target_dir, tmp_path, one_thread):
+    """The tiny target ends the first prompt by itself (~80 tokens) but runs the others to
+    max_tokens=1000 (far longer than a stop may take); a SIGTERM once the first record is written
+    ends the run at the next token, with exit status 75 and the records in flight not attempted."""
+    prompts = ["Continue this code:\nimport os", "q0", "q1"]
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts)
+    )
+    out = tmp_path / "out.jsonl"
+    signalled: list[float] = []
+
+    def stop_after_first_record() -> None:
+        wait_for(lambda: out.exists() and out.read_text().count("\n") >= 1, timeout_s=120)
+        signalled.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = RegenerateConfig(
+        input=str(tmp_path / "in.jsonl"),
+        output=str(out),
+        backend="hf",
+        model=str(tiny_target_dir),
+        max_tokens=1000,
+        batch_size=1,
+        device="cpu",
+        progress_bar=False,
+    )
+    thread = threading.Thread(target=stop_after_first_record)
+    thread.start()
+    summary = run(cfg)
+    took = time.perf_counter() - signalled[0]
+    thread.join()
+    print(f"\nstopped {took:.2f} s after SIGTERM")
+    assert summary.signal == "SIGTERM" and summary.exit_code == EXIT_STOPPED
+    assert summary.written == 1 and summary.not_attempted == 2 and took < 5
+    assert json.loads((tmp_path / "out.jsonl.meta.json").read_text())["status"] == "stopped"

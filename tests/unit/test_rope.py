@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from dflash.drafter.model import DrafterArch, RotaryEmbedding, apply_rope, rope_from_config
+from dflash.drafter.arch import DrafterArch, rope_from_config
+from dflash.drafter.model import RotaryEmbedding, apply_rope
 from dflash.targets.loader import base_model, read_target_meta
 
 SHAPE = dict(

@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from dflash.cli import RUN_ID_KEY, launch_run_id
 from dflash.config import TrainConfig, UserError
-from dflash.run_dir import RunDirLock, move_aside, resume_checkpoint
-from dflash.secrets import REDACTED, SecretFilter, config_secret_problems, redact
-from dflash.steplog import StepLog
-from dflash.summary import balance_line, best_split, status_line, step_line
+from dflash.config.cli import RUN_ID_KEY, launch_run_id
+from dflash.config.secrets import REDACTED, SecretFilter, config_secret_problems, redact
+from dflash.train.run_dir import RunDirLock, move_aside, resume_checkpoint
+from dflash.train.steplog import StepLog
+from dflash.train.summary import balance_line, best_split, status_line, step_line
 
 
 def test_step_log_truncate_drops_later_steps_and_a_torn_tail(tmp_path):
@@ -30,6 +30,69 @@ def test_step_log_truncate_drops_later_steps_and_a_torn_tail(tmp_path):
     assert log.truncate(3) == 0  # nothing to drop: the file is left alone
     with pytest.raises(ValueError, match="step"):
         log.append({"packets": []})
+
+
+def test_a_damaged_middle_line_is_set_aside_never_used_to_truncate(tmp_path, caplog):
+    """Issue 19 item 4: a garbled line 10 of 60 (newline kept) no longer cuts the file to 9 lines."""
+    log = StepLog(tmp_path / "metrics.jsonl", step_key="train/step")
+    for s in range(1, 61):
+        log.append({"train/step": s, "train/loss": 1.0 / s})
+    lines = log.path.read_bytes().splitlines(keepends=True)
+    lines[9] = b'{"train/step": 10, "train/lo\x00ss":: garbage\n'
+    log.path.write_bytes(b"".join(lines))
+    assert [r["train/step"] for r in log.records()] == [s for s in range(1, 61) if s != 10]
+    assert log.damaged_lines == [10]
+    with caplog.at_level("WARNING"):
+        assert log.truncate(60) == 1
+    assert "line(s) 10 are damaged" in caplog.text and "metrics.jsonl" in caplog.text
+    kept = [json.loads(x)["train/step"] for x in log.path.read_text().splitlines()]
+    assert kept == [s for s in range(1, 61) if s != 10]
+    aside = [json.loads(x) for x in (tmp_path / "metrics.jsonl.damaged").read_text().splitlines()]
+    assert aside == [{"line": 10, "text": lines[9].decode(errors="replace")}]
+    assert log.truncate(30) == 30 and [r["train/step"] for r in log.records()][-1] == 30
+
+
+def test_run_files_are_never_written_through_a_symbolic_link(tmp_path):
+    """Issue 19 item 2: every entry the run writes is refused when it is a link out of the run
+    directory, and the rank log handler and the step logs never open a link."""
+    import logging
+
+    from dflash.files import NoFollowFileHandler, append_line
+    from dflash.train.run_dir import run_dir_problems
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    victims = {}
+    for name in (".dflash.lock", "metrics.jsonl", "ledger.jsonl", "rank2.log", "checkpoints"):
+        victim = outside / name
+        if name == "checkpoints":
+            (victim / "step_00000001").mkdir(parents=True)
+            (victim / "step_00000001" / "precious.txt").write_text("keep me")
+        else:
+            victim.write_text("precious\n")
+        (run / name).symlink_to(victim)
+        victims[name] = victim
+    problems = run_dir_problems(run)
+    assert len(problems) == 5 and all("is a symbolic link" in p for p in problems)
+    assert any(str(run / "checkpoints") in p for p in problems)
+    with pytest.raises(OSError):
+        append_line(run / "ledger.jsonl", "{}", follow_symlinks=False)
+    with pytest.raises(OSError):
+        StepLog(run / "metrics.jsonl").append({"step": 1})
+    handler = NoFollowFileHandler(str(run / "rank2.log"))
+    handler.handle(logging.makeLogRecord({"msg": "a log line"}))
+    handler.close()
+    assert handler.refused
+    with pytest.raises(OSError):  # the job names the link first (run_dir_problems); the lock never follows it
+        RunDirLock(run).acquire()
+    for name, victim in victims.items():
+        if name == "checkpoints":
+            assert (victim / "step_00000001" / "precious.txt").read_text() == "keep me"
+        else:
+            assert victim.read_text() == "precious\n", name
+    (run / "drafter").write_text("not a directory")
+    assert any("is a file where the run keeps its drafter/ directory" in p for p in run_dir_problems(run))
 
 
 def test_run_dir_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
@@ -120,6 +183,7 @@ def test_summary_lines():
             "perf/drafter_s_per_packet": 1.6,
             "perf/target_busy_frac": 0.2,
             "comm/recv_wait_frac": 0.02,
+            "perf/step_s": 1.6,
         }
     ] * 4
     line = balance_line(rows, 7, 1, colocated=False)
@@ -127,4 +191,9 @@ def test_summary_lines():
         "targets busy 20% (idle 80%), drafters waited 2%: 3 targets + 5 drafters would be ~4.8x faster "
         "(measured 1s per target forward, 1.6s per drafter packet)"
     )
+    # Issue 19 item 12: targets work ahead, so one step's fraction can pass 1; the line never says 118%.
+    ahead = [
+        dict(rows[0], **{"perf/target_busy_frac": b, "perf/step_s": t}) for b, t in ((1.5, 1.0), (1.0, 1.0))
+    ]
+    assert balance_line(ahead, 1, 1, colocated=False).startswith("targets busy 100% (idle 0%)")
     assert "per packet: target forward 1s + drafter 1.6s" in balance_line(rows, 0, 8, colocated=True)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflash.cli import compose_config
 from dflash.config import register_configs, to_config
+from dflash.config.cli import compose_config
+from dflash.drafter.arch import build_arch, resolve_mask_token_id
 from dflash.drafter.export import export_config, warm_start_problems
-from dflash.setup import build_arch, prepare, resolve_mask_token_id
 from dflash.targets.loader import read_target_meta
+from dflash.train.setup import prepare
 
 MIXED = ["sliding_attention", "full_attention"]
 
@@ -157,3 +158,50 @@ def test_qwen3_6_27b_experiment_builds_the_published_drafter(tmp_path):
     assert exported["dflash_config"]["mask_token_id"] == 248070
     assert "partial_rotary_factor" not in exported and "is_causal" not in exported
     assert exported["rope_parameters"] == {"rope_type": "default", "rope_theta": 10_000_000}
+
+
+def test_an_init_from_export_whose_tensors_do_not_fit_is_refused_before_anything_starts(
+    weightless_target, tmp_path
+):
+    """Issue 19 item 12: a drafter shape mismatch in drafter.init_from failed after the process group
+    (in load_into); now resolve_drafter reads the export's safetensors header and names the tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash.drafter.export import export_drafter
+    from dflash.drafter.model import DFlashDraftModel
+    from dflash.drafter.resolve import resolve_drafter
+    from dflash.targets.info import resolve_target
+
+    cfg = _cfg(weightless_target, [])
+    target = resolve_target(cfg.target)
+    _, arch = resolve_drafter(cfg, target)
+    out = export_drafter(
+        DFlashDraftModel(arch), tmp_path / "export", target_num_layers=target.meta.num_layers
+    )
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["fc.weight"] = tensors["fc.weight"][:, :-8].contiguous()
+    del tensors["norm.weight"]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError) as err:
+        resolve_drafter(_cfg(weightless_target, [f"drafter.init_from={out}"]), target)
+    text = str(err.value)
+    assert "model.safetensors lacks norm.weight" in text and "has fc.weight of shape" in text
+
+
+def test_a_hostile_target_config_is_refused_on_every_rank_before_anything_is_allocated(
+    weightless_target, tmp_path
+):
+    """Issue 19 item 9: intermediate_size 10^9 in the target's config.json requested 512 GB on every
+    rank; prepare (every rank, before the process group) refuses it naming the field and the GiB."""
+    import json
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(weightless_target, hostile)
+    config = json.loads((hostile / "config.json").read_text())
+    config["intermediate_size"] = 10**9
+    (hostile / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        prepare(_cfg(hostile, []), 3)
+    text = str(err.value)
+    assert "intermediate_size=1000000000" in text and "GiB of target weights" in text
+    assert "GiB of drafter weights" in text and "nothing was allocated" in text

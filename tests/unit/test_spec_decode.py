@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dflash.drafter.model import DFlashDraftModel, DrafterArch, rope_from_config
+from dflash.drafter.arch import DrafterArch, rope_from_config
+from dflash.drafter.model import DFlashDraftModel
 from dflash.eval.spec_decode import GenerationResult, StepTrace, accepted_prefix, speculative_generate
 from dflash.eval.target_cache import TargetCache
 

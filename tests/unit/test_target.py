@@ -356,3 +356,27 @@ def test_target_forward_peak_memory_skips_logits():
     # model(...) grows memory by at least its logits; the headless forward by less than an eighth of
     # them. (Not full - headless >= logits: model(...)'s other tensors may reuse freed allocator memory.)
     assert full >= logits_bytes and 8 * headless < logits_bytes, (full, headless, logits_bytes)
+
+
+@pytest.mark.parametrize("kind", ["untied", "sharded"])
+def test_weights_fingerprint_changes_with_the_weights_at_the_same_path(saved, tmp_path, kind):
+    """Issue 19 item 7: every weight scaled by 1.5 under the same target.path is another target
+    (the run contract holds this fingerprint, so a resume is refused); a copy is the same target."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from dflash.targets.info import weights_fingerprint
+
+    copy = tmp_path / "copy"
+    shutil.copytree(saved[kind], copy)
+    before = weights_fingerprint(str(copy))
+    assert before == weights_fingerprint(str(saved[kind])) and len(before) == 64
+    model = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    model.save_pretrained(copy, **({"max_shard_size": "100KB"} if kind == "sharded" else {}))
+    assert weights_fingerprint(str(copy)) != before
+    (tmp_path / "empty").mkdir()
+    assert weights_fingerprint(str(tmp_path / "empty")) == "none"

@@ -249,13 +249,14 @@ def test_peer_error_names_both_sides():
 
 def test_device_and_backend_resolution(monkeypatch):
     from dflash.config import TopologyConfig
-    from dflash.distributed.process_group import init_distributed, resolve_backend, resolve_device
+    from dflash.config.resolve import resolve_device
+    from dflash.distributed.process_group import init_distributed, resolve_backend
 
     cpu = torch.device("cpu")
     if not torch.cuda.is_available():
-        assert resolve_device(TopologyConfig(device="auto"), 0) == cpu
+        assert resolve_device("auto", 0) == cpu
         with pytest.raises(ValueError, match="topology.device=cuda"):
-            resolve_device(TopologyConfig(device="cuda"), 0)
+            resolve_device("cuda", 0)
     assert resolve_backend(TopologyConfig(backend="auto"), cpu) == "gloo"
     assert resolve_backend(TopologyConfig(backend="auto"), torch.device("cuda", 0)) == "nccl"
     with pytest.raises(ValueError, match="topology.backend=nccl"):

@@ -438,3 +438,22 @@ def test_compile_matches_eager():
     (gb,) = torch.autograd.grad(b.loss, h_d)
     assert abs(a.loss.item() - b.loss.item()) <= 1e-12 * abs(b.loss.item())
     assert _rel(ga, gb) <= 1e-12
+
+
+@pytest.mark.parametrize("path", ["exp2", "softmax"])
+def test_explicit_normalizer_gives_the_weighted_sum_over_it(path):
+    """``normalizer=N``: loss and gradient are ``sum_r w_r l_r / N`` (a caller summing packets
+    divides once by the global weight sum); the logged term means stay divided by the weight sum."""
+    h_d, h_v, w_head, labels, weights = _inputs(dtype=torch.float32)
+    mix = dict(ce=1.0, kl=0.5) if path == "exp2" else dict(ce=1.0, kl=0.5, temperature=1.5)
+    ref = _reference(h_d.double(), h_v.double(), w_head.double(), labels, weights.double(), **mix)
+    (g_ref,) = torch.autograd.grad(ref["loss"], h_d)
+    out = verifier_loss(h_d, h_v, w_head, labels, weights, chunk_size=7, normalizer=1.0, **mix)
+    (g,) = torch.autograd.grad(out.loss, h_d)
+    w_sum = weights.double().sum()
+    assert out.loss.item() == pytest.approx((ref["loss"] * w_sum).item(), rel=1e-5)
+    assert _rel(g.double(), g_ref * w_sum) < 1e-5
+    mean = verifier_loss(h_d, h_v, w_head, labels, weights, chunk_size=7, **mix)
+    assert out.terms["ce"].item() == pytest.approx(mean.terms["ce"].item(), rel=1e-6)
+    with pytest.raises(ValueError, match="normalizer"):
+        verifier_loss(h_d, h_v, w_head, labels, weights, normalizer=0.0, **mix)

@@ -13,6 +13,6 @@ kept. Two backends:
 - ``hf``: batched HF ``generate`` on the target's device, for small jobs (``hf_backend``).
 
 Modules: ``config`` (schema, problems), ``conversation`` (one record's turn-by-turn state),
-``output`` (append-only output, resume, failures, ``meta.json``), ``openai_client``,
-``hf_backend``, ``app`` (``run``), ``__main__`` (the Hydra entry point).
+``output`` (append-only output, resume, failures, ``meta.json``), ``stopping`` (stop signals),
+``openai_client``, ``hf_backend``, ``app`` (``run``), ``__main__`` (the Hydra entry point).
 """

@@ -37,9 +37,11 @@ class RegenerateConfig:
     concurrency: int = 64
     """Records in flight at once (each sends its turns one after the other)."""
     request_timeout_s: float = 600.0
-    """Per-request timeout (a request is one assistant turn)."""
+    """Total deadline of one attempt at a request (one assistant turn), however slowly the server
+    sends its bytes; a timed-out attempt is retried like a connection error."""
     max_retries: int = 8
-    """Retries of a request after a connection error, a timeout, HTTP 429 or 5xx (other errors fail at once)."""
+    """Retries of a request after a connection error, a timeout, HTTP 429 or 5xx (other errors fail
+    at once; HTTP 401/403/404 stop the run)."""
     retry_backoff_s: float = 1.0
     """First retry delay; doubled per retry up to 30 s, with jitter."""
     max_consecutive_failures: int = 32
@@ -49,7 +51,10 @@ class RegenerateConfig:
     """0 = greedy, the target's own most likely text (what greedy speculative decoding verifies)."""
     top_p: float | None = None
     max_tokens: int = 2048
-    """Per assistant turn; a turn cut there keeps its text (finish reason ``length``, counted)."""
+    """Per assistant turn; a turn cut there keeps its text (finish reason ``length``, counted) and
+    is marked ``cut_at_max_tokens`` (training does not supervise its end-of-turn token). Also
+    bounds a reply: more tokens, more than 32 characters per token or more bytes than that allows
+    is rejected."""
     seed: int | None = None
     """Sampling seed sent with each request (temperature > 0)."""
     data: ChatTemplateConfig = field(default_factory=ChatTemplateConfig)

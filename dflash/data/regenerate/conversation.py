@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash.data.chat import MalformedConversation
+from dflash.data.chat import CUT_AT_MAX_TOKENS, MalformedConversation
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class Regeneration:
 
     Every assistant message of ``source`` is replaced, in order, by a reply generated from the
     messages before it with the earlier assistant turns already replaced; a conversation that ends
-    with a user message gets a reply appended. Other messages are kept as they are.
+    with a user message gets a reply appended. Other messages are kept as they are. A reply cut at
+    ``max_tokens`` (finish reason ``length``) is marked ``"cut_at_max_tokens": true``: the target
+    never wrote its end-of-turn token, so training does not supervise it.
     """
 
     source: list[dict]
@@ -68,6 +70,8 @@ class Regeneration:
         message: dict[str, Any] = {"role": "assistant", "content": reply.content}
         if self.keep_reasoning and reply.reasoning:
             message["reasoning_content"] = reply.reasoning
+        if reply.finish_reason == "length":
+            message[CUT_AT_MAX_TOKENS] = True
         self.conversation.append(message)
         self.replies.append(reply)
         if self._pos < len(self.source):

@@ -8,6 +8,7 @@ logits are kept per step (``output_scores``/``output_logits`` off), so nothing o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,23 @@ def eos_ids(tokenizer: Any, model: Any) -> list[int]:
     return ids
 
 
+class GenerationStopped(Exception):
+    """``should_stop()`` became true during :func:`generate`: its results are incomplete."""
+
+
+class _StopWhen:
+    """A ``generate`` stopping criterion: ends every row once ``should_stop()`` is true (checked per
+    token)."""
+
+    def __init__(self, should_stop: Callable[[], bool]) -> None:
+        self.should_stop = should_stop
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return torch.full(
+            (input_ids.shape[0],), self.should_stop(), dtype=torch.bool, device=input_ids.device
+        )
+
+
 @torch.inference_mode()
 def generate(
     model: Any,
@@ -40,13 +58,17 @@ def generate(
     batch_size: int = 64,
     temperature: float = 0.0,
     top_p: float | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[list[int]], list[int | None]]:
     """Responses to token-id prompts, in input order: (ids without the eos, the eos id that ended
     each one or None when it was cut at ``max_new_tokens``).
 
     ``temperature=0`` is greedy; otherwise sampling with ``temperature`` and ``top_p`` (seed torch
-    beforehand for reproducibility). Stops at any of :func:`eos_ids`.
+    beforehand for reproducibility). Stops at any of :func:`eos_ids`. ``should_stop()`` is checked
+    after every token: once true, :class:`GenerationStopped` is raised (nothing is returned).
     """
+    from transformers import StoppingCriteriaList
+
     eos = eos_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     sampling: dict[str, Any] = (
@@ -75,8 +97,11 @@ def generate(
             output_scores=False,
             output_logits=False,
             return_dict_in_generate=False,
+            stopping_criteria=StoppingCriteriaList([_StopWhen(should_stop)]) if should_stop else None,
             **sampling,
         )[:, width:]
+        if should_stop is not None and should_stop():
+            raise GenerationStopped
         for row, i in enumerate(idx):
             ids = gen[row].cpu().tolist()
             end = next((k for k, t in enumerate(ids) if t in eos), None)
@@ -109,9 +134,12 @@ class HFBackend:
         self.temperature, self.top_p, self.batch_size = temperature, top_p, batch_size
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
 
-    def generate(self, conversations: list[list[dict]]) -> list[Reply | Exception]:
+    def generate(
+        self, conversations: list[list[dict]], should_stop: Callable[[], bool] | None = None
+    ) -> list[Reply | Exception]:
         """One reply per conversation (the next assistant turn), or the exception that prevents it
-        (e.g. a prompt too long for the model); the others of the batch are unaffected."""
+        (e.g. a prompt too long for the model); the others of the batch are unaffected. Raises
+        :class:`GenerationStopped` once ``should_stop()`` is true."""
         results: list[Reply | Exception] = []
         prompts: list[list[int]] = []
         slots: list[int] = []
@@ -138,6 +166,7 @@ class HFBackend:
                 batch_size=self.batch_size,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                should_stop=should_stop,
             )
             for slot, ids, stop in zip(slots, outs, stops, strict=True):
                 results[slot] = Reply(

@@ -12,6 +12,9 @@
   counts; written atomically. A run whose settings differ from those of the records already in the
   file is refused.
 - ``.<output>.lock``: held for the whole run, so two runs never write one output.
+
+Every line and ``meta.json`` is written with the environment's secrets redacted
+(:func:`redacted_json`): a server may echo the API key in an error body or in a reply.
 """
 
 from __future__ import annotations
@@ -23,10 +26,23 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from dflash.config.secrets import redact, secret_values
 from dflash.data.sources import sidecar_meta_path
 from dflash.files import append_line, atomic_write, drop_torn_tail, file_lock
 
 META_VERSION = 1
+
+
+def redacted_json(value: Any, **dumps_kwargs: Any) -> str:
+    """``json.dumps(value, **dumps_kwargs)`` with every secret value of the environment replaced
+    by ``<redacted>``, also where JSON escaping changed how a secret is spelled."""
+    text = json.dumps(value, **dumps_kwargs)
+    forms = {
+        form
+        for secret in secret_values()
+        for form in (secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1])
+    }
+    return redact(text, sorted(forms, key=len, reverse=True)) if forms else text
 
 
 def failed_path(output: Path) -> Path:
@@ -75,8 +91,11 @@ class RegenOutput:
         return done
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one regenerated record (a complete, fsynced line)."""
-        append_line(self.path, json.dumps(record, ensure_ascii=False))
+        """Append one regenerated record (a complete, fsynced line). Raises UnicodeEncodeError,
+        writing nothing, when the record holds a lone surrogate (no UTF-8 file can hold it)."""
+        line = redacted_json(record, ensure_ascii=False)
+        line.encode("utf-8")
+        append_line(self.path, line)
         self.done.add(record["source_index"])
         self.written += 1
 
@@ -89,7 +108,7 @@ class RegenOutput:
             "reason": reason,
             "error": error,
         }
-        append_line(self.failed_path, json.dumps(line, ensure_ascii=False))
+        append_line(self.failed_path, redacted_json(line))  # ASCII: any id or message can be written
         self.failed[reason] = self.failed.get(reason, 0) + 1
 
     def write_meta(self, extra: dict[str, Any]) -> None:
@@ -102,7 +121,7 @@ class RegenOutput:
             "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **extra,
         }
-        atomic_write(self.meta_path, json.dumps(meta, indent=1, sort_keys=True))
+        atomic_write(self.meta_path, redacted_json(meta, indent=1, sort_keys=True))
 
 
 @contextmanager

@@ -1,0 +1,639 @@
+"""Typed config schemas, their resume tags, Hydra ConfigStore registration, and the user-error type.
+
+Every YAML group in ``conf/`` is validated against the dataclasses below at compose time (a typo
+or a wrong type fails before anything runs). The checks that need several fields at once are in
+:mod:`dflash.config.checks` (``validate``). Each field's documentation lives beside its type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+# Every leaf field says what a change of it means for a resumed run (``resume``):
+#   CONTRACT   its value is part of the run contract: a resume with another value is refused
+#              (unless train.allow_contract_change=true), because the checkpoint's state would
+#              be mixed with a different objective, model or schedule;
+#   derived(k) it is covered by the resolved contract entry k that setup computes from it (e.g. the
+#              tap ids from layer_ids/num_taps), so only a change of the outcome is refused;
+#   FREE       how the run is executed or observed; may change between launches.
+# DataConfig fields also say whether they shape the tokenized dataset (``data``: part of the
+# dataset fingerprint, the cache key). tests/unit/test_config.py fails on an untagged field.
+RESUME_KINDS = ("contract", "derived", "free")
+CONTRACT: dict[str, Any] = {"resume": "contract"}
+FREE: dict[str, Any] = {"resume": "free"}
+
+
+def derived(key: str, *, data: bool | None = None) -> dict[str, Any]:
+    """Field metadata: covered by the resolved contract entry ``key`` (see ``RESOLVED_CONTRACT_KEYS``)."""
+    meta: dict[str, Any] = {"resume": "derived", "covered_by": key}
+    if data is not None:
+        meta["data"] = data
+    return meta
+
+
+def data_field(resume: dict[str, Any], shapes_dataset: bool) -> dict[str, Any]:
+    """DataConfig field metadata: the resume tag plus whether it is part of the dataset fingerprint."""
+    return {**resume, "data": shapes_dataset}
+
+
+RESOLVED_CONTRACT_KEYS = (
+    "target.weights",
+    "target.layer_ids",
+    "target.hidden_size",
+    "target.vocab_size",
+    "drafter.arch",
+    "data.fingerprint",
+    "data.plan",
+    "train.num_steps",
+    "topology.packets_per_step",
+)
+"""Contract entries that ``dflash.train.setup.prepare`` resolves (beside the CONTRACT-tagged raw values)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Choices. A ``StrEnum`` field takes one of its members' names in YAML and on the command line; any
+# other value fails when Hydra composes the config. Members compare equal to their strings.
+
+
+class Backend(StrEnum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class TargetDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class DrafterDtype(StrEnum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Attention(StrEnum):
+    auto = "auto"
+    sdpa = "sdpa"
+    flex = "flex"
+
+
+class Checkpointing(StrEnum):
+    none = "none"
+    layers = "layers"
+    auto = "auto"
+
+
+class DrafterShard(StrEnum):
+    none = "none"
+    optimizer = "optimizer"
+    full = "full"
+
+
+class Overlong(StrEnum):
+    truncate = "truncate"
+    skip = "skip"
+
+
+class OnNonfinite(StrEnum):
+    error = "error"
+    skip = "skip"
+
+
+class LoggingMode(StrEnum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class LayerType(StrEnum):
+    full_attention = "full_attention"
+    sliding_attention = "sliding_attention"
+
+
+@dataclass
+class TopologyConfig:
+    # Which rank makes a packet does not change what is trained: only how many packets an optimizer
+    # step takes (num_drafters x optim.grad_accum_steps) is part of the resume contract.
+    num_targets: int = field(default=2, metadata=FREE)
+    """Target replicas (frozen target copies) on ranks 0..N*target_tp-1; 0 with colocated."""
+    num_drafters: int | None = field(default=1, metadata=derived("topology.packets_per_step"))
+    """Drafter ranks N*k..N*k+M-1 (k = target_tp), training data-parallel; the first is the leader
+    (checkpoints, W&B). None = every rank the targets leave (WORLD_SIZE - num_targets x target_tp)."""
+    drafter_nodes: int | None = field(default=None, metadata=FREE)
+    """Several nodes: the last ``drafter_nodes`` nodes hold only drafters (their gradient all-reduce
+    stays on NVLink), the nodes before them only targets. Sets num_drafters = drafter_nodes x
+    LOCAL_WORLD_SIZE and num_targets = the rest (in replicas of target_tp); leave num_drafters=null."""
+    colocated: bool = field(default=False, metadata=FREE)
+    """Every rank holds the target and a drafter replica and makes its own packets (no send/recv):
+    one GPU, small hosts. Needs num_targets=0; num_drafters=null (the world) or WORLD_SIZE."""
+    backend: Backend = field(default=Backend.auto, metadata=FREE)
+    """auto (nccl when CUDA is available, else gloo), nccl or gloo."""
+    device: Device = field(default=Device.auto, metadata=FREE)
+    """auto, cpu or cuda."""
+    init_timeout_s: float = field(default=600.0, metadata=FREE)
+    """Process-group timeout until the first step ends (model loading is slow)."""
+    step_timeout_s: float = field(default=300.0, metadata=FREE)
+    """Timeout of every wait after the first step: a dead or stuck peer is reported after this. Targets
+    wait twice as long for the drafter, which may itself be waiting this long on another target."""
+    max_in_flight: int = field(default=2, metadata=FREE)
+    """Packets a target may send before the drafter acknowledges the oldest one (backpressure)."""
+    target_tp: int = field(default=1, metadata=FREE)
+    """Ranks per target replica: each of the num_targets replicas holds one target sharded over
+    target_tp consecutive ranks (tensor parallel; experts split by expert where transformers can),
+    so the world is num_targets x target_tp + num_drafters; the replica's first rank sends its
+    packets. On several nodes it must divide the GPUs of a node (a replica never spans nodes).
+    Not with colocated or eval.every > 0 (both run the whole target on one rank)."""
+
+
+@dataclass
+class TinyTargetConfig:
+    """A small target built locally from a config, trained for a fixed number of steps on stdlib
+    code (``dflash.targets.tiny``) and saved with save_pretrained; the whole spec is its cache key."""
+
+    model_type: str = field(default="qwen3", metadata=CONTRACT)
+    num_layers: int = field(default=6, metadata=CONTRACT)
+    hidden_size: int = field(default=128, metadata=CONTRACT)
+    intermediate_size: int = field(default=384, metadata=CONTRACT)
+    num_heads: int = field(default=4, metadata=CONTRACT)
+    num_kv_heads: int = field(default=2, metadata=CONTRACT)
+    head_dim: int = field(default=32, metadata=CONTRACT)
+    extra_vocab: int = field(default=64, metadata=CONTRACT)
+    """Embedding rows past the tokenizer's vocabulary (the first is the MASK token)."""
+    init_std: float = field(default=0.02, metadata=CONTRACT)
+    seed: int = field(default=0, metadata=CONTRACT)
+    """Initialisation and training data order."""
+    train_steps: int = field(default=400, metadata=CONTRACT)
+    """Optimizer steps of next-token training on chat samples cut from stdlib code (0 = random weights)."""
+    train_batch_size: int = field(default=4, metadata=CONTRACT)
+    train_seq_len: int = field(default=128, metadata=CONTRACT)
+    train_lr: float = field(default=3e-3, metadata=CONTRACT)
+    num_experts: int = field(default=0, metadata=CONTRACT)
+    """Routed experts of every decoder layer (model_type qwen3_moe, qwen3_5_moe_text, gpt_oss); 0 = dense."""
+    num_experts_per_tok: int = field(default=2, metadata=CONTRACT)
+    moe_intermediate_size: int = field(default=64, metadata=CONTRACT)
+    """FFN width of one expert (and of qwen3_5_moe_text's shared expert)."""
+
+
+@dataclass
+class TargetShape:
+    """The target's shape as its ``config.json`` (text config) gives it: what the planner needs
+    without a download (``python -m dflash.plan``, ``dflash.plan.costs``). When the checkpoint's
+    config.json is readable the planner reads it and reports any field that disagrees."""
+
+    num_layers: int = field(default=MISSING, metadata=FREE)
+    """num_hidden_layers (all decoder layers, linear-attention ones included)."""
+    hidden_size: int = field(default=MISSING, metadata=FREE)
+    intermediate_size: int = field(default=MISSING, metadata=FREE)
+    num_heads: int = field(default=MISSING, metadata=FREE)
+    """num_attention_heads of the full-attention layers."""
+    num_kv_heads: int = field(default=MISSING, metadata=FREE)
+    head_dim: int = field(default=MISSING, metadata=FREE)
+    vocab_size: int = field(default=MISSING, metadata=FREE)
+    tie_word_embeddings: bool = field(default=False, metadata=FREE)
+    attn_output_gate: bool = field(default=False, metadata=FREE)
+    """Qwen3.5/3.6 full attention: q_proj also emits a per-head output gate (2x its width)."""
+    num_linear_layers: int = field(default=0, metadata=FREE)
+    """Hybrid targets (Qwen3.5/3.6): decoder layers with Gated DeltaNet linear attention."""
+    linear_num_key_heads: int = field(default=0, metadata=FREE)
+    linear_num_value_heads: int = field(default=0, metadata=FREE)
+    linear_key_head_dim: int = field(default=0, metadata=FREE)
+    linear_value_head_dim: int = field(default=0, metadata=FREE)
+    linear_conv_kernel_dim: int = field(default=0, metadata=FREE)
+    model_type: str | None = field(default=None, metadata=FREE)
+    """transformers model_type of the text config: the planner reads its tensor/expert-parallel plans
+    (None: a dense model whose plan splits attention and MLP)."""
+    num_experts: int = field(default=0, metadata=FREE)
+    """Mixture of experts: routed experts per decoder layer (0 = dense MLP of intermediate_size)."""
+    num_experts_per_tok: int = field(default=0, metadata=FREE)
+    moe_intermediate_size: int = field(default=0, metadata=FREE)
+    """FFN width of one routed expert."""
+    shared_expert_intermediate_size: int = field(default=0, metadata=FREE)
+    """FFN width of the always-active shared expert (Qwen3.5/3.6 MoE); 0 = none."""
+
+
+@dataclass
+class TargetConfig:
+    name: str = field(default=MISSING, metadata=CONTRACT)
+    path: str = field(default=MISSING, metadata=CONTRACT)
+    """Local directory or hub id of the target checkpoint (or the build dir of a tiny target)."""
+    tiny: TinyTargetConfig | None = field(default=None, metadata=CONTRACT)
+    """When set, the target (and its tokenizer) is built offline at ``path`` if missing."""
+    dtype: TargetDtype = field(default=TargetDtype.auto, metadata=CONTRACT)
+    """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16: the hidden states' dtype."""
+    layer_ids: list[int] | None = field(default=None, metadata=derived("target.layer_ids"))
+    """Tapped decoder layers (tap l = output of layer l); None = round(1 + i*(L-4)/(n-1))."""
+    num_taps: int | None = field(default=None, metadata=derived("target.layer_ids"))
+    """Number of taps when layer_ids is None (None = 5); must equal len(layer_ids) when both are set."""
+    attn_implementation: str = field(default="sdpa", metadata=FREE)
+    pack: bool = field(default=True, metadata=FREE)
+    """Pack several sequences in one row (position ids restart per sequence); False pads (Qwen3.5)."""
+    trust_remote_code: bool = field(default=False, metadata=FREE)
+    revision: str | None = field(default=None, metadata=CONTRACT)
+    """A full commit hash; required when trust_remote_code is true."""
+    tokenizer: str | None = field(default=None, metadata=CONTRACT)
+    """Tokenizer path or hub id; None = the target path."""
+    random_weights: bool = field(default=False, metadata=CONTRACT)
+    """Build the target from its config.json with random weights on the device (no weights file):
+    for throughput checks at real size (scripts/gpu_check.py), never for a drafter you keep."""
+    shape: TargetShape | None = field(default=None, metadata=FREE)
+    """The target's shape for the planner (no download needed); checked against config.json when readable."""
+
+
+DEFAULT_NUM_TAPS = 5
+FULL_ATTENTION: str = LayerType.full_attention.value
+SLIDING_ATTENTION: str = LayerType.sliding_attention.value
+DRAFTER_LAYER_TYPES: tuple[str, ...] = tuple(t.value for t in LayerType)
+"""Attention kinds of a drafter layer; the names are those of ``layer_types`` in the exported config."""
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = field(default=5, metadata=derived("drafter.arch"))
+    block_size: int = field(default=16, metadata=derived("drafter.arch"))
+    num_anchors: int = field(default=512, metadata=CONTRACT)
+    """Anchors sampled per sequence every step (without replacement)."""
+    max_anchors_per_packet: int | None = field(default=None, metadata=CONTRACT)
+    """Cap on the anchors of one packet (all its sequences together); None = no cap."""
+    mask_token_id: int | None = field(default=None, metadata=derived("drafter.arch"))
+    """None = drafter checkpoint, then the tokenizer's mask token, then the first row past the vocab."""
+    hidden_size: int | None = field(default=None, metadata=derived("drafter.arch"))
+    """Must equal the target's (the drafter reuses its embedding and lm_head); None = the target's."""
+    intermediate_size: int | None = field(default=None, metadata=derived("drafter.arch"))
+    """None = the target's intermediate size."""
+    num_heads: int | None = field(default=None, metadata=derived("drafter.arch"))
+    """None = the target's attention heads (likewise num_kv_heads, head_dim)."""
+    num_kv_heads: int | None = field(default=None, metadata=derived("drafter.arch"))
+    head_dim: int | None = field(default=None, metadata=derived("drafter.arch"))
+    layer_types: list[LayerType] | None = field(default=None, metadata=derived("drafter.arch"))
+    """Per layer 'full_attention' or 'sliding_attention' (num_layers entries); None = those of the
+    drafter.init_from checkpoint, else all full. See dflash/drafter/blocks.py for what each one sees."""
+    sliding_window: int | None = field(default=None, metadata=derived("drafter.arch"))
+    """W: a sliding layer's query at position p sees the keys at positions p-W+1..p (W keys, itself
+    included; causal inside its block); needed iff a layer is sliding, >= block_size; None = the
+    drafter.init_from checkpoint's."""
+    partial_rotary_factor: float | None = field(default=None, metadata=derived("drafter.arch"))
+    """Share of each head's dims that RoPE rotates; None = the drafter.init_from checkpoint's, else the
+    target's. SGLang's DFlash model rotates the whole head whatever the config says: 1.0 to serve there."""
+    attention: Attention = field(default=Attention.auto, metadata=FREE)
+    """auto (flex on CUDA, sdpa on CPU), flex or sdpa: the same function, two kernels."""
+    dtype: DrafterDtype = field(default=DrafterDtype.auto, metadata=FREE)
+    """Compute dtype of the drafter: auto (bfloat16 autocast on GPU, float32 on CPU)."""
+    init_from: str | None = field(default=None, metadata=FREE)
+    """An exported drafter directory (public DFlash layout) to warm-start from (used at step 0 only)."""
+    init_std: float = field(default=0.02, metadata=FREE)
+    """Std of the random initialisation (used at step 0 only)."""
+    activation_checkpointing: Checkpointing = field(default=Checkpointing.none, metadata=FREE)
+    """none, layers (each drafter layer keeps only its inputs and runs its forward again in backward:
+    about half the drafter's memory for ~+21% of its FLOPs; the same results) or auto (layers when the
+    planner finds that the drafter would not fit the GPU at these anchors without it)."""
+    shard: DrafterShard = field(default=DrafterShard.none, metadata=FREE)
+    """Drafter state over the drafters (FSDP2 on the drafter group): none (replicated), optimizer
+    (AdamW moments and gradients sharded, weights gathered whole for the step) or full (weights too,
+    gathered one layer at a time). The exported drafter is always whole."""
+
+
+@dataclass
+class DataConfig:
+    path: Any = field(default=MISSING, metadata=data_field(derived("data.fingerprint"), False))
+    """A path or a list of paths (``data.path=[a.jsonl,b.parquet]``): a JSONL file, any other data
+    file (parquet, csv, arrow, a JSON array), a folder, a glob, a hub dataset id, or 'embedded'
+    (built offline); see ``dflash.data.sources``. Typed Any because OmegaConf structured configs
+    support no ``str | list[str]``; ``dflash.data.sources.source_paths`` checks the value."""
+    split: str = field(default="train", metadata=data_field(derived("data.fingerprint"), True))
+    max_length: int = field(default=2048, metadata=data_field(derived("data.fingerprint"), True))
+    overlong: Overlong = field(
+        default=Overlong.truncate, metadata=data_field(derived("data.fingerprint"), True)
+    )
+    """truncate or skip samples longer than max_length."""
+    token_budget: int = field(default=16384, metadata=data_field(derived("data.plan"), False))
+    """Tokens per packet (sum of the packed sequence lengths)."""
+    num_epochs: int = field(default=1, metadata=data_field(derived("data.plan"), False))
+    seed: int = field(default=42, metadata=data_field(derived("data.plan"), False))
+    train_only_last_turn: bool = field(default=False, metadata=data_field(derived("data.fingerprint"), True))
+    max_skip_fraction: float = field(default=0.1, metadata=data_field(FREE, False))
+    """Abort when more than this fraction of the samples is skipped as bad input."""
+    cache_dir: str = field(default="${paths.cache_dir}/data", metadata=data_field(FREE, False))
+    num_samples: int | None = field(default=None, metadata=data_field(derived("data.fingerprint"), True))
+    """Use only the first N conversations (None = all)."""
+    embedded_num_prompts: int = field(default=512, metadata=data_field(derived("data.fingerprint"), False))
+    """Prompts of the embedded default corpus (responses regenerated by the target)."""
+    embedded_max_new_tokens: int = field(default=96, metadata=data_field(derived("data.fingerprint"), False))
+    num_eval_prompts: int | None = field(default=None, metadata=data_field(derived("data.fingerprint"), True))
+    """Held-out conversations (taken from the end, never trained on) for eval; None = eval.num_prompts
+    when eval.every > 0, else 0."""
+    chat_template_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata=data_field(derived("data.fingerprint"), True)
+    )
+    """Passed to apply_chat_template wherever a conversation is rendered: training samples, eval
+    prompts, the embedded corpus; ``dflash.data.regenerate`` takes the same setting. Must match how
+    the target is served (e.g. {enable_thinking: false} for Qwen3 served without thinking)."""
+    max_record_chars: int | None = field(default=None, metadata=data_field(derived("data.fingerprint"), True))
+    """Cap on the content characters of one record, applied before rendering: beyond it the record
+    is cut (overlong=truncate, when an assistant turn starts before the cap) or skipped as too_long,
+    so one huge record costs no more than a long one. None = 32 x max_length."""
+    num_workers: int = field(default=1, metadata=data_field(FREE, False))
+    """Tokenizer processes that build the dataset cache (same result for any number)."""
+
+
+@dataclass
+class ChatTemplateConfig:
+    """The ``data`` section of the apps that render chat prompts besides training (``dflash.eval``,
+    ``dflash.data.regenerate``): the same key as training's, so one override fits every app."""
+
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata=FREE)
+    """Passed to apply_chat_template (e.g. {enable_thinking: false}); must match training's
+    data.chat_template_kwargs and the serving setting."""
+
+
+@dataclass
+class LossConfig:
+    ce: float = field(default=1.0, metadata=CONTRACT)
+    kl: float = field(default=0.0, metadata=CONTRACT)
+    verifier_ce: float = field(default=0.0, metadata=CONTRACT)
+    temperature: float = field(default=1.0, metadata=CONTRACT)
+    gamma: float = field(default=7.0, metadata=CONTRACT)
+    """Slot weight exp(-(k-1)/gamma)."""
+    chunk_size: int | None = field(default=None, metadata=FREE)
+    """Rows per chunk of the verifier-logit loss; None = from mem_budget_gib (the same result)."""
+    mem_budget_gib: float = field(default=2.0, metadata=FREE)
+    compile: bool = field(default=False, metadata=FREE)
+    """Compile the per-row-block loss math (GPU)."""
+
+
+@dataclass
+class OptimConfig:
+    # A resumed run restores the optimizer and scheduler state, which carry the lr and betas: a
+    # changed value here would be silently ignored, so every field is part of the contract.
+    lr: float = field(default=6e-4, metadata=CONTRACT)
+    min_lr_ratio: float = field(default=0.0, metadata=CONTRACT)
+    warmup_ratio: float = field(default=0.04, metadata=CONTRACT)
+    weight_decay: float = field(default=0.0, metadata=CONTRACT)
+    beta1: float = field(default=0.9, metadata=CONTRACT)
+    beta2: float = field(default=0.999, metadata=CONTRACT)
+    eps: float = field(default=1e-8, metadata=CONTRACT)
+    max_grad_norm: float = field(default=1.0, metadata=CONTRACT)
+    grad_accum_steps: int = field(default=1, metadata=derived("topology.packets_per_step"))
+    """Packets per drafter per optimizer step."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int | None = field(default=None, metadata=derived("train.num_steps"))
+    """Optimizer steps; None = every packet of the data plan."""
+    save_every: int = field(default=1000, metadata=FREE)
+    keep_checkpoints: int = field(default=2, metadata=FREE)
+    log_every: int = field(default=1, metadata=FREE)
+    seed: int = field(default=42, metadata=CONTRACT)
+    """Initialisation and anchor sampling."""
+    resume: str = field(default="auto", metadata=FREE)
+    """auto (newest complete checkpoint of the run dir, if any), never, or a checkpoint path."""
+    allow_contract_change: bool = field(default=False, metadata=FREE)
+    on_nonfinite: OnNonfinite = field(default=OnNonfinite.error, metadata=FREE)
+    """error (stop naming step and rank) or skip (drop the step and count it)."""
+    stop_after_steps: int | None = field(default=None, metadata=FREE)
+    """Stop (with a checkpoint) after this step as if preempted; for tests and staged runs."""
+    overwrite: bool = field(default=False, metadata=FREE)
+    """With train.resume=never in a run dir that holds another run's outputs: move them aside to
+    ``replaced/<time>/`` and start over (without it the launch is refused)."""
+    time_phases: bool = field(default=False, metadata=FREE)
+    """Log perf/phase/* (target forward, drafter forward, loss, backward, gradient reduction,
+    optimizer) every step; on a GPU it synchronises between phases (a little slower)."""
+    check_replicas_every: int = field(default=100, metadata=FREE)
+    """With several drafters: every N steps compare a checksum of every replica's weights (0 = never)."""
+    ledger: bool = field(default=True, metadata=FREE)
+    """Write ledger.jsonl in the run dir: per step, the packets and source sample ids trained on."""
+    save_weights: bool = field(default=True, metadata=FREE)
+    """Write checkpoints and export the final drafter. false: neither (throughput checks such as
+    scripts/gpu_check.py, which at real size would write ~17 GB for nothing); a stopped run then
+    cannot resume."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = field(default=0, metadata=FREE)
+    """Run speculative decoding on held-out prompts every N steps on the drafter leader (0 = off)."""
+    num_prompts: int = field(default=8, metadata=FREE)
+    max_new_tokens: int = field(default=64, metadata=FREE)
+    suite: Any = field(default=None, metadata=FREE)
+    """Also decode these benchmarks (``dflash.eval.suites``: zlab, gsm8k, math500, humaneval, mbpp,
+    mt-bench, or a list) at every eval and log ``eval/<benchmark>/tau``; None = the held-out prompts only."""
+    data_dir: str | None = field(default=None, metadata=FREE)
+    """The suite's data on offline hosts: one ``save_to_disk`` copy per benchmark (``<data_dir>/gsm8k``, ...)."""
+    max_samples: int | None = field(default=8, metadata=FREE)
+    """Rows of each suite benchmark (a seeded sample as the z-lab benchmark draws it; None = all)."""
+    seed: int = field(default=0, metadata=FREE)
+    """Seed of that sample (0: the z-lab benchmark's transformers backend)."""
+
+
+@dataclass
+class LoggingConfig:
+    mode: LoggingMode = field(default=LoggingMode.offline, metadata=FREE)
+    """online, offline or disabled (W&B)."""
+    project: str = field(default="dflash", metadata=FREE)
+    entity: str | None = field(default=None, metadata=FREE)
+    name: str | None = field(default=None, metadata=FREE)
+    progress_bar: bool = field(default=True, metadata=FREE)
+
+
+@dataclass
+class PathsConfig:
+    cache_dir: str = field(default="${oc.env:DFLASH_CACHE_DIR,.cache/dflash}", metadata=FREE)
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for the reliability tests; every field off by default."""
+
+    kill_rank: int | None = field(default=None, metadata=FREE)
+    """SIGKILL this rank at the first step >= ``kill_at_step`` (1-based optimizer step) it works on."""
+    kill_at_step: int | None = field(default=None, metadata=FREE)
+    kill_signal: str = field(default="SIGKILL", metadata=FREE)
+    """The signal of ``kill_rank`` (SIGTERM: a preemption of that worker alone)."""
+    hang_rank: int | None = field(default=None, metadata=FREE)
+    """This rank stops responding (sleeps forever, alive) at the first step >= ``hang_at_step``."""
+    hang_at_step: int | None = field(default=None, metadata=FREE)
+    perturb_rank: int | None = field(default=None, metadata=FREE)
+    """This drafter's weights drift from the other replicas at ``perturb_at_step`` (replica check)."""
+    perturb_at_step: int | None = field(default=None, metadata=FREE)
+    nan_at_step: int | None = field(default=None, metadata=FREE)
+    """The drafter's loss becomes NaN at this step."""
+    slow_rank: int | None = field(default=None, metadata=FREE)
+    """This drafter spends ``slow_s`` more seconds in step ``slow_at_step``, after it received (and
+    ACKed) the step's packets: a first step that compiles."""
+    slow_at_step: int | None = field(default=None, metadata=FREE)
+    slow_s: float = field(default=0.0, metadata=FREE)
+    nonfinite_sample_ids: list[int] = field(default_factory=list, metadata=FREE)
+    """Source sample ids whose target hidden states are replaced by NaN (non-finite input)."""
+    only_first_attempt: bool = field(default=True, metadata=FREE)
+    """Inject only in the first torchrun attempt (TORCHELASTIC_RESTART_COUNT == 0)."""
+
+
+@dataclass
+class GpuSpec:
+    """One accelerator of ``conf/gpu/<name>.yaml`` (datasheet figures, cited in each file)."""
+
+    name: str = MISSING
+    bf16_tflops: float = MISSING
+    """Dense BF16 tensor-core peak in TFLOP/s (without 2:4 sparsity)."""
+    hbm_gb: float = MISSING
+    """HBM capacity in GB (10^9 bytes, as the datasheet states it)."""
+    hbm_tbps: float = MISSING
+    """HBM bandwidth in TB/s."""
+    nvlink_gbps: float = MISSING
+    """NVLink bandwidth per GPU in GB/s, both directions together (the datasheet figure)."""
+    internode_gbps: float = MISSING
+    """Network bandwidth per GPU between hosts in GB/s, one direction (e.g. one 400 Gb/s NIC = 50)."""
+    gpus_per_node: int = 8
+
+
+@dataclass
+class PlanConfig:
+    """``python -m dflash.plan``: the cost model's knobs (training ignores them)."""
+
+    world_size: int = field(default=8, metadata=FREE)
+    """GPUs to split between targets and drafters (or to co-locate both on)."""
+    gpu: str = field(default="h200", metadata=FREE)
+    """A file of conf/gpu/ (h100, h200, b200, a100) or a path to a YAML file with the GpuSpec fields."""
+    mfu_target: float = field(default=0.4, metadata=FREE)
+    """Fraction of the dense BF16 peak the target's forward achieves (SpecForge measured ~43% prefill MFU)."""
+    mfu_drafter: float = field(default=0.4, metadata=FREE)
+    """Fraction of the peak the drafter step achieves (SpecForge measured ~44% on 8xH200)."""
+    mean_sample_tokens: int | None = field(default=None, metadata=FREE)
+    """Mean tokens per sample; None = the prepared dataset's mean when its cache exists, else 1024."""
+    supervised_fraction: float | None = field(default=None, metadata=FREE)
+    """Share of tokens under the loss mask; None = the prepared dataset's when cached, else 0.7."""
+    reserved_gib: float = field(default=4.0, metadata=FREE)
+    """Memory per GPU not available to tensors (CUDA context, NCCL buffers, allocator slack)."""
+    measure: bool = field(default=False, metadata=FREE)
+    """Also rehearse each role's step at real size on CPU fake tensors (dflash.plan.rehearse) and print
+    the measured peak beside the estimate (minutes on a laptop; no GPU, no download)."""
+
+
+@dataclass
+class Config:
+    name: str = field(default="run", metadata=FREE)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the tags
+
+
+def schema_leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """``(dotted name, field)`` of every leaf of a schema class; a field whose type is a schema
+    class (or an optional one) is both a leaf (its own tag covers None) and descended into."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        hint = hints[f.name]
+        inner = [t for t in typing.get_args(hint) if isinstance(t, type) and dataclasses.is_dataclass(t)]
+        sub: type | None = hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+        if sub is None and inner:
+            sub = inner[0]
+        if sub is None or "resume" in f.metadata:
+            yield name, f
+        if sub is not None:
+            yield from schema_leaves(sub, f"{name}.")
+
+
+def contract_values(cfg: Config) -> dict[str, Any]:
+    """The CONTRACT-tagged values of ``cfg``, by dotted name (a None sub-config counts as one value)."""
+    out: dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            elif f.metadata.get("resume") == "contract":
+                out[f"{prefix}{f.name}"] = value
+
+    walk(cfg, "")
+    return out
+
+
+def dataset_settings(cfg: DataConfig) -> dict[str, Any]:
+    """The DataConfig values that shape the tokenized dataset (fields tagged ``data: True``)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata.get("data")}
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore under the ``schema`` group."""
+    cs = ConfigStore.instance()
+    cs.store(name="dflash_schema", node=Config)
+
+
+def planned_world_size(t: TopologyConfig) -> int:
+    """The world size the topology describes, for tools that run outside torchrun (``prepare``):
+    targets (replicas x ``target_tp`` ranks) + drafters; a co-located or open-ended topology counts
+    one drafter."""
+    return t.num_targets * t.target_tp + (t.num_drafters if t.num_drafters is not None else 1)
+
+
+class UserError(ValueError):
+    """A mistake the user can fix (config, data path, run directory): printed as its message alone,
+    without a traceback, by one rank, and the process exits with ``EXIT_USER_ERROR``.
+
+    ``scope="all"``: every rank finds it (a config problem): global rank 0 prints it.
+    ``scope="here"``: this rank prints it (e.g. the drafter leader's run directory lock).
+    ``scope="quiet"``: this rank only logs it (another rank prints the same error).
+    """
+
+    def __init__(self, message: str, *, scope: str = "all") -> None:
+        super().__init__(message)
+        self.scope = scope
+
+
+EXIT_USER_ERROR = 2
+"""Exit code of a rank that stopped on a ``UserError``."""
+EXIT_STOPPED = 75
+"""Exit code of a run stopped before its last step by a signal (resumable; EX_TEMPFAIL)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Preemption (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP): every rank stops at the next
+step boundary, with a checkpoint."""
+
+
+def plain_dict(cfg: DictConfig) -> dict[str, Any]:
+    """A composed config as plain Python containers, interpolations resolved (for W&B and files)."""
+    out = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    assert isinstance(out, dict)
+    return {str(k): v for k, v in out.items()}
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """The composed DictConfig as the typed ``Config`` (interpolations resolved, ``None`` defaults
+    that depend on other fields filled in: ``data.num_eval_prompts``)."""
+    obj = OmegaConf.to_object(dcfg)
+    assert isinstance(obj, Config)
+    if obj.data.num_eval_prompts is None:
+        obj.data.num_eval_prompts = obj.eval.num_prompts if obj.eval.every > 0 else 0
+    return obj

@@ -1,0 +1,231 @@
+"""The drafter's architecture record and how a run derives it.
+
+``DrafterArch`` is everything that fixes the drafter's tensors and its train/serve contract (what
+``config.json`` of an export carries). ``build_arch`` derives it from the config, the target's
+``config.json`` (``TargetMeta``) and, for a warm start, the exported drafter's own arch;
+``resolve_mask_token_id`` picks the MASK token; ``rope_from_config`` reads a target's (or an
+export's) RoPE settings as the drafter uses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
+from dflash.config import DRAFTER_LAYER_TYPES, FULL_ATTENTION, SLIDING_ATTENTION, Config, DrafterConfig
+
+if TYPE_CHECKING:
+    from dflash.targets.loader import TargetMeta
+
+
+@dataclass
+class DrafterArch:
+    """Everything that fixes the drafter's tensors and its train/serve contract."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6}
+    )
+    partial_rotary_factor: float = 1.0
+    initializer_range: float = 0.02
+    layer_types: list[str] = field(default_factory=list)
+    """``full_attention`` / ``sliding_attention`` per layer; empty = all full (filled in)."""
+    sliding_window: int | None = None
+    """W of the sliding layers (None iff there is none)."""
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL_ATTENTION] * self.num_layers
+        bad = sorted({t for t in self.layer_types if t not in DRAFTER_LAYER_TYPES})
+        if bad or len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types={self.layer_types}: need {self.num_layers} entries from {list(DRAFTER_LAYER_TYPES)}"
+            )
+        sliding = SLIDING_ATTENTION in self.layer_types
+        if sliding != (self.sliding_window is not None):
+            raise ValueError(
+                f"sliding_window={self.sliding_window} with layer_types={self.layer_types}: a window is "
+                "needed exactly when a layer is sliding_attention"
+            )
+        if self.sliding_window is not None and self.sliding_window < max(self.block_size, 2):
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= block_size={self.block_size}")
+        if "partial_rotary_factor" in self.rope_parameters:
+            raise ValueError("rope_parameters holds partial_rotary_factor: give it as the field of its own")
+        rotary = int(self.head_dim * self.partial_rotary_factor)
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} rotates {rotary} of head_dim={self.head_dim} "
+                "dims; RoPE needs an even number >= 2"
+            )
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None for a full-attention layer)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def qwen3_config(self) -> Qwen3Config:
+        """The Qwen3 config of the drafter layers (what the public ``config.json`` carries)."""
+        return Qwen3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            initializer_range=self.initializer_range,
+            attention_bias=False,
+            tie_word_embeddings=False,
+            layer_types=list(self.layer_types),
+            use_sliding_window=self.sliding_window is not None,
+            sliding_window=self.sliding_window,
+            max_window_layers=self.num_layers,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+ROPE_KEYS_DROPPED = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+"""Rope keys the drafter's ``rope_parameters`` leave out: the partial factor is a field of its own, and
+the drafter's positions are text positions, where M-RoPE (equal t/h/w positions) is plain RoPE."""
+
+
+def rope_from_config(config: dict) -> tuple[dict[str, Any], float]:
+    """(rope_parameters, partial_rotary_factor) as the drafter uses them, from a target's text config
+    or an exported drafter's config: theta and scaling (YaRN, llama3, ...) kept, the legacy
+    ``rope_scaling``/``rope_theta``/``type`` keys read, M-RoPE reduced to RoPE over text positions."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    legacy_type = rope.pop("type", "default")
+    rope.setdefault("rope_type", legacy_type)
+    rope.setdefault("rope_theta", config.get("rope_theta", 1e6))
+    if rope["rope_type"] == "mrope":  # older VLM configs name the M-RoPE sections as a rope type
+        rope["rope_type"] = "default"
+    partial = float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    return {k: v for k, v in rope.items() if k not in ROPE_KEYS_DROPPED}, partial
+
+
+def resolve_mask_token_id(
+    configured: int | None, from_checkpoint: int | None, tokenizer: Any, vocab_size: int
+) -> int:
+    """Config, then the drafter checkpoint, then the tokenizer's mask token, then the first embedding row
+    past the tokenizer's vocabulary. Never pad, eos or bos: ValueError if that is all there is."""
+    forbidden = {
+        name: tid
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id")
+        if (tid := getattr(tokenizer, name, None)) is not None
+    }
+    candidates = [
+        ("drafter.mask_token_id", configured),
+        ("the drafter.init_from checkpoint", from_checkpoint),
+        ("the tokenizer's mask token", getattr(tokenizer, "mask_token_id", None)),
+        (
+            "the first embedding row past the tokenizer",
+            len(tokenizer) if len(tokenizer) < vocab_size else None,
+        ),
+    ]
+    for source, tid in candidates:
+        if tid is None:
+            continue
+        if not 0 <= tid < vocab_size:
+            raise ValueError(
+                f"mask token id {tid} from {source} is outside the target vocabulary [0, {vocab_size}); "
+                f"set drafter.mask_token_id to an unused embedding row"
+            )
+        clash = [n for n, f in forbidden.items() if f == tid]
+        if clash:
+            raise ValueError(
+                f"mask token id {tid} from {source} is the tokenizer's {clash[0]}; a pad/eos/bos MASK silently "
+                f"degrades acceptance: set drafter.mask_token_id to an unused embedding row"
+            )
+        return int(tid)
+    raise ValueError(
+        f"no MASK token: the tokenizer has {len(tokenizer)} tokens and the target embedding {vocab_size} rows, "
+        f"so there is no unused row; set drafter.mask_token_id=<an unused, non-pad/eos/bos id>"
+    )
+
+
+def build_arch(
+    cfg: Config,
+    meta: TargetMeta,
+    layer_ids: list[int],
+    mask_token_id: int,
+    saved: DrafterArch | None = None,
+) -> DrafterArch:
+    """The drafter architecture: shape from the config or the target, attention layout and partial
+    rotary from the config, else from the ``drafter.init_from`` checkpoint (``saved``), else the defaults
+    (all full attention, the target's partial rotary factor). ValueError on an inconsistent layout."""
+    d = cfg.drafter
+    rope, target_partial = rope_from_config(meta.text_config)
+    src = saved if saved is not None and saved.num_layers == d.num_layers else None
+    if d.layer_types is not None:
+        layer_types = [str(t) for t in d.layer_types]
+    else:
+        layer_types = list(src.layer_types) if src else [FULL_ATTENTION] * d.num_layers
+    window = d.sliding_window
+    if window is None and src is not None and SLIDING_ATTENTION in layer_types:
+        window = src.sliding_window
+    partial = d.partial_rotary_factor
+    if partial is None:
+        partial = saved.partial_rotary_factor if saved is not None else target_partial
+    return DrafterArch(
+        hidden_size=meta.hidden_size,
+        intermediate_size=d.intermediate_size or meta.intermediate_size,
+        num_layers=d.num_layers,
+        num_heads=d.num_heads or meta.num_heads,
+        num_kv_heads=d.num_kv_heads or meta.num_kv_heads,
+        head_dim=d.head_dim or meta.head_dim,
+        vocab_size=meta.vocab_size,
+        target_layer_ids=list(layer_ids),
+        block_size=d.block_size,
+        mask_token_id=mask_token_id,
+        rms_norm_eps=meta.rms_norm_eps,
+        max_position_embeddings=meta.max_position_embeddings,
+        rope_parameters=rope,
+        partial_rotary_factor=partial,
+        initializer_range=d.init_std,
+        layer_types=layer_types,
+        sliding_window=window,
+    )
+
+
+def arch_problems(cfg: DrafterConfig, meta: TargetMeta) -> list[str]:
+    """Problems of the drafter settings that only the target's config shows (still no weights)."""
+    p: list[str] = []
+    if cfg.hidden_size is not None and cfg.hidden_size != meta.hidden_size:
+        p.append(
+            f"drafter.hidden_size={cfg.hidden_size} differs from the target's hidden_size={meta.hidden_size}; "
+            f"the drafter reuses the target's embedding and lm_head, so set drafter.hidden_size=null"
+        )
+    heads = cfg.num_heads or meta.num_heads
+    kv = cfg.num_kv_heads or meta.num_kv_heads
+    if heads % kv:
+        p.append(f"drafter.num_heads={heads} is not a multiple of drafter.num_kv_heads={kv}")
+    head_dim = cfg.head_dim or meta.head_dim
+    partial = cfg.partial_rotary_factor or rope_from_config(meta.text_config)[1]
+    rotary = int(head_dim * partial)
+    if rotary < 2 or rotary % 2:
+        p.append(
+            f"drafter.partial_rotary_factor={partial} rotates {rotary} of the drafter's head_dim={head_dim} dims; "
+            "RoPE needs an even number >= 2: set drafter.partial_rotary_factor (e.g. 1.0)"
+        )
+    return p

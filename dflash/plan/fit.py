@@ -1,0 +1,150 @@
+"""What fits a GPU: the planner's memory levers of a config, ``drafter.activation_checkpointing=auto``
+decided before start-up, and the largest anchors per packet that fit.
+
+Every answer comes from the memory model (:mod:`dflash.plan.memory`) on the config's typical packet
+(:func:`dflash.plan.inputs.typical_packet`), against a capacity in GiB: a GPU's memory minus
+``plan.reserved_gib`` (what tensors cannot use: the CUDA context, NCCL buffers, allocator slack).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from dflash.config import Config
+from dflash.plan.inputs import PlanInputs, typical_packet
+from dflash.plan.memory import DrafterSettings, memory_per_role
+
+GIB = 2**30
+DRAFTER_ROLES = ("drafter", "colocated")
+
+
+def num_drafters(cfg: Config, world_size: int) -> int:
+    """Drafter ranks of ``cfg`` on ``world_size`` GPUs (every rank when co-located)."""
+    t = cfg.topology
+    if t.colocated:
+        return world_size
+    configured = t.num_drafters if t.num_drafters is not None else world_size - t.num_targets
+    return max(1, min(configured, world_size))
+
+
+def drafter_role(cfg: Config) -> str:
+    """The role whose memory the drafter's levers decide: ``colocated`` or ``drafter``."""
+    return "colocated" if cfg.topology.colocated else "drafter"
+
+
+def need_gib(cfg: Config, inputs: PlanInputs, role: str, settings: DrafterSettings) -> float:
+    """GiB per GPU of ``role`` with ``settings`` on the config's typical packet (the memory model)."""
+    return sum(role_memory(cfg, inputs, settings)[role].values())
+
+
+def role_memory(cfg: Config, inputs: PlanInputs, settings: DrafterSettings) -> dict[str, dict[str, float]]:
+    """GiB by item of every role with ``settings`` on the config's typical packet (the memory model)."""
+    return memory_per_role(
+        inputs.target.shape,
+        inputs.arch,
+        inputs.packet,
+        target_attention=inputs.target_attention,
+        max_in_flight=cfg.topology.max_in_flight,
+        loss_chunk_rows=inputs.loss_chunk_rows,
+        verifier_logits=inputs.verifier_logits,
+        dtypes=inputs.dtypes,
+        settings=settings,
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointDecision:
+    """``drafter.activation_checkpointing`` resolved for one GPU, with why (one log line)."""
+
+    checkpoint: bool
+    without_gib: float
+    """The role's estimated GiB per GPU without checkpointing."""
+    with_gib: float
+    capacity_gib: float
+    setting: str
+
+    @property
+    def reason(self) -> str:
+        gib = f"{self.without_gib:.1f} GiB without, {self.with_gib:.1f} GiB with, {self.capacity_gib:.1f} GiB available"
+        if self.setting != "auto":
+            return f"drafter.activation_checkpointing={self.setting} ({gib})"
+        verdict = (
+            "on: the drafter does not fit without it"
+            if self.checkpoint
+            else "off: the drafter fits without it"
+        )
+        return f"drafter.activation_checkpointing=auto: {verdict} ({gib})"
+
+
+def decide_checkpointing(
+    cfg: Config, inputs: PlanInputs, capacity_gib: float, *, world_size: int, role: str | None = None
+) -> CheckpointDecision:
+    """``layers`` -> on, ``none`` -> off, ``auto`` -> on exactly when the role (default: the config's drafter
+    role) needs more than ``capacity_gib`` without checkpointing."""
+    role = role or drafter_role(cfg)
+    base = DrafterSettings(False, cfg.drafter.shard, num_drafters(cfg, world_size))
+    without = need_gib(cfg, inputs, role, base)
+    with_ = need_gib(cfg, inputs, role, dataclasses.replace(base, checkpoint=True))
+    setting = cfg.drafter.activation_checkpointing
+    on = setting == "layers" or (setting == "auto" and without > capacity_gib)
+    return CheckpointDecision(on, without, with_, capacity_gib, setting)
+
+
+def drafter_settings(
+    cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size: int
+) -> DrafterSettings:
+    """The drafter's memory levers of ``cfg`` on ``world_size`` GPUs of ``capacity_gib`` (auto resolved)."""
+    decision = decide_checkpointing(cfg, inputs, capacity_gib, world_size=world_size)
+    return DrafterSettings(decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world_size))
+
+
+def with_anchor_cap(cfg: Config, inputs: PlanInputs, cap: int) -> tuple[Config, PlanInputs]:
+    """``cfg`` and its planner inputs with ``drafter.max_anchors_per_packet=cap``."""
+    new = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, max_anchors_per_packet=cap))
+    return new, dataclasses.replace(inputs, packet=typical_packet(new, inputs.stats))
+
+
+def largest_anchors(
+    cfg: Config, inputs: PlanInputs, capacity_gib: float, role: str, settings: DrafterSettings, step: int = 64
+) -> int:
+    """The largest ``drafter.max_anchors_per_packet`` (a multiple of ``step``, up to the anchors the
+    packet offers) at which ``role`` fits ``capacity_gib`` with ``settings``; 0 when none does."""
+    offered = with_anchor_cap(cfg, inputs, 1 << 30)[1].packet.num_anchors
+    lo, hi = 0, max(1, -(-offered // step))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        c, i = with_anchor_cap(cfg, inputs, mid * step)
+        if need_gib(c, i, role, settings) <= capacity_gib:
+            lo = mid
+        else:
+            hi = mid - 1
+    return min(lo * step, offered)
+
+
+def device_capacity_gib(device: torch.device, reserved_gib: float) -> float:
+    """What tensors may use on ``device``: its memory minus ``reserved_gib`` (``plan.reserved_gib``);
+    unbounded on a CPU."""
+    if device.type != "cuda":
+        return float("inf")
+    return torch.cuda.get_device_properties(device).total_memory / GIB - reserved_gib
+
+
+def anchor_cap_note(
+    cfg: Config, inputs: PlanInputs, capacity_gib: float, role: str, settings: DrafterSettings
+) -> str | None:
+    """One line when ``drafter.max_anchors_per_packet`` binds on the typical packet (fewer anchors than
+    ``drafter.num_anchors`` per sample), with the largest cap that fits ``capacity_gib``; else None."""
+    cap = cfg.drafter.max_anchors_per_packet
+    offered = with_anchor_cap(cfg, inputs, 1 << 30)[1].packet.num_anchors
+    if cap is None or cap >= offered:
+        return None
+    n = inputs.packet.num_seqs
+    fits = largest_anchors(cfg, inputs, capacity_gib, role, settings)
+    return (
+        f"drafter.max_anchors_per_packet={cap} binds: {cap} anchors per packet of the {offered} that "
+        f"drafter.num_anchors={cfg.drafter.num_anchors} per sample gives ({cap / n:.0f} instead of "
+        f"{offered / n:.0f} per sample over {n} samples); {fits} would fit {capacity_gib:.1f} GiB"
+    )

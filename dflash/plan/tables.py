@@ -1,0 +1,323 @@
+"""The planner's output: a readable table and the one-line JSON summary that ends it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from dflash.config import Config, TargetShape
+from dflash.metrics import human_count
+from dflash.plan.inputs import attention_kinds, typical_packet
+from dflash.plan.memory import target_active_params, target_num_params
+from dflash.plan.planner import ROLES, Plan, make_plan
+from dflash.plan.throughput import Split, placement
+
+if TYPE_CHECKING:  # the rehearsal imports torch; the plain planner does not
+    from dflash.plan.rehearse import RoleMeasurement
+
+TERA = 1e12
+
+
+def link_gbps(plan: Plan, split: Split) -> float:
+    """GB/s through the busiest GPU's link at the split's packet rate: each drafter receives
+    ``rate / M`` packets/s, each target sends ``rate / N``."""
+    if split.mode == "colocated":
+        return 0.0
+    busiest = min(split.num_targets, split.num_drafters)
+    return split.packets_per_s / busiest * plan.costs.payload_bytes / 1e9
+
+
+ANCHOR_STEP = 64
+"""``drafter.max_anchors_per_packet`` values tried by :func:`fitting_overrides`: multiples of this."""
+BUDGET_STEP = 1024
+"""``data.token_budget`` values tried by :func:`fitting_overrides`: multiples of this."""
+
+
+def _replanned(cfg: Config, plan: Plan, section: str, key: str, value: int) -> Plan:
+    """The plan of ``cfg`` with ``<section>.<key>=value`` (the packet re-derived from the same data statistics)."""
+    new = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
+    packet = typical_packet(new, plan.inputs.stats)
+    target_kind, drafter_kind = attention_kinds(new, packet.num_seqs)
+    inputs = dataclasses.replace(
+        plan.inputs, packet=packet, target_attention=target_kind, drafter_attention=drafter_kind
+    )
+    return make_plan(new, inputs)
+
+
+def _largest_fitting(cfg: Config, plan: Plan, role: str, section: str, key: str, top: int, step: int) -> str:
+    """``<section>.<key>=<v>``, v the largest multiple of ``step`` below ``top`` with which ``role``
+    fits (memory grows with v), with the GiB it then needs; or why none does."""
+    lo, hi = 0, max(1, top // step)  # invariant: lo fits (0: none known), hi * step does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _replanned(cfg, plan, section, key, mid * step).fits[role]:
+            lo = mid
+        else:
+            hi = mid
+    if lo == 0:
+        need = sum(_replanned(cfg, plan, section, key, step).memory[role].values())
+        return (
+            f"no {section}.{key} fits ({step} still needs {need:.1f} GiB of {plan.capacity_gib:.1f} per GPU)"
+        )
+    need = sum(_replanned(cfg, plan, section, key, lo * step).memory[role].values())
+    return f"{section}.{key}={lo * step} ({need:.1f} GiB of {plan.capacity_gib:.1f} per GPU)"
+
+
+def fitting_overrides(cfg: Config, plan: Plan) -> dict[str, str]:
+    """For each role that does not fit one GPU: the override that makes it fit with the least
+    change to the run (``drafter.max_anchors_per_packet`` for the drafter and the co-located rank,
+    whose activations grow with the blocks per packet; ``data.token_budget`` for a target that no
+    tensor-parallel replica fits either: the warnings name a replica that does), found by
+    replanning, with the GiB it then needs; or why no such value exists."""
+    roles = [r for r in (ROLES if plan.world_size > 1 else ("colocated",)) if not plan.fits[r]]
+    out = {}
+    for role in roles:
+        if role == "target":
+            if any(ok for k, ok in plan.replica_fits.items() if k > 1):
+                continue
+            out[role] = _largest_fitting(
+                cfg, plan, role, "data", "token_budget", cfg.data.token_budget, BUDGET_STEP
+            )
+        else:
+            top = plan.inputs.packet.drafter_blocks or plan.inputs.packet.num_anchors
+            out[role] = _largest_fitting(
+                cfg, plan, role, "drafter", "max_anchors_per_packet", top, ANCHOR_STEP
+            )
+    return out
+
+
+def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON summary (the last output line of ``python -m dflash.plan``); ``fixes``: the
+    :func:`fitting_overrides` of the roles that do not fit (``fits_with``)."""
+    best, co, spp = plan.best, plan.colocated, plan.samples_per_packet
+    return {
+        "experiment": name,
+        "gpu": gpu,
+        "world_size": plan.world_size,
+        "mode": plan.mode,
+        # As topology.colocated reads them: no target-only ranks, a drafter replica on every GPU.
+        "num_targets": 0 if best is co else best.num_targets,
+        "num_drafters": plan.world_size if best is co else best.num_drafters,
+        "target_tp": best.target_tp,
+        "expected_packets_per_s": round(best.packets_per_s, 4),
+        "expected_samples_per_s": round(best.packets_per_s * spp, 3),
+        "colocated_samples_per_s": round(co.packets_per_s * spp, 3) if co.fits else 0.0,
+        "configured_samples_per_s": round(plan.configured.packets_per_s * spp, 3)
+        if plan.configured
+        else None,
+        "samples_per_packet": spp,
+        "target_tflop_per_packet": round(plan.costs.target_flop / TERA, 3),
+        "drafter_tflop_per_packet": round(plan.costs.drafter_flop / TERA, 3),
+        "drafter_loss_tflop_per_packet": round(plan.costs.drafter_loss_total / TERA, 3),
+        "hidden_mb_per_packet": round(plan.costs.hidden_bytes / 1e6, 1),
+        "link_gbps_busiest_gpu": round(link_gbps(plan, best), 3),
+        "mfu_target": plan.times.mfu_target,
+        "mfu_drafter": plan.times.mfu_drafter,
+        "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
+        "target_rank_memory_gib": {str(k): round(sum(m.values()), 2) for k, m in plan.replica_memory.items()},
+        "activation_checkpointing": plan.settings.checkpoint,
+        "fits": dict(plan.fits),
+        "fits_with": dict(fixes or {}),
+        "warnings": plan.warnings,
+    }
+
+
+def _tf(x: float) -> str:
+    return f"{x / TERA:10.2f}"
+
+
+def _moe_text(ts: TargetShape) -> str:
+    if not ts.num_experts:
+        return ""
+    shared = (
+        f" + a shared expert of {ts.shared_expert_intermediate_size}"
+        if ts.shared_expert_intermediate_size
+        else ""
+    )
+    return (
+        f"\n           MoE: {ts.num_experts} experts of FFN {ts.moe_intermediate_size}, {ts.num_experts_per_tok} per token"
+        f"{shared}; {human_count(target_num_params(ts))} parameters, {human_count(target_active_params(ts))} "
+        "active per token in the decoder layers"
+    )
+
+
+def _inputs_lines(plan: Plan, name: str) -> list[str]:
+    inp, gpu, arch = plan.inputs, plan.inputs.gpu, plan.inputs.arch
+    ts = inp.target.shape
+    return [
+        f"dflash plan: {name} on {plan.world_size} x {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s dense bf16 each)",
+        f"  target : {ts.num_layers} layers ({ts.num_linear_layers} linear attention), H {ts.hidden_size}, "
+        f"FFN {ts.intermediate_size}, {ts.num_heads}/{ts.num_kv_heads} heads x {ts.head_dim}, V {ts.vocab_size} "
+        f"[{inp.target.source}]; attention {inp.target_attention}{_moe_text(ts)}",
+        f"  drafter: {arch.num_layers} layers, FFN {arch.intermediate_size}, {arch.num_heads}/{arch.num_kv_heads} "
+        f"heads x {arch.head_dim}, {arch.num_taps} taps, block {arch.block_size}; attention {inp.drafter_attention}",
+        f"  data   : {inp.stats.mean_sample_tokens:.0f} tokens per sample, {inp.stats.supervised_fraction:.2f} "
+        f"supervised [{inp.stats.source}]",
+        "",
+    ]
+
+
+def _packet_lines(plan: Plan) -> list[str]:
+    inp, c, pk, arch = plan.inputs, plan.costs, plan.inputs.packet, plan.inputs.arch
+    return [
+        f"Per packet: {pk.num_seqs} samples, {pk.tokens} tokens, {pk.num_anchors} anchors x {arch.block_size} slots, "
+        f"{pk.loss_rows} loss rows; drafter computes {pk.drafter_context_tokens or pk.tokens} context rows and "
+        f"{pk.drafter_blocks if pk.drafter_blocks is not None else pk.num_anchors} blocks",
+        "  role     what                                      TFLOP",
+        f"  target   forward, headless (no lm_head)       {_tf(c.target_flop)}",
+        f"             of which attention                 {_tf(c.target_attention_flop)}",
+        f"  drafter  fc + layers, forward + backward      {_tf(c.drafter_layers_flop)}",
+        f"             of which attention                 {_tf(c.drafter_attention_flop)}",
+        f"           loss: drafter logits                 {_tf(c.drafter_loss_flop['drafter_logits'])}",
+        f"           loss: logit gradient (dh = G W)      {_tf(c.drafter_loss_flop['logit_grad'])}",
+        f"           loss: verifier logits                {_tf(c.drafter_loss_flop['verifier_logits'])}",
+        f"           total                                {_tf(c.drafter_flop)}",
+        f"  drafter/target FLOP ratio {c.drafter_flop / c.target_flop:.2f}; on the wire {c.hidden_bytes / 1e6:.1f} MB "
+        f"of hidden states ({arch.num_taps} taps + final, {inp.dtypes.target_bytes} bytes each), "
+        f"{c.payload_bytes / 1e6:.1f} MB in all",
+        f"  one GPU per packet: target {plan.times.target_s:.3f} s, drafter {plan.times.drafter_s:.3f} s "
+        f"(t = FLOP / (peak x MFU), MFU target {plan.times.mfu_target:g}, drafter {plan.times.mfu_drafter:g})",
+        "",
+    ]
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    gpu = plan.inputs.gpu
+    lines = [
+        f"Memory per GPU, GiB (capacity {plan.capacity_gib:.1f}: {gpu.hbm_gb:g} GB minus reserved)",
+        f"  {plan.checkpointing.reason}; drafter.shard={plan.settings.shard} "
+        f"({plan.settings.num_drafters} drafter{'s' if plan.settings.num_drafters > 1 else ''})",
+    ]
+    rows = [(role, plan.memory[role], plan.fits[role]) for role in ROLES]
+    rows[1:1] = [(f"target/{k}", plan.replica_memory[k], plan.replica_fits[k]) for k in plan.layouts]
+    for role, items, fits in rows:
+        text = ", ".join(f"{k} {v:.1f}" for k, v in items.items())
+        verdict = "FITS" if fits else "DOES NOT FIT"
+        lines.append(f"  {role:<9} {sum(items.values()):7.1f}  {verdict:<12}  ({text})")
+    if plan.layouts:
+        lines.append("  (target/k: one rank of a tensor-parallel replica of k GPUs)")
+    return [*lines, ""]
+
+
+def _tp_lines(plan: Plan) -> list[str]:
+    """The interconnect each tensor-parallel degree needs: bytes per packet per layer and per packet."""
+    if not plan.layouts:
+        return []
+    ts, gpu = plan.inputs.target.shape, plan.inputs.gpu
+    parts = {k: ", ".join(sorted(layout.parts)) for k, layout in plan.layouts.items()}
+    width = max(len("split parts (the rest on every rank)"), *(len(p) for p in parts.values()))
+    lines = [
+        f"Tensor-parallel replicas (one node each; NVLink {gpu.nvlink_gbps / 2:g} GB/s one way per GPU): "
+        "t = rank FLOP / (peak x MFU) + sent / NVLink",
+        f"  k   {'split parts (the rest on every rank)':<{width}} experts  sent per layer MB  per packet GB   t s",
+    ]
+    for k, layout in plan.layouts.items():
+        total = sum(plan.tp_bytes_per_packet[k].values())
+        lines.append(
+            f"  {k:<3} {parts[k]:<{width}} {layout.experts:<8} {total / ts.num_layers / 1e6:17.1f} "
+            f"{total / 1e9:13.2f} {plan.times.replica_s[k]:6.3f}"
+        )
+    return [*lines, ""]
+
+
+def _split_lines(plan: Plan) -> list[str]:
+    lines = [
+        f"Splits of {plan.world_size} GPUs: packets/s = min(N / t_target, M / t_drafter, link); NxK:M = N replicas "
+        "of K GPUs",
+        "  split          packets/s  samples/s  bound      link GB/s (busiest GPU)",
+    ]
+    for s in [*plan.splits, plan.colocated]:
+        marks = [
+            m for m, hit in (("recommended", s is plan.best), ("configured", s is plan.configured)) if hit
+        ]
+        if not s.fits:
+            marks.append("does not fit")
+        lines.append(
+            f"  {s.label:<14} {s.packets_per_s:9.3f} {s.packets_per_s * plan.samples_per_packet:10.2f}  "
+            f"{s.bound:<9}  {link_gbps(plan, s):8.2f}   {' '.join(f'<- {m}' for m in marks)}"
+        )
+    return [*lines, ""]
+
+
+def override(split: Split) -> str:
+    """The command-line overrides that run ``split``."""
+    if split.mode == "colocated":
+        return "topology=colocated"
+    tp = f" topology.target_tp={split.target_tp}" if split.target_tp > 1 else ""
+    return f"topology.num_targets={split.num_targets}{tp} topology.num_drafters={split.num_drafters}"
+
+
+_ROLE_WORDS = {"target": "a target", "drafter": "a drafter", "colocated": "a co-located rank"}
+
+
+def _verdict_lines(plan: Plan, name: str, fixes: dict[str, str]) -> list[str]:
+    b, spp = plan.best, plan.samples_per_packet
+    fit = [f"To fit {_ROLE_WORDS[role]}: {fix}" for role, fix in fixes.items()]
+    if b is plan.colocated and not plan.splits:
+        return [
+            f"One GPU: co-located only (topology=colocated): {b.packets_per_s * spp:.2f} "
+            f"samples/s{'' if b.fits else ' (does not fit: see below)'}",
+            *fit,
+        ]
+    gpn = plan.inputs.gpu.gpus_per_node
+    nodes = -(-plan.world_size // gpn)
+    launch = (
+        f"--nnodes {nodes} --nproc_per_node {gpn}" if nodes > 1 else f"--nproc_per_node {plan.world_size}"
+    )
+    return [
+        f"Recommended split: {b.label} ({override(b)}): {b.packets_per_s * spp:.2f} samples/s"
+        f"{'' if b.fits else ' (a role does not fit: see below)'}",
+        f"  torchrun {launch} -m dflash.train experiment={name} {override(b)}",
+        *(f"  {line}" for line in placement(b, gpn)),
+        f"Co-located (topology=colocated, the whole target on every GPU): "
+        f"{plan.colocated.packets_per_s * spp:.2f} samples/s{'' if plan.colocated.fits else ' (does not fit)'}; "
+        f"faster here: {plan.mode}",
+        *fit,
+    ]
+
+
+def render(plan: Plan, name: str, fixes: dict[str, str] | None = None) -> str:
+    """The table: inputs, per-packet FLOPs and bytes, memory per role, the tensor-parallel replicas,
+    every split, the verdict; ``fixes`` (:func:`fitting_overrides`): with which value each role that
+    does not fit would."""
+    lines = _inputs_lines(plan, name) + _packet_lines(plan) + _memory_lines(plan) + _tp_lines(plan)
+    lines += _split_lines(plan) + _verdict_lines(plan, name, fixes or {})
+    lines += [f"WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def measured_summary(plan: Plan, measured: dict[str, RoleMeasurement]) -> dict[str, Any]:
+    """The JSON keys of a rehearsal: measured and estimated GiB per role (same keys)."""
+    return {
+        "measured_gib": {role: round(m.peak_gib, 2) for role, m in measured.items()},
+        "estimated_gib": {role: round(sum(plan.memory[role].values()), 2) for role in measured},
+    }
+
+
+def render_measured(plan: Plan, measured: dict[str, RoleMeasurement], top: int = 10) -> str:
+    """Measured beside estimated GiB per role and item, the largest tensors at each peak, the limits."""
+    from dflash.plan.rehearse import LIMITS, measured_items
+
+    ckpt = "with" if plan.settings.checkpoint else "without"
+    lines = [
+        f"Rehearsed at real size (one step per role on CPU fake tensors, GPU code paths; {ckpt} "
+        "activation checkpointing), GiB measured / estimated:"
+    ]
+    for role, m in measured.items():
+        est = plan.memory[role]
+        total = sum(est.values())
+        items = measured_items(role, m.by_term)
+        keys = list(est) + [k for k in items if k not in est]
+        parts = ", ".join(f"{k} {items.get(k, 0.0):.2f}/{est.get(k, 0.0):.2f}" for k in keys)
+        lines.append(
+            f"  {role:<9} {m.peak_gib:7.2f} / {total:7.2f} ({(total / m.peak_gib - 1) * 100:+.1f}%, "
+            f"{m.seconds:.0f} s)  {parts}"
+        )
+    for role, m in measured.items():
+        lines.append(f"  largest tensors live at the {role} peak:")
+        lines += [f"    {a.nbytes / 2**30:6.3f} GiB {a.term:<15} {a.what}" for a in m.largest[:top]]
+        lines += [f"    NOTE: {n}" for n in m.notes]
+    lines.append(
+        f"  {LIMITS}; add them to the measured figure ({plan.capacity_gib:.1f} GiB is after reserving them)"
+    )
+    return "\n".join(lines)

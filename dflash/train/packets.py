@@ -1,0 +1,197 @@
+"""PacketMaker: the samples of packet g -> headless target forward -> one ``Packet``.
+
+Used by the target ranks (which send the packet to its drafter) and by the co-located ranks
+(which train on it in the same process, through ``LocalPackets``). Samples whose hidden states are not finite are dropped
+from the packet and counted in it (``num_skipped_nonfinite``); the drafter never sees them.
+
+On CUDA the host waits for the device once per packet: for the per-sample finite flags, which
+decide the packet's size (``tests/unit/test_host_syncs.py`` counts it). Everything else is either
+host work on host tensors (the plan, the layout, the dropped samples' indices) or non-blocking
+host-to-device copies; a packed row (no padding) is used as it is, never gathered into a copy. The
+packet's ``forward_s`` is device time between two CUDA events around the forward on the current
+stream (``DeviceClock``), never a device-wide synchronize, which would also wait for this rank's
+pending sends and control receive, i.e. for its drafters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from dflash.config import Config
+from dflash.distributed.protocol import Packet
+from dflash.metrics import DeviceClock, peak_memory_gib, reset_peak_memory
+from dflash.targets.forward import build_batch, target_forward
+from dflash.train.setup import RunSetup
+
+log = logging.getLogger(__name__)
+
+
+class PacketMaker:
+    """Makes packet g of the data plan with a loaded, frozen target.
+
+    ``own_peak``: the packet's ``peak_mem_bytes`` is the peak of this forward alone (a target rank
+    resets the peak counter before it); a co-located rank shares the process with the drafter and
+    leaves the counter alone.
+    """
+
+    def __init__(
+        self, cfg: Config, setup: RunSetup, model: nn.Module, device: torch.device, own_peak: bool = True
+    ):
+        self.cfg, self.setup, self.model, self.device, self.own_peak = cfg, setup, model, device, own_peak
+        self.pad_id = setup.tokenizer.pad_token_id if setup.tokenizer.pad_token_id is not None else 0
+
+    def _put(self, t: Tensor) -> Tensor:
+        """A host tensor on the device without waiting (a blocking copy synchronises the stream)."""
+        return t.to(self.device, non_blocking=True)
+
+    def _batch(self, samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """``build_batch`` of the samples' token ids (host tensors)."""
+        return build_batch([s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id)
+
+    def _forward(self, ids: Tensor, attn: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """The headless target forward of one batch: ``(aux [B, L, n_tap*H], final [B, L, H])``."""
+        return target_forward(
+            self.model,
+            self._put(ids),
+            None if attn is None else self._put(attn),
+            self.setup.layer_ids,
+            position_ids=self._put(pos),
+        )
+
+    def forward_only(self, g: int) -> None:
+        """Run the target forward of packet g and discard it: a rank of a tensor-parallel replica
+        that is not its sender takes part in the sharded forward (its collectives), nothing else."""
+        ds = self.setup.dataset
+        ids, attn, pos, _ = self._batch([ds.sample(i) for i in self.setup.plan.packet(g).tolist()])
+        self._forward(ids, attn, pos)
+
+    def make(self, g: int, flags: int = 0) -> Packet:
+        """Forward the samples of packet g and assemble the packet (non-finite samples dropped)."""
+        ds = self.setup.dataset
+        sample_idx = self.setup.plan.packet(g).tolist()
+        samples = [ds.sample(i) for i in sample_idx]
+        lens = torch.tensor([s[0].numel() for s in samples], dtype=torch.long)
+        if self.own_peak:
+            reset_peak_memory(self.device)
+        ids, attn, pos, keep = self._batch(samples)
+        clock = DeviceClock(self.device)
+        clock.start()
+        aux, final = self._forward(ids, attn, pos)
+        aux, final = self._real_tokens(aux, keep), self._real_tokens(final, keep)
+        if self.cfg.fault.nonfinite_sample_ids:
+            aux = self._inject_nonfinite(aux, sample_idx, lens)
+        clock.stop()
+        segments = self._put(torch.repeat_interleave(torch.arange(lens.numel()), lens))
+        finite = _finite_per_sample(aux, final, segments, lens.numel())  # the packet's one host sync
+        forward_s = clock.seconds()
+        skipped = int((~finite).sum())
+        input_ids = torch.cat([s[0] for s in samples])
+        loss_mask = torch.cat([s[1] for s in samples])
+        if skipped:
+            tok_keep = torch.repeat_interleave(finite, lens)
+            rows = self._put(tok_keep.nonzero().squeeze(1))
+            aux, final = aux.index_select(0, rows), final.index_select(0, rows)
+            input_ids, loss_mask = input_ids[tok_keep], loss_mask[tok_keep]
+            lens = lens[finite]
+            sample_idx = [i for i, ok in zip(sample_idx, finite.tolist(), strict=True) if ok]
+            log.warning("packet %d: dropped %d sample(s) with non-finite hidden states", g, skipped)
+        return Packet(
+            index=g,
+            input_ids=self._put(input_ids),
+            loss_mask=self._put(loss_mask.to(torch.uint8)),
+            seq_lens=self._put(lens),
+            sample_ids=self._put(ds.sample_ids[torch.tensor(sample_idx, dtype=torch.long)]),
+            aux_hidden=aux.contiguous(),
+            final_hidden=final.contiguous(),
+            forward_s=forward_s,
+            peak_mem_bytes=int(peak_memory_gib(self.device) * 2**30),
+            flags=flags,
+            num_skipped_nonfinite=skipped,
+        )
+
+    def _real_tokens(self, x: Tensor, keep: Tensor) -> Tensor:
+        """``[B, L, D]`` -> ``[T, D]``, padding removed (``build_batch``'s ``keep``, strictly increasing):
+        a view when nothing is padded (a packed row, or rows of one length), else a gather."""
+        flat = x.reshape(-1, x.shape[-1])
+        if keep.numel() == flat.shape[0]:
+            return flat
+        return flat.index_select(0, self._put(keep))
+
+    def _inject_nonfinite(self, aux: Tensor, sample_idx: list[int], lens: Tensor) -> Tensor:
+        """Fault injection: NaN hidden states for the configured source sample ids."""
+        bad = set(self.cfg.fault.nonfinite_sample_ids)
+        src = self.setup.dataset.sample_ids[torch.tensor(sample_idx, dtype=torch.long)].tolist()
+        hit = torch.tensor([s in bad for s in src])
+        if not hit.any():
+            return aux
+        rows = torch.repeat_interleave(hit, lens).nonzero().squeeze(1)
+        return aux.clone().index_fill_(0, self._put(rows), float("nan"))
+
+
+def _finite_per_sample(aux: Tensor, final: Tensor, segments: Tensor, num_samples: int) -> Tensor:
+    """[S] bool on the host: every hidden value of the sample is finite. ``segments`` [T] (on the
+    device) is each token's sample; one device-to-host copy of S flags."""
+    tok_bad = ~(torch.isfinite(aux).all(dim=1) & torch.isfinite(final).all(dim=1))
+    bad = torch.zeros(num_samples, dtype=torch.long, device=aux.device).index_add_(
+        0, segments, tok_bad.long()
+    )
+    return (bad == 0).cpu()
+
+
+class PacketSource(Protocol):
+    """Where a drafter's packets come from: a ``DrafterLink`` (targets) or ``LocalPackets``."""
+
+    last_wait_s: float
+
+    def recv(self, g: int) -> Packet: ...
+
+    def ack(self, g: int) -> None: ...
+
+    def prefetch(self, g: int) -> None: ...
+
+    def set_timeout(self, seconds: float) -> None: ...
+
+    def first_step_done(self) -> None: ...
+
+    def stop_all(self) -> int: ...
+
+
+class LocalPackets:
+    """The packet source of a co-located rank: ``recv(g)`` runs this rank's own target forward.
+
+    Nothing is waited for (``last_wait_s`` stays 0; the forward time is the packet's ``forward_s``)
+    and nothing is in flight, so ``ack``/``prefetch``/``first_step_done`` do nothing and
+    ``stop_all`` discards nothing. The hidden states come out of the target's ``inference_mode``
+    forward, which autograd cannot save for the drafter's backward: the drafter gets a copy (what a
+    drafter rank receives over the wire is an ordinary tensor already).
+    """
+
+    def __init__(self, maker: PacketMaker) -> None:
+        self.maker = maker
+        self.last_wait_s = 0.0
+
+    def recv(self, g: int) -> Packet:
+        packet = self.maker.make(g)
+        return dataclasses.replace(
+            packet, aux_hidden=packet.aux_hidden.clone(), final_hidden=packet.final_hidden.clone()
+        )
+
+    def ack(self, g: int) -> None:
+        pass
+
+    def prefetch(self, g: int) -> None:
+        pass
+
+    def set_timeout(self, seconds: float) -> None:
+        pass
+
+    def first_step_done(self) -> None:
+        pass
+
+    def stop_all(self) -> int:
+        return 0

@@ -1,0 +1,144 @@
+"""One optimizer step's statistics: summed over micro-batches and drafters, turned into metrics.
+
+A drafter adds each packet's objective sums (``ObjectiveOutput``) and its own counters (tokens,
+sequences, wait and compute times, non-finite samples, stop flags) into ``StepSums``; the trainer
+sums the flat vector over the drafters (one all-reduce) and the per-target figures with a max
+(``target_forward_s`` summed, ``target_peak_gib`` maxed, per target rank). ``step_metrics`` then
+gives every ``train/``, ``perf/``, ``comm/`` and ``mem/`` value of the step, the same on every
+drafter.
+
+Busy fractions: a drafter is busy while it is not blocked on a packet (``1 - wait / step``); the
+targets are busy for the summed forward time of the step's packets over ``num_targets x step``
+(a co-located rank spends that time on its own device: ``perf/target_frac`` of its step). Targets
+work ahead of the drafters (``topology.max_in_flight``), so one step's target fraction can exceed 1;
+its mean over many steps cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash.drafter.objective import TERMS, ObjectiveOutput
+
+OBJECTIVE_SUMS: dict[str, int] = {
+    "weight_sum": 1,
+    "loss_sum": 1,
+    "slot_count": 0,
+    "slot_hit": 0,
+    "slot_hit_verifier": 0,
+    "tau_sum": 1,
+    "tau_verifier_sum": 1,
+    "inv_tau_sum": 1,
+    "inv_tau_verifier_sum": 1,
+    "num_blocks": 1,
+    "term_sums": len(TERMS),
+}
+"""ObjectiveOutput fields summed per step: name -> length (0: the block size)."""
+COUNTERS = (
+    "tokens",
+    "seqs",
+    "stop",
+    "wait_s",
+    "target_s",
+    "busy_s",
+    "nonfinite_loss",
+    "nonfinite_samples",
+    "target_flop",
+    "drafter_flop",
+)
+"""Per-drafter counters summed per step (``stop``: stop requests seen; ``target_s``: the forward
+time of the step's packets; ``busy_s``: the drafter's own step time minus its waits; ``*_flop``:
+the planner's cost model (``dflash.plan.packet_costs``) of the step's packets)."""
+
+
+@dataclass
+class StepSums:
+    """Sums of one step on one drafter (before the all-reduce)."""
+
+    block_size: int
+    objective: dict[str, torch.Tensor] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.objective = {
+            k: torch.zeros(n or self.block_size, dtype=torch.float64) for k, n in OBJECTIVE_SUMS.items()
+        }
+        self.counters = dict.fromkeys(COUNTERS, 0.0)
+
+    def add(self, out: ObjectiveOutput) -> None:
+        for k in OBJECTIVE_SUMS:
+            self.objective[k] += getattr(out, k).detach().double().cpu().reshape(-1)
+
+    def flat(self) -> torch.Tensor:
+        """float64 [all objective sums..., counters...] (the all-reduce payload)."""
+        return torch.cat(
+            [self.objective[k] for k in OBJECTIVE_SUMS]
+            + [torch.tensor([self.counters[k] for k in COUNTERS], dtype=torch.float64)]
+        )
+
+    def load(self, flat: torch.Tensor) -> None:
+        """Replace the sums by an all-reduced ``flat()``."""
+        offset = 0
+        for k in OBJECTIVE_SUMS:
+            n = self.objective[k].numel()
+            self.objective[k] = flat[offset : offset + n].clone()
+            offset += n
+        self.counters = dict(zip(COUNTERS, flat[offset:].tolist(), strict=True))
+
+
+def step_metrics(
+    s: StepSums,
+    *,
+    step: int,
+    step_s: float,
+    lr: float,
+    grad_norm: float,
+    loss_weights: dict[str, float],
+    num_targets: int,
+    num_drafters: int,
+    colocated: bool,
+) -> dict[str, float]:
+    """Every per-step metric from the all-reduced sums (the same on every drafter)."""
+    o, c = s.objective, s.counters
+    w, supervised, blocks = float(o["weight_sum"]), float(o["slot_count"].sum()), float(o["num_blocks"])
+    step_s = max(step_s, 1e-9)
+    m: dict[str, float] = {
+        "train/step": float(step),
+        "train/loss": _ratio(float(o["loss_sum"]), w),
+        "train/acc": _ratio(float(o["slot_hit"].sum()), supervised),
+        "train/acc_verifier": _ratio(float(o["slot_hit_verifier"].sum()), supervised),
+        "train/tau_hat": _ratio(blocks, float(o["inv_tau_verifier_sum"])),
+        "train/tau_hat_arith": _ratio(float(o["tau_verifier_sum"]), blocks),
+        "train/tau_hat_data": _ratio(blocks, float(o["inv_tau_sum"])),
+        "train/lr": lr,
+        "train/grad_norm": grad_norm,
+        "train/num_blocks": float(o["num_blocks"]),
+        "train/supervised_slots": float(o["slot_count"].sum()),
+        "perf/step_s": step_s,
+        "perf/tokens_per_s": c["tokens"] / step_s,
+        "perf/samples_per_s": c["seqs"] / step_s,
+        "comm/recv_wait_s": c["wait_s"] / num_drafters,
+        "comm/recv_wait_frac": c["wait_s"] / (num_drafters * step_s),
+        "perf/drafter_busy_frac": c["busy_s"] / (num_drafters * step_s),
+        "perf/tflops/target": c["target_flop"] / max(c["target_s"], 1e-9) / 1e12,
+        "perf/tflops/drafter": c["drafter_flop"] / max(c["busy_s"], 1e-9) / 1e12,
+    }
+    if colocated:
+        m["perf/target_frac"] = c["target_s"] / (num_drafters * step_s)
+    else:
+        m["perf/target_busy_frac"] = c["target_s"] / (num_targets * step_s)
+    for i, name in enumerate(TERMS):
+        if loss_weights.get(name, 0.0) > 0 or float(o["term_sums"][i]) != 0.0:
+            m[f"train/loss_{name}"] = _ratio(float(o["term_sums"][i]), w)
+    for k in range(1, s.block_size):
+        count = float(o["slot_count"][k])
+        m[f"train/acc_slot_{k}"] = _ratio(float(o["slot_hit"][k]), count)
+        m[f"train/acc_verifier_slot_{k}"] = _ratio(float(o["slot_hit_verifier"][k]), count)
+    return m
+
+
+def _ratio(num: float, den: float) -> float:
+    """``num / den``, NaN when there is nothing to average over (a step that trained on nothing)."""
+    return num / den if den > 0 else float("nan")

@@ -1,0 +1,201 @@
+"""What a run says about itself without W&B: a line per logged step and a table at the end.
+
+The drafter leader writes every logged metrics row to ``metrics.jsonl`` in the run directory
+(``dflash.train.steplog``), one line per ``logging.log_every`` steps to its rank log (``step_line``)
+and, when the run ends, a short table to the console and the log (``summary_table``): where the
+run stands, the final loss and acceptance estimates, the last real eval, throughput, where the
+exported drafter is and how to look at the W&B run offline. ``python -m dflash.report`` draws the
+curves from the same ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def step_line(m: dict[str, float], num_steps: int) -> str:
+    """``step 10/145  loss 6.123  tau_hat 1.23  tok/s 456  wait 3%`` (plus eval tau when present)."""
+    parts = [
+        f"step {int(m['train/step'])}/{num_steps}",
+        f"loss {m['train/loss']:.4f}",
+        f"tau_hat {m['train/tau_hat']:.3f}",
+        f"acc {m['train/acc']:.3f}",
+        f"tok/s {m['perf/tokens_per_s']:.0f}",
+        f"wait {100 * m['comm/recv_wait_frac']:.0f}%",
+    ]
+    if "eval/tau" in m:
+        parts.append(f"eval/tau {m['eval/tau']:.3f}")
+    return "  ".join(parts)
+
+
+def eval_line(m: dict[str, float]) -> str:
+    """``eval at step 50: eval/tau 1.86 (real speculative decoding), eval/tau_hat 1.65 (estimate)``."""
+    return (
+        f"eval at step {int(m['train/step'])}: eval/tau {m['eval/tau']:.3f} (real speculative decoding, "
+        f"{int(m.get('eval/num_prompts', 0))} held-out prompts), eval/tau_hat {m.get('eval/tau_hat', math.nan):.3f} "
+        f"(the training estimate on the same conversations)"
+    )
+
+
+@dataclass
+class RunSummary:
+    """The figures the end-of-run table shows, collected as the rows are logged."""
+
+    num_steps: int
+    first: dict[str, float] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+    last_eval: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: list[float] = field(default_factory=list)
+    rows: list[dict[str, float]] = field(default_factory=list)
+    """The ``perf/`` and ``comm/`` values of every logged step (for the balance line)."""
+
+    def add(self, m: dict[str, float]) -> None:
+        if "train/loss" in m:
+            self.first = self.first or dict(m)
+            self.last = dict(m)
+            self.tokens_per_s.append(m.get("perf/tokens_per_s", 0.0))
+            self.rows.append({k: v for k, v in m.items() if k.startswith(("perf/", "comm/"))})
+        if "eval/tau" in m:
+            self.last_eval = dict(m)
+
+
+def summary_table(
+    s: RunSummary,
+    *,
+    run_dir: Path,
+    status: str,
+    drafter_dir: Path | None,
+    checkpoint: Path | None,
+    wandb_mode: str,
+    extra: dict[str, str] | None = None,
+    not_exported: str = "the run did not finish",
+) -> str:
+    """A short two-column table (``status`` first) for the console and the log."""
+    rows: list[tuple[str, str]] = [("run", str(run_dir)), ("status", status)]
+    if s.last:
+        rows.append(("train/loss", f"{s.last['train/loss']:.4f} (first logged {s.first['train/loss']:.4f})"))
+        rows.append(
+            ("train/tau_hat", f"{s.last['train/tau_hat']:.3f} (first logged {s.first['train/tau_hat']:.3f})")
+        )
+        rows.append(("train/acc", f"{s.last['train/acc']:.3f}"))
+        tail = s.tokens_per_s[len(s.tokens_per_s) // 2 :] or [0.0]
+        rows.append(("tokens/s", f"{sum(tail) / len(tail):.0f} (mean of the last half of the logged steps)"))
+    if s.last_eval:
+        e = s.last_eval
+        rows.append(
+            (
+                "eval/tau",
+                f"{e['eval/tau']:.3f} at step {int(e['train/step'])} (eval/tau_hat {e.get('eval/tau_hat', math.nan):.3f})",
+            )
+        )
+    rows += list((extra or {}).items())
+    rows.append(
+        (
+            "drafter",
+            f"{drafter_dir} (serve it: see README)" if drafter_dir else f"not exported ({not_exported})",
+        )
+    )
+    if checkpoint is not None:
+        rows.append(("checkpoint", str(checkpoint)))
+    rows.append(("metrics", f"{run_dir / METRICS_FILE}; curves: python -m dflash.report {run_dir}"))
+    if wandb_mode == "offline":
+        runs = run_dir / "wandb"
+        rows.append(
+            ("W&B", f"offline: wandb leet {runs} (terminal UI); upload: wandb sync {runs}/offline-run-*")
+        )
+    elif wandb_mode == "online":
+        rows.append(("W&B", "online run (see the W&B page of the project)"))
+    width = max(len(k) for k, _ in rows)
+    bar = "-" * 78
+    return "\n".join(["dflash run summary", bar, *(f"{k:<{width}}  {v}" for k, v in rows), bar])
+
+
+def best_split(world: int, t_target: float, t_drafter: float, target_tp: int = 1) -> tuple[int, float]:
+    """The number of targets N (1..) that maximises ``min(N / t_target, (world - N*k) / t_drafter)``
+    packets/s with at least one drafter, and that rate (one packet costs ``t_target`` s on a target
+    replica of ``target_tp`` = k ranks, ``t_drafter`` s on a drafter)."""
+    k = target_tp
+    rates = {n: min(n / t_target, (world - n * k) / t_drafter) for n in range(1, (world - 1) // k + 1)}
+    n = max(rates, key=lambda x: rates[x])
+    return n, rates[n]
+
+
+def _split(n: int, m: int, k: int = 1) -> str:
+    targets = f"{n} target{'s' * (n != 1)}" if k == 1 else f"{n} target replica{'s' * (n != 1)} x {k} ranks"
+    return f"{targets} + {m} drafter{'s' * (m != 1)}"
+
+
+def balance_line(
+    rows: list[dict[str, float]], num_targets: int, num_drafters: int, colocated: bool, target_tp: int = 1
+) -> str | None:
+    """Where the time went, from the measured per-packet times of the last half of the logged steps,
+    and what the best split of the same number of GPUs would give (``best_split``; ``num_targets``
+    replicas of ``target_tp`` ranks)."""
+    tail = rows[len(rows) // 2 :]
+    if not tail:
+        return None
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in tail if key in r]
+        return sum(values) / len(values) if values else math.nan
+
+    def share(key: str) -> float:
+        """A per-step fraction over the whole tail (weighted by step time), at most 1: targets work
+        up to ``max_in_flight`` packets ahead, so one step can hold more than its own forward time."""
+        rows_with = [r for r in tail if key in r and "perf/step_s" in r]
+        wall = sum(r["perf/step_s"] for r in rows_with)
+        return min(1.0, sum(r[key] * r["perf/step_s"] for r in rows_with) / wall) if wall > 0 else math.nan
+
+    t_t, t_d = mean("perf/target_s_per_packet"), mean("perf/drafter_s_per_packet")
+    if not (t_t > 0 and t_d > 0):
+        return None
+    if colocated:
+        world = num_drafters
+        pct = 100 * t_t / (t_t + t_d)
+        line = (
+            f"per packet: target forward {t_t:.3g}s + drafter {t_d:.3g}s on each rank "
+            f"({pct:.0f}% / {100 - pct:.0f}% of the step)"
+        )
+        if world > 1:
+            n, rate = best_split(world, t_t, t_d)
+            line += f"; disaggregated {_split(n, world - n)} would be ~{rate * (t_t + t_d) / world:.2f}x this"
+        return line
+    k = target_tp
+    world = num_targets * k + num_drafters
+    busy = share("perf/target_busy_frac")
+    waited = share("comm/recv_wait_frac")
+    now = min(num_targets / t_t, num_drafters / t_d)
+    n, rate = best_split(world, t_t, t_d, k)
+    line = (
+        f"targets busy {100 * busy:.0f}% (idle {100 * (1 - busy):.0f}%), drafters waited {100 * waited:.0f}%"
+    )
+    if n == num_targets:
+        return line + f": {_split(num_targets, num_drafters, k)} is the best split of {world} ranks"
+    return line + (
+        f": {_split(n, world - n * k, k)} would be ~{rate / now:.1f}x faster "
+        f"(measured {t_t:.3g}s per target forward, {t_d:.3g}s per drafter packet)"
+    )
+
+
+def status_line(step: int, num_steps: int, stopped_by: str | None) -> str:
+    """``finished: 145 of 145 steps``, ``stopped at step 51 of 505 (SIGTERM); relaunch ...``, or for a
+    requested stop (``stopped_by`` = ``train.stop_after_steps=N``) the command that continues."""
+    if step >= num_steps:
+        return f"finished: {step} of {num_steps} steps"
+    why = f" ({stopped_by})" if stopped_by else ""
+    if stopped_by and stopped_by.startswith("train.stop_after_steps"):
+        return (
+            f"stopped at step {step} of {num_steps}{why}; to continue, launch the same command without "
+            f"train.stop_after_steps (or with a larger value)"
+        )
+    return f"stopped at step {step} of {num_steps}{why}; relaunch the same command to resume"
+
+
+def jsonable(m: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row with NaN/inf as None (JSON has no NaN)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}

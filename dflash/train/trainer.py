@@ -1,0 +1,737 @@
+"""DrafterTrainer: recv packets -> DFlash objective -> optimizer step -> metrics -> checkpoint.
+
+One optimizer step of drafter d consumes the packets ``Topology.packets_of_step(step, rank)``.
+Each packet is one packed row of several sequences; its loss numerator (sum_r w_r*l_r) is
+back-propagated, and at the step boundary the gradients (all-reduced over the drafters when M > 1)
+are divided by the global weight sum, so the loss is the global token mean whatever the packing.
+Anchors come from a generator seeded with (train.seed, packet index): a resumed run samples
+exactly what the uninterrupted run sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from transformers import PreTrainedModel
+
+from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, plain_dict
+from dflash.config.cli import log_to_files
+from dflash.config.resolve import drafter_attention, resolve_path, torch_dtype
+from dflash.distributed.collectives import (
+    agree_on_start,
+    all_reduce_max,
+    all_reduce_sum,
+    check_replicas,
+    gather_lists,
+)
+from dflash.distributed.grad_reducer import GradReducer
+from dflash.distributed.links import DrafterLink
+from dflash.distributed.process_group import DistContext, set_timeout
+from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet
+from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
+from dflash.drafter.export import export_drafter, load_exported, load_into
+from dflash.drafter.model import DFlashDraftModel, num_parameters
+from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
+from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
+from dflash.eval.loading import target_embed_and_head
+from dflash.metrics import (
+    MetricLogger,
+    NullLogger,
+    PhaseTimer,
+    build_logger,
+    human_count,
+    peak_memory_gib,
+    progress_bar,
+    reset_peak_memory,
+)
+from dflash.plan import AttentionKind, PacketCosts, PacketShape, packet_costs
+from dflash.plan.inputs import attention_kinds, shape_from_meta
+from dflash.targets.loader import load_embed_and_head, load_target
+from dflash.train import faults
+from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
+from dflash.train.packets import LocalPackets, PacketMaker, PacketSource
+from dflash.train.periodic_eval import PeriodicEval, eval_metrics
+from dflash.train.rng_state import capture_rng_state, restore_rng_state
+from dflash.train.run_dir import SCHEDULE_KEYS
+from dflash.train.setup import RunSetup
+from dflash.train.step_stats import StepSums, step_metrics
+from dflash.train.steplog import StepLog
+from dflash.train.summary import (
+    METRICS_FILE,
+    RunSummary,
+    balance_line,
+    eval_line,
+    jsonable,
+    status_line,
+    step_line,
+    summary_table,
+)
+
+log = logging.getLogger(__name__)
+
+EMPTY_STEPS_LIMIT = 3
+"""Optimizer steps in a row without a supervised slot that stop the run (it would train on nothing)."""
+
+
+def packet_positions(seq_lens: torch.Tensor) -> torch.Tensor:
+    """[S] sequence lengths -> [T] RoPE positions restarting at 0 for every packed sequence."""
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    total = int(seq_lens.sum())
+    return torch.arange(total, device=seq_lens.device) - torch.repeat_interleave(starts, seq_lens)
+
+
+def anchor_generator(seed: int, packet: int) -> torch.Generator:
+    """Anchors of packet g depend only on (seed, g): resume samples exactly what a straight run does."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + packet)
+
+
+@dataclass
+class _StepLocal:
+    """What one drafter gathered over its packets of a step, before the all-reduces."""
+
+    sums: StepSums
+    target_fwd: torch.Tensor
+    """[num_targets] float64: forward seconds of this drafter's packets, per producing target."""
+    target_mem: torch.Tensor
+    """[num_targets] float64: the largest peak memory (GiB) those packets report, per target."""
+    target_packets: torch.Tensor
+    """[num_targets] float64: how many of this drafter's packets each target produced."""
+    trained: list[int] = field(default_factory=list)
+    """Per packet: g, its number of samples, their source ids (the ledger's raw material)."""
+    shapes: list[PacketShape] = field(default_factory=list)
+
+
+@dataclass
+class _StepReduced:
+    """The step over every drafter: summed sums, per-target forward time, peak memories."""
+
+    sums: StepSums
+    target_fwd: torch.Tensor
+    target_mem: torch.Tensor
+    drafter_mem: torch.Tensor
+    target_packets: torch.Tensor
+    """[num_targets]: packets each target produced in the step (a target with none logs nothing)."""
+
+
+class DrafterTrainer:
+    """The drafter role (rank >= num_targets; every rank when co-located). ``run()`` trains,
+    ``close()`` releases everything.
+
+    Packets come from a ``DrafterLink`` (the targets send them) or, co-located, from a
+    ``LocalPackets`` that runs this rank's own target: the step is the same either way.
+    """
+
+    def __init__(
+        self, cfg: Config, setup: RunSetup, ctx: DistContext, run_dir: Path, resume: LoadedCheckpoint | None
+    ) -> None:
+        self.cfg, self.setup, self.ctx, self.run_dir = cfg, setup, ctx, run_dir
+        self.topology = setup.topology
+        self.device = ctx.device
+        self.is_leader = ctx.rank == self.topology.leader_rank
+        self.drafter_index = self.topology.drafter_index(ctx.rank)
+        self.stop_requested = False
+        """This rank got a stop signal (it joins the next step's agreement)."""
+        self.stop_agreed = False
+        """Some rank (a drafter, or a target through its packets) asked to stop: every drafter stops
+        after the same step."""
+        self.stop_signal: str | None = None
+        self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
+        self.autocast_dtype = torch_dtype(cfg.drafter.dtype, self.device)
+        self.attention = drafter_attention(cfg.drafter.attention, self.device.type)
+        target = self._packet_source()
+        self.embed, self.head = self._embed_and_head(target)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
+        self.grads = (
+            GradReducer(list(self.model.parameters()), ctx) if self.topology.num_drafters > 1 else None
+        )
+        self.state = TrainState(skipped=dict(setup.dataset.skipped))
+        if resume is not None:
+            self._restore(resume)
+        self.static_shape: tuple[int, int] | None = None
+        if self.attention == "flex":
+            cap = cfg.drafter.max_anchors_per_packet
+            assert cap is not None, "config validation requires drafter.max_anchors_per_packet with flex"
+            self.static_shape = (setup.data.token_budget, cap)
+        self.evaluator = None
+        if cfg.eval.every > 0:
+            self.evaluator = PeriodicEval(
+                cfg,
+                setup,
+                self.device,
+                drafter_index=self.drafter_index,
+                num_drafters=self.topology.num_drafters,
+                target=target,
+            )
+        self._open_run_files()
+        self.phases = PhaseTimer(self.device, sync=cfg.train.time_phases)
+        self._empty_steps = 0
+        self.target_shape = shape_from_meta(setup.meta)
+        log.info(
+            "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
+            human_count(num_parameters(self.model)),
+            self.attention,
+            setup.num_steps,
+            self.state.step,
+        )
+
+    def _packet_source(self) -> PreTrainedModel | None:
+        """``self.source``: a ``DrafterLink`` from the targets, or (co-located) ``LocalPackets`` over
+        this rank's own target, which is returned (else None)."""
+        cfg, setup = self.cfg, self.setup
+        if not self.topology.colocated:
+            self.source: PacketSource = DrafterLink(
+                self.topology,
+                self.ctx.rank,
+                setup.packet_spec(self.target_dtype, self.device),
+                cfg.topology.init_timeout_s,
+                groups=self.ctx.drafter_links(),
+            )
+            return None
+        target = load_target(cfg.target, self.device, self.target_dtype)
+        self.source = LocalPackets(PacketMaker(cfg, setup, target, self.device, own_peak=False))
+        return target
+
+    def _embed_and_head(self, target: PreTrainedModel | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen embedding and lm_head: the co-located target's own tensors (no second copy),
+        the same random target's (``target.random_weights``), else read by name from the checkpoint."""
+        cfg = self.cfg
+        if target is None and cfg.target.random_weights:
+            target = load_target(cfg.target, self.device, self.target_dtype)
+        embed, head = target_embed_and_head(target) if target is not None else (None, None)
+        if embed is None or head is None:
+            embed, head = load_embed_and_head(self.setup.target_path, revision=cfg.target.revision)
+        return embed.to(self.device, self.target_dtype), head.to(self.device, self.target_dtype)
+
+    def _build_model(self) -> DFlashDraftModel:
+        """The drafter, initialised from ``train.seed`` or warm-started from ``drafter.init_from``."""
+        model = DFlashDraftModel(self.setup.arch)
+        model.reset_parameters(seed=self.cfg.train.seed)
+        if self.cfg.drafter.init_from:
+            _, state = load_exported(resolve_path(self.cfg.drafter.init_from))
+            load_into(model, state)
+            log.info("warm start from %s", self.cfg.drafter.init_from)
+        return model.to(self.device)
+
+    def _open_run_files(self) -> None:
+        """The leader's W&B run and the run's ledger and metrics files (what was written after the
+        resumed checkpoint is trained again, so it is cut off here)."""
+        cfg = self.cfg
+        self.logger: MetricLogger = NullLogger()
+        if self.is_leader:
+            config = plain_dict(OmegaConf.structured(cfg))
+            self.logger = build_logger(
+                cfg.logging, True, self.run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
+            )
+            self.state.wandb_run_id = self.logger.run_id
+        self.ledger = StepLog(self.run_dir / "ledger.jsonl")
+        self.metrics_log = StepLog(self.run_dir / METRICS_FILE, step_key="train/step")
+        if self.is_leader:
+            if cfg.train.ledger:
+                self.ledger.truncate(self.state.step)
+            self.metrics_log.truncate(self.state.step)
+        self.summary = RunSummary(self.setup.num_steps)
+
+    # ---------------------------------------------------------------- lifecycle
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop_signal = signal.Signals(signum).name
+        log.warning(
+            "drafter rank %d: got %s; stopping with a checkpoint at the next step boundary",
+            self.ctx.rank,
+            self.stop_signal,
+        )
+        self.stop_requested = True
+
+    def _restore(self, loaded: LoadedCheckpoint) -> None:
+        self.model.load_state_dict(loaded.model_state)
+        self.optimizer.load_state_dict(loaded.optimizer_state)
+        self.scheduler.load_state_dict(loaded.scheduler_state)
+        restore_rng_state(loaded.rng_state)
+        self.state = loaded.train_state
+        log.info(
+            "resumed from %s at step %d (packet %d)", loaded.path, self.state.step, self.state.next_packet
+        )
+        self._replan_schedule(loaded.contract)
+
+    def _replan_schedule(self, saved: dict) -> None:
+        """A resume whose schedule settings changed (``train.allow_contract_change=true``: optim.lr,
+        warmup_ratio, min_lr_ratio, train.num_steps) applies them from the resumed step on, starting
+        from the learning rate the run had reached (times the new over the old optim.lr)."""
+        now = self.setup.contract
+        changed = [k for k in SCHEDULE_KEYS if saved.get(k) != now.get(k)]
+        if not changed:
+            return
+        cfg, step = self.cfg.optim, self.state.step
+        lr_reached = float(self.scheduler.get_last_lr()[0]) * cfg.lr / float(saved.get("optim.lr") or cfg.lr)
+        schedule = self.scheduler.lr_lambdas[0]
+        assert isinstance(schedule, LrSchedule)
+        schedule.replan(step, lr_reached / cfg.lr, cfg, self.setup.num_steps)
+        self.scheduler.base_lrs = [cfg.lr for _ in self.optimizer.param_groups]
+        lrs: list[float | torch.Tensor] = [cfg.lr * schedule(step) for _ in self.optimizer.param_groups]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["initial_lr"], group["lr"] = cfg.lr, lr
+        self.scheduler._last_lr = lrs
+        low = cfg.lr * cfg.min_lr_ratio
+        log.warning(
+            "resumed with changed %s: the learning rate continues from %.4g at step %d down to %.4g at step %d%s",
+            ", ".join(changed),
+            float(lrs[0]),
+            step,
+            low,
+            self.setup.num_steps,
+            " (the run had reached its minimum: extend a run before its end, or warm-start a new run with "
+            "drafter.init_from=<run>/drafter for a new schedule)"
+            if float(lrs[0]) <= low * (1 + 1e-9)
+            else "",
+        )
+
+    def close(self, exit_code: int = 0) -> None:
+        self.logger.close(exit_code)
+        for s, h in self._previous_handlers.items():
+            signal.signal(s, h)
+
+    # ---------------------------------------------------------------- one step
+    def _forward_packet(self, packet: Packet) -> ObjectiveOutput:
+        ids = packet.input_ids.to(self.device).unsqueeze(0)
+        mask = packet.loss_mask.to(self.device).unsqueeze(0)
+        pos = packet_positions(packet.seq_lens.to(self.device)).unsqueeze(0)
+        anchors = sample_anchors(
+            mask,
+            doc_ids_from_positions(pos),
+            self.cfg.drafter.num_anchors,
+            anchor_generator(self.cfg.train.seed, packet.index),
+            self.cfg.drafter.max_anchors_per_packet,
+        )
+        with torch.autocast(
+            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32
+        ):
+            return dflash_loss(
+                self.model,
+                packet.aux_hidden.unsqueeze(0),
+                packet.final_hidden.unsqueeze(0),
+                ids,
+                mask,
+                anchors,
+                self.embed,
+                self.head,
+                self.cfg.loss,
+                position_ids=pos,
+                attention=self.attention,
+                static_shape=self.static_shape,
+                on_phase=self.phases.mark,
+                normalizer=1.0,
+            )
+
+    def _next_packet(self, step: int, i: int, packets: list[int]) -> None:
+        """Post the receive of the packet after ``packets[i]`` (double buffering)."""
+        if i + 1 < len(packets):
+            self.source.prefetch(packets[i + 1])
+        elif step + 1 < self.setup.num_steps:
+            self.source.prefetch(self.topology.packets_of_step(step + 1, self.ctx.rank)[0])
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Optimizer step ``step`` (0-based) over this drafter's packets; returns global metrics.
+
+        The packets' losses are weighted sums (``normalizer=1``): their gradients are summed over
+        the step's packets and the drafters, then divided once by the global weight sum, so the
+        update follows the global token mean whatever the packing and the split."""
+        t0 = time.perf_counter()
+        faults.at_step(self.cfg.fault, self.ctx.rank, step + 1)
+        self.optimizer.zero_grad(set_to_none=False)
+        local = self._accumulate(step)
+        faults.slow_step(self.cfg.fault, self.ctx.rank, step + 1)
+        if self.grads is not None:
+            self.grads.finish(self.source_timeout)
+        reduced = self._reduce(step, local, t0)
+        grad_norm, lr = self._apply_update(step, reduced.sums)
+        self._advance(step, reduced.sums, local.trained)
+        return self._metrics(reduced, t0, lr, grad_norm)
+
+    def _accumulate(self, step: int) -> _StepLocal:
+        """Receive, forward and backward this drafter's packets of the step (gradients summed)."""
+        packets = self.topology.packets_of_step(step, self.ctx.rank)
+        n_targets = max(self.topology.num_targets, 1)
+        local = _StepLocal(
+            sums=StepSums(self.setup.arch.block_size),
+            target_fwd=torch.zeros(n_targets, dtype=torch.float64),
+            target_mem=torch.zeros(n_targets, dtype=torch.float64),
+            target_packets=torch.zeros(n_targets, dtype=torch.float64),
+        )
+        c = local.sums.counters
+        self.phases.start()
+        for i, g in enumerate(packets):
+            packet = self.source.recv(g)
+            self.phases.mark("target_forward" if self.topology.colocated else "recv_wait")
+            self.source.ack(g)
+            self._next_packet(step, i, packets)
+            self._count_packet(packet, local)
+            if self.grads is not None and i == len(packets) - 1:
+                self.grads.arm()  # the last backward of the step overlaps the gradient all-reduce
+            if packet.num_tokens == 0:
+                continue
+            out = self._forward_packet(packet)
+            loss = out.loss
+            if faults.nan_loss(self.cfg.fault, step + 1):
+                loss = loss * float("nan")
+            if not torch.isfinite(loss):
+                c["nonfinite_loss"] += 1.0
+            loss.backward()
+            self.phases.mark("backward")
+            local.sums.add(out)
+            local.shapes.append(self._packet_shape(packet, out))
+        return local
+
+    def _count_packet(self, packet: Packet, local: _StepLocal) -> None:
+        """The packet's header figures into the step's counters (times, memory, flags, samples)."""
+        c = local.sums.counters
+        c["wait_s"] += self.source.last_wait_s
+        c["target_s"] += packet.forward_s
+        slot = 0 if self.topology.colocated else self.topology.producer_replica(packet.index)
+        local.target_fwd[slot] += packet.forward_s
+        local.target_packets[slot] += 1
+        local.target_mem[slot] = max(float(local.target_mem[slot]), packet.peak_mem_bytes / 2**30)
+        c["stop"] += float(bool(packet.flags & FLAG_STOP_REQUESTED))
+        c["nonfinite_samples"] += packet.num_skipped_nonfinite
+        ids = packet.sample_ids.tolist()
+        local.trained += [packet.index, len(ids), *ids]
+        c["tokens"] += packet.num_tokens
+        c["seqs"] += packet.num_seqs
+
+    def _reduce(self, step: int, local: _StepLocal, t0: float) -> _StepReduced:
+        """The step's sums over every drafter (one all-reduce of the sums, one of the per-target
+        forward times, one max of the peak memories) and the stop agreement."""
+        c = local.sums.counters
+        c["stop"] += float(self.stop_requested)
+        c["busy_s"] = (
+            time.perf_counter() - t0 - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
+        )
+        if self._logged(step + 1):  # the cost model runs for the rows that are logged, not per packet
+            for shape in local.shapes:
+                costs = self._costs(shape)
+                c["target_flop"] += costs.target_flop
+                c["drafter_flop"] += costs.drafter_flop
+        sums = local.sums
+        sums.load(all_reduce_sum(self.ctx, sums.flat().to(self.device)).cpu())
+        per_target = torch.cat([local.target_fwd, local.target_packets])
+        target_fwd, target_packets = all_reduce_sum(self.ctx, per_target.to(self.device)).cpu().chunk(2)
+        drafter_mem = torch.zeros(self.topology.num_drafters, dtype=torch.float64)
+        drafter_mem[self.drafter_index] = peak_memory_gib(self.device)
+        mem = all_reduce_max(self.ctx, torch.cat([local.target_mem, drafter_mem]).to(self.device)).cpu()
+        n_targets = local.target_mem.numel()
+        self.stop_agreed = self.stop_agreed or sums.counters["stop"] > 0
+        if sums.counters["stop"] > 0 and self.stop_signal is None:
+            self.stop_signal = "a stop signal of another rank"
+        self.phases.mark("reduce")
+        return _StepReduced(sums, target_fwd, mem[:n_targets], mem[n_targets:], target_packets)
+
+    def _apply_update(self, step: int, sums: StepSums) -> tuple[float, float]:
+        """Divide the summed gradients by the global weight sum, clip, and step the optimizer unless
+        the loss or the gradient is not finite (``train.on_nonfinite``); returns (grad norm, lr)."""
+        cfg = self.cfg
+        weight_sum = float(sums.objective["weight_sum"])
+        self._check_trained_on_something(step, weight_sum)
+        scale = 1.0 / weight_sum if weight_sum > 0 else 0.0
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
+        lr = float(self.scheduler.get_last_lr()[0])
+        if weight_sum == 0:
+            log.warning("step %d: no packet of the step held a supervised slot; nothing trained", step + 1)
+        elif sums.counters["nonfinite_loss"] > 0 or not math.isfinite(grad_norm):
+            self.state.nonfinite_steps += 1
+            if cfg.train.on_nonfinite == "error":
+                raise RuntimeError(
+                    f"drafter rank {self.ctx.rank}: loss or gradient not finite at step {step + 1} "
+                    f"(grad_norm={grad_norm}); the optimizer step was not applied. "
+                    f"Set train.on_nonfinite=skip to skip such steps instead"
+                )
+            log.warning(
+                "step %d: loss or gradient not finite on drafter rank %d; step skipped",
+                step + 1,
+                self.ctx.rank,
+            )
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.phases.mark("optimizer")
+        return grad_norm, lr
+
+    def _advance(self, step: int, sums: StepSums, trained: list[int]) -> None:
+        """The train state after step ``step`` (0-based), the ledger line and the replica check."""
+        cfg = self.cfg
+        faults.perturb(cfg.fault, self.ctx.rank, step + 1, self.model)
+        self.state.step = step + 1
+        self.state.next_packet = (step + 1) * self.topology.packets_per_step
+        self.state.tokens_seen += int(sums.counters["tokens"])
+        if sums.counters["nonfinite_samples"]:
+            skipped = self.state.skipped
+            skipped["nonfinite_hidden"] = skipped.get("nonfinite_hidden", 0) + int(
+                sums.counters["nonfinite_samples"]
+            )
+            self._check_nonfinite_samples()
+        if cfg.train.ledger:
+            self._write_ledger(step + 1, trained)
+        if cfg.train.check_replicas_every and self.state.step % cfg.train.check_replicas_every == 0:
+            check_replicas(self.ctx, self.model, self.state.step)
+
+    def _check_trained_on_something(self, step: int, weight_sum: float) -> None:
+        """A step without a supervised slot trains nothing; ``EMPTY_STEPS_LIMIT`` in a row stop the run."""
+        self._empty_steps = self._empty_steps + 1 if weight_sum == 0 else 0
+        if self._empty_steps >= EMPTY_STEPS_LIMIT:
+            first = step + 2 - self._empty_steps
+            raise RuntimeError(
+                f"steps {first}-{step + 1} trained on nothing: no packet held a supervised slot (every sample "
+                f"dropped by the targets as non-finite, data/skipped/nonfinite_hidden="
+                f"{self.state.skipped.get('nonfinite_hidden', 0)}, or loss masks without two consecutive "
+                f"supervised tokens); check the target checkpoint and target.dtype, and the data's loss mask "
+                f"(python -m dflash.data.prepare ... show=3)"
+            )
+
+    def _check_nonfinite_samples(self) -> None:
+        """Samples the targets dropped as non-finite count against ``data.max_skip_fraction`` of the
+        samples this run trains: the run stops as soon as that share is certain to be exceeded."""
+        dropped = self.state.skipped.get("nonfinite_hidden", 0)
+        planned = int(self.setup.plan.bounds[self.setup.num_steps * self.topology.packets_per_step])
+        limit = self.cfg.data.max_skip_fraction * planned
+        if dropped > limit:
+            raise RuntimeError(
+                f"the targets dropped {dropped} sample(s) with non-finite hidden states, more than "
+                f"data.max_skip_fraction={self.cfg.data.max_skip_fraction} of the {planned} samples this run trains "
+                f"(data/skipped/nonfinite_hidden); a broken target checkpoint or an overflowing dtype "
+                f"(target.dtype={self.cfg.target.dtype}) is the usual cause"
+            )
+
+    def _metrics(self, r: _StepReduced, t0: float, lr: float, grad_norm: float) -> dict[str, float]:
+        """Every metric of the step just taken (the same on every drafter)."""
+        cfg, topo = self.cfg, self.topology
+        m = step_metrics(
+            r.sums,
+            step=self.state.step,
+            step_s=time.perf_counter() - t0,
+            lr=lr,
+            grad_norm=grad_norm,
+            loss_weights={t: getattr(cfg.loss, t) for t in TERMS},
+            num_targets=topo.num_targets,
+            num_drafters=topo.num_drafters,
+            colocated=topo.colocated,
+        )
+        if cfg.train.time_phases:
+            m.update({f"perf/phase/{name}_s": s for name, s in self.phases.seconds.items()})
+        m["train/tokens_seen"] = float(self.state.tokens_seen)
+        m["train/nonfinite_steps"] = float(self.state.nonfinite_steps)
+        packets_in_step = max(topo.packets_per_step, 1)
+        m["perf/target_s_per_packet"] = r.sums.counters["target_s"] / packets_in_step
+        m["perf/drafter_s_per_packet"] = r.sums.counters["busy_s"] / packets_in_step
+        if not topo.colocated:  # the targets that made a packet of this step (no 0.0 for the others)
+            for t in range(topo.num_targets):
+                if r.target_packets[t] > 0:
+                    m[f"perf/target_{t}/forward_s"] = float(r.target_fwd[t])
+                    m[f"mem/peak_gib/rank_{topo.sender_ranks[t]}"] = float(r.target_mem[t])
+        for d, rank in enumerate(topo.drafter_ranks):
+            m[f"mem/peak_gib/rank_{rank}"] = float(r.drafter_mem[d])
+        for reason, n in sorted(self.state.skipped.items()):
+            m[f"data/skipped/{reason}"] = float(n)
+        return m
+
+    def _logged(self, step: int) -> bool:
+        """Step ``step`` (1-based) is a row of W&B / metrics.jsonl (every drafter agrees)."""
+        return step % self.cfg.train.log_every == 0 or step == self.setup.num_steps
+
+    def _packet_shape(self, packet: Packet, out: ObjectiveOutput) -> PacketShape:
+        """The packet as trained (its documents, real blocks and loss rows), for the cost model."""
+        return PacketShape(
+            tokens=packet.num_tokens,
+            num_seqs=packet.num_seqs,
+            num_anchors=int(out.num_blocks),
+            loss_rows=out.num_rows,
+            drafter_context_tokens=self.static_shape[0] if self.static_shape else None,
+            drafter_blocks=self.static_shape[1] if self.static_shape else None,
+        )
+
+    def _costs(self, shape: PacketShape) -> PacketCosts:
+        """The planner's cost model of one trained packet."""
+        target_attn, _ = attention_kinds(self.cfg, shape.num_seqs)
+        drafter_attn: AttentionKind = "sparse" if self.attention == "flex" else "dense"
+        return packet_costs(
+            self.target_shape,
+            self.setup.arch,
+            shape,
+            self.cfg.loss,
+            target_attention=target_attn,
+            drafter_attention=drafter_attn,
+        )
+
+    @property
+    def source_timeout(self) -> float:
+        return self.cfg.topology.step_timeout_s if self.state.step > 0 else self.cfg.topology.init_timeout_s
+
+    def _write_ledger(self, step: int, trained: list[int]) -> None:
+        """Leader: one ledger line with every packet of the step (all drafters) and its samples."""
+        per_drafter = gather_lists(self.ctx, trained)
+        if not self.is_leader:
+            return
+        by_packet: dict[int, list[int]] = {}
+        for flat in per_drafter:
+            i = 0
+            while i < len(flat):
+                g, n = flat[i], flat[i + 1]
+                by_packet[g] = flat[i + 2 : i + 2 + n]
+                i += 2 + n
+        order = sorted(by_packet)
+        self.ledger.append(
+            {"step": step, "packets": order, "sample_ids": [x for g in order for x in by_packet[g]]}
+        )
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self) -> None:
+        if not self.is_leader or not self.cfg.train.save_weights:
+            return
+        save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.state.step,
+            model_state=self.model.state_dict(),
+            optimizer_state=self.optimizer.state_dict(),
+            scheduler_state=self.scheduler.state_dict(),
+            train_state=self.state,
+            rng_state=capture_rng_state(),
+            contract=self.setup.contract,
+            config_yaml=OmegaConf.to_yaml(OmegaConf.structured(self.cfg), resolve=True),
+            keep=self.cfg.train.keep_checkpoints,
+        )
+
+    def balance(self) -> str | None:
+        """The leader's end-of-run line on where the time went (``summary.balance_line``)."""
+        t = self.topology
+        return balance_line(self.summary.rows, t.num_targets, t.num_drafters, t.colocated, t.target_tp)
+
+    # ---------------------------------------------------------------- main loop
+    def _stopping(self) -> bool:
+        """Stop after this step: agreed by every drafter (one drafter: its own signal counts at once)."""
+        return self.stop_agreed or (self.topology.num_drafters == 1 and self.stop_requested)
+
+    def _eval(self, step: int) -> dict[str, float]:
+        """The periodic eval, every drafter on its share of the prompts; no metrics when a stop
+        request aborted any share (a checkpoint never waits for an eval)."""
+        assert self.evaluator is not None
+        log.info("eval at step %d started: %d prompts on this drafter", step, len(self.evaluator.prompts))
+        sums = self.evaluator.run(self.model, self.embed, self.head, should_stop=lambda: self.stop_requested)
+        sums = all_reduce_sum(self.ctx, sums.to(self.device)).cpu()
+        metrics = eval_metrics(sums, self.setup.arch.block_size)
+        if not metrics:
+            log.warning("eval at step %d aborted: a stop was requested: checkpoint first", step)
+            return {}
+        log.info(eval_line({"train/step": float(step), **metrics}))
+        return metrics
+
+    def _record(self, metrics: dict[str, float]) -> None:
+        """Leader: W&B, metrics.jsonl, the summary figures and (for train rows) the rank-log line."""
+        self.logger.log(metrics, int(metrics["train/step"]))
+        self.metrics_log.append(jsonable(metrics))
+        self.summary.add(metrics)
+        if "train/loss" in metrics:
+            log_to_files(logging.INFO, step_line(metrics, self.setup.num_steps))
+
+    def run(self) -> int:
+        """Train to the last step or to a stop; returns 0, or ``EXIT_STOPPED`` when a signal stopped
+        the run early (``train.stop_after_steps`` is a requested stop: 0)."""
+        cfg = self.cfg
+        start = self.state.step
+        agree_on_start(self.ctx, self.topology, self.state.next_packet, self.setup.num_steps)
+        reset_peak_memory(self.device)
+        end = self._end_step(start)
+        if start < end:
+            self.source.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
+        show_bar = self.is_leader and cfg.logging.progress_bar
+        with progress_bar(self.setup.num_steps, start, show_bar) as bar:
+            if self.evaluator is not None and start == 0:
+                metrics = self._eval(0)
+                if metrics:
+                    self._record({"train/step": 0.0, **metrics})
+            for step in range(start, end):
+                metrics = self.train_step(step)
+                if step == start:  # loading and compiling are over: from now on a slow peer is a dead peer
+                    self.source.set_timeout(cfg.topology.step_timeout_s)
+                    set_timeout(self.ctx, cfg.topology.step_timeout_s)
+                    self.source.first_step_done()  # the targets lower theirs once they hear of it
+                done = self.state.step == self.setup.num_steps
+                eval_due = self.state.step % cfg.eval.every == 0 or done if cfg.eval.every else False
+                if self.evaluator is not None and eval_due and not self._stopping():
+                    metrics.update(self._eval(self.state.step))
+                if self.is_leader and (self.state.step % cfg.train.log_every == 0 or done):
+                    self._record(metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{metrics['train/loss']:.3f}", tau_hat=f"{metrics['train/tau_hat']:.2f}"
+                    )
+                stop = self._stopping()
+                asked = (
+                    cfg.train.stop_after_steps is not None and self.state.step >= cfg.train.stop_after_steps
+                )
+                if done or stop or asked or self.state.step % cfg.train.save_every == 0:
+                    self.save()
+                if (stop or asked) and not done:
+                    log.warning(
+                        "stopping at step %d of %d with a checkpoint (%s)",
+                        self.state.step,
+                        self.setup.num_steps,
+                        self.stop_signal or "train.stop_after_steps",
+                    )
+                    break
+        finished = self.state.step == self.setup.num_steps
+        if self.is_leader and finished and cfg.train.save_weights:
+            out = export_drafter(
+                self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
+            )
+            log.info("exported the drafter to %s", out)
+        discarded = self.source.stop_all()
+        log.info(
+            "drafter rank %d done at step %d (%d in-flight packets discarded)",
+            self.ctx.rank,
+            self.state.step,
+            discarded,
+        )
+        stopped_early = not finished and self.stop_signal is not None
+        if self.is_leader:
+            self._print_summary(finished, stopped_early)
+        return EXIT_STOPPED if stopped_early else 0
+
+    def _end_step(self, start: int) -> int:
+        """The step this launch trains up to: the last one, or none when the run already reached
+        ``train.stop_after_steps`` (a relaunch of the command that stopped it)."""
+        asked = self.cfg.train.stop_after_steps
+        if asked is not None and asked <= start < self.setup.num_steps:
+            log.warning(
+                "the run is at step %d, already past train.stop_after_steps=%d: nothing to train; launch the "
+                "same command without train.stop_after_steps (or with a larger value) to continue",
+                start,
+                asked,
+            )
+            return start
+        return self.setup.num_steps
+
+    def _print_summary(self, finished: bool, stopped_early: bool) -> None:
+        asked = f"train.stop_after_steps={self.cfg.train.stop_after_steps}"
+        by = self.stop_signal if stopped_early else (asked if not finished else None)
+        table = summary_table(
+            self.summary,
+            run_dir=self.run_dir,
+            status=status_line(self.state.step, self.setup.num_steps, by),
+            drafter_dir=self.run_dir / "drafter" if finished and self.cfg.train.save_weights else None,
+            checkpoint=latest_checkpoint(self.run_dir / "checkpoints"),
+            wandb_mode=self.cfg.logging.mode,
+            extra={"balance": b} if (b := self.balance()) else None,
+            not_exported="the run did not finish" if not finished else "train.save_weights=false",
+        )
+        log_to_files(logging.INFO, "\n" + table)
+        print(table, flush=True)
