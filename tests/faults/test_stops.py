@@ -95,7 +95,7 @@ def test_sigterm_to_the_target_alone_stops_the_run_with_a_checkpoint(tmp_path, r
     exits = run.exits()
     assert [s for s, _ in exits[(0, 0)]["signals"]][:1] == [signal.SIGTERM] and exits[(1, 0)]["signals"] == []
     assert run.returncodes == {0: 0, 1: EXIT_STOPPED}, run.output[-3000:]
-    assert "target rank 0: got SIGTERM; asking the drafters to stop at the next step" in run.rank_log(0)
+    assert "target 0 (rank 0): got SIGTERM; asking the drafters to stop at the next step" in run.rank_log(0)
     assert re.search(rf"status +stopped at step {stopped} of 12", run.output), run.output[-3000:]
     figure("SIGTERM to the target alone", stopped_at_step=stopped, exit_codes=run.returncodes)
     assert no_leftover_processes(run)
