@@ -47,10 +47,12 @@ COUNTERS = (
     "nonfinite_samples",
     "target_flop",
     "drafter_flop",
+    "anchors_offered",
 )
 """Per-drafter counters summed per step (``stop``: stop requests seen; ``target_s``: the forward
 time of the step's packets; ``busy_s``: the drafter's own step time minus its waits; ``*_flop``:
-the planner's cost model (``dflash.plan.packet_costs``) of the step's packets)."""
+the planner's cost model (``dflash.plan.packet_costs``) of the step's packets; ``anchors_offered``:
+what ``drafter.num_anchors`` per document offers before ``drafter.max_anchors_per_packet``)."""
 
 
 @dataclass
@@ -115,6 +117,8 @@ def step_metrics(
         "train/lr": lr,
         "train/grad_norm": grad_norm,
         "train/num_blocks": float(o["num_blocks"]),
+        "train/anchors_per_sample": _ratio(blocks, c["seqs"]),
+        "train/anchors_offered_per_sample": _ratio(c["anchors_offered"], c["seqs"]),
         "train/supervised_slots": float(o["slot_count"].sum()),
         "perf/step_s": step_s,
         "perf/tokens_per_s": c["tokens"] / step_s,
