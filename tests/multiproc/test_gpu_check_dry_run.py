@@ -35,7 +35,26 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     a = parts["kernels"]  # every CUDA test collected and skipped
     assert a["status"] == "skipped" and a["counts"]["skipped"] >= 10 and a["counts"]["failed"] == 0
 
-    b = parts["loss"]
+    _check_loss_part(parts["loss"])
+    _check_training_parts(parts, summary["setup"]["token_budget"])
+
+    probe = parts["colocated"]["target_probe"]  # the headless forward makes no logits; model(...) does
+    assert probe["status"] == "passed" and probe["headless"]["vocab_tensors"] == 0
+    assert probe["full"]["vocab_tensor_shapes"] == [[1, 640, 2112]]
+
+    targets = summary["targets"]
+    assert targets["target_logits_gib"] == {**targets["target_logits_gib"], "value": 0.0, "met": True}
+    assert [t["met"] for k, t in targets.items() if k != "target_logits_gib"] == [None, None, None]
+    table = proc.stdout
+    assert "gpu check PASSED" in table and "1 target + 1 drafter (gloo)" in table
+    assert "1 target replica of 2 ranks (TP) + 1 drafter (gloo)" in table
+    print(
+        f"FIGURE gpu_check dry run: {seconds:.1f} s wall, parts {[(k, v['part_s']) for k, v in parts.items()]}"
+    )
+
+
+def _check_loss_part(b: dict) -> None:
+    """Part loss: every case ran, and every case computed the loss of the naive case of its terms."""
     assert b["status"] == "passed"
     assert {(c["case"], c["chunk"]) for c in b["cases"]} == {
         *(
@@ -62,11 +81,15 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
         b["best_chunked_ce"]["time_s"] / lce[0]["time_s"], 4
     )
 
+
+def _check_training_parts(parts: dict, token_budget: int) -> None:
+    """Parts colocated, split and tp: the steady-state figures, the planner's on the measured packet,
+    and what must be equal between the co-located and the split run."""
     for name, nranks in (("colocated", 1), ("split", 2), ("tp", 2)):  # tp: its sender's and the drafter's
         r = parts[name]
         assert r["status"] == "passed" and r["steps"] == r["steps_requested"] == 4, (name, r)
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and r["first_step_s"] > 0
-        assert r["packet"]["seqs"] == 4 and 0 < r["packet"]["tokens"] <= summary["setup"]["token_budget"]
+        assert r["packet"]["seqs"] == 4 and 0 < r["packet"]["tokens"] <= token_budget
         assert r["packet"]["blocks"] > 0
         assert r["split_s"]["drafter_forward_backward_s"] > 0 and r["split_s"]["loss_s"] > 0
         assert len(r["peak_mem_gib"]) == nranks and r["recompiles"] == 0
@@ -91,18 +114,4 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     assert 0 < p["memory_gib"]["target_rank"] < p["memory_gib"]["target"]
     assert "topology.target_tp=2" in tp["command"] and tp["command"].startswith(
         "torchrun --standalone --nproc_per_node 3"
-    )
-
-    probe = parts["colocated"]["target_probe"]  # the headless forward makes no logits; model(...) does
-    assert probe["status"] == "passed" and probe["headless"]["vocab_tensors"] == 0
-    assert probe["full"]["vocab_tensor_shapes"] == [[1, 640, 2112]]
-
-    targets = summary["targets"]
-    assert targets["target_logits_gib"] == {**targets["target_logits_gib"], "value": 0.0, "met": True}
-    assert [t["met"] for k, t in targets.items() if k != "target_logits_gib"] == [None, None, None]
-    table = proc.stdout
-    assert "gpu check PASSED" in table and "1 target + 1 drafter (gloo)" in table
-    assert "1 target replica of 2 ranks (TP) + 1 drafter (gloo)" in table
-    print(
-        f"FIGURE gpu_check dry run: {seconds:.1f} s wall, parts {[(k, v['part_s']) for k, v in parts.items()]}"
     )
