@@ -63,7 +63,7 @@ def planner_figures(
     )
     t_kind, d_kind = attention_kinds(cfg, shape.num_seqs)
     costs = packet_costs(
-        inputs.target.shape,
+        inputs.target.meta,
         inputs.arch,
         shape,
         cfg.loss,
@@ -76,7 +76,7 @@ def planner_figures(
     k = cfg.topology.target_tp
     target_flop = costs.target_flop
     if k > 1:
-        layout = tp_layout(inputs.target.shape.model_type, inputs.target.shape.num_experts, k)
+        layout = tp_layout(inputs.target.meta.model_type, inputs.target.meta.num_experts, k)
         target_flop = target_rank_flop(costs.target_flop_by_part, layout)
     out: dict[str, Any] = {
         "gpu_spec": cfg.plan.gpu,
@@ -111,13 +111,13 @@ def planner_figures(
 def probe_planner_activations(overrides: list[str], tokens: int, docs: int, num_taps: int) -> float:
     """The memory model's activations of the target's headless forward on the probe's packet (GiB)."""
     from dflash.plan.costs import PacketShape
-    from dflash.plan.inputs import attention_kinds, resolve_target, run_dtypes
+    from dflash.plan.inputs import attention_kinds, planned_target, run_dtypes
     from dflash.plan.memory import target_memory
 
     cfg = training_config(overrides)
     packet = PacketShape(tokens=tokens, num_seqs=docs, num_anchors=0)
     kind = attention_kinds(cfg, docs)[0]
     mem = target_memory(
-        resolve_target(cfg).shape, packet, num_taps, attention=kind, max_in_flight=0, dtypes=run_dtypes(cfg)
+        planned_target(cfg).meta, packet, num_taps, attention=kind, max_in_flight=0, dtypes=run_dtypes(cfg)
     )
     return round(mem["activations"], 3)

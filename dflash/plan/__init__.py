@@ -8,16 +8,15 @@
 
 The trainer imports the pure part at run time (``perf/tflops/*`` and busy fractions)::
 
-    costs = packet_costs(shape_from_meta(meta), arch, PacketShape(tokens, num_seqs, num_anchors,
+    costs = packet_costs(meta, arch, PacketShape(tokens, num_seqs, num_anchors,
                          loss_rows=...), cfg.loss, target_attention=..., drafter_attention=...)
 """
 
-from dflash.plan.costs import AttentionKind, DrafterShape, PacketCosts, PacketShape, packet_costs
+from dflash.plan.costs import AttentionKind, PacketCosts, PacketShape, packet_costs
 from dflash.plan.memory import RunDtypes, memory_per_role
 
 __all__ = [
     "AttentionKind",
-    "DrafterShape",
     "PacketCosts",
     "PacketShape",
     "RunDtypes",

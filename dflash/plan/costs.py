@@ -57,31 +57,18 @@ sparse kernels is not modelled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
 from dflash.config import LossConfig, TargetShape
 from dflash.targets.tp import TpLayout
+
+if TYPE_CHECKING:
+    from dflash.drafter.arch import DrafterArch
 
 AttentionKind = Literal["sparse", "dense"]
 """How many keys an attention kernel computes per query: only the visible ones, or the whole row."""
 
 LOSS_GEMMS = ("drafter_logits", "logit_grad", "verifier_logits")
-
-
-class DrafterShape(Protocol):
-    """What the cost model reads of a drafter (``dflash.drafter.model.DrafterArch`` is one)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    block_size: int
-
-    @property
-    def num_taps(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -265,7 +252,7 @@ def drafter_keys_per_query(packet: PacketShape, block_size: int, attention: Atte
 
 def packet_costs(
     target: TargetShape,
-    drafter: DrafterShape,
+    drafter: DrafterArch,
     packet: PacketShape,
     loss: LossConfig,
     *,

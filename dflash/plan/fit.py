@@ -44,7 +44,7 @@ def need_gib(cfg: Config, inputs: PlanInputs, role: str, settings: DrafterSettin
 def role_memory(cfg: Config, inputs: PlanInputs, settings: DrafterSettings) -> dict[str, dict[str, float]]:
     """GiB by item of every role with ``settings`` on the config's typical packet (the memory model)."""
     return memory_per_role(
-        inputs.target.shape,
+        inputs.target.meta,
         inputs.arch,
         inputs.packet,
         target_attention=inputs.target_attention,

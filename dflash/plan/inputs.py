@@ -50,64 +50,7 @@ def load_gpu(name: str) -> GpuSpec:
     return obj
 
 
-def shape_from_meta(meta: TargetMeta) -> TargetShape:
-    """The cost model's shape of a target whose config.json was read (hybrid layers from ``layer_types``)."""
-    text = meta.text_config
-    num_linear = sum("linear" in str(t) for t in text.get("layer_types") or [])
-    num_experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
-
-    def linear(key: str) -> int:
-        return int(text.get(key) or 0) if num_linear else 0
-
-    def moe(key: str, fallback: int = 0) -> int:
-        return int(text.get(key) or fallback) if num_experts else 0
-
-    return TargetShape(
-        num_layers=meta.num_layers,
-        hidden_size=meta.hidden_size,
-        intermediate_size=meta.intermediate_size,
-        num_heads=meta.num_heads,
-        num_kv_heads=meta.num_kv_heads,
-        head_dim=meta.head_dim,
-        vocab_size=meta.vocab_size,
-        tie_word_embeddings=meta.tie_word_embeddings,
-        attn_output_gate=bool(
-            text.get("attn_output_gate", meta.model_type.startswith(("qwen3_5", "qwen3_next")))
-        ),
-        num_linear_layers=num_linear,
-        linear_num_key_heads=linear("linear_num_key_heads"),
-        linear_num_value_heads=linear("linear_num_value_heads"),
-        linear_key_head_dim=linear("linear_key_head_dim"),
-        linear_value_head_dim=linear("linear_value_head_dim"),
-        linear_conv_kernel_dim=linear("linear_conv_kernel_dim"),
-        model_type=meta.model_type,
-        num_experts=num_experts,
-        num_experts_per_tok=moe("num_experts_per_tok"),
-        # gpt-oss names the expert width intermediate_size
-        moe_intermediate_size=moe("moe_intermediate_size", meta.intermediate_size),
-        shared_expert_intermediate_size=moe("shared_expert_intermediate_size"),
-    )
-
-
-def meta_from_shape(shape: TargetShape) -> TargetMeta:
-    """A TargetMeta carrying only ``shape`` (for ``build_arch`` and the tap ids without config.json)."""
-    return TargetMeta(
-        model_type=shape.model_type or "target.shape",
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        vocab_size=shape.vocab_size,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        max_position_embeddings=0,
-        text_config={},
-    )
-
-
-def shape_problems(declared: TargetShape, actual: TargetShape) -> list[str]:
+def shape_problems(declared: TargetShape, actual: TargetMeta) -> list[str]:
     """Every field of ``target.shape`` that differs from the target's config.json (``model_type``
     only when declared)."""
     return [
@@ -133,29 +76,28 @@ def local_config_dir(cfg: Config) -> str | None:
 
 
 @dataclass(frozen=True)
-class TargetInfo:
-    shape: TargetShape
+class PlannedTarget:
     meta: TargetMeta
+    """The target's shape (``TargetMeta`` is a ``TargetShape``)."""
     source: str
     """Where the shape came from: the config.json directory, or ``target.shape``."""
     problems: list[str]
     """Disagreements between target.shape and config.json."""
 
 
-def resolve_target(cfg: Config) -> TargetInfo:
+def planned_target(cfg: Config) -> PlannedTarget:
     """The target's shape: its config.json when on disk (checked against target.shape), else target.shape."""
     directory = local_config_dir(cfg)
     if directory is not None:
         meta = read_target_meta(directory, trust_remote_code=cfg.target.trust_remote_code)
-        shape = shape_from_meta(meta)
-        problems = shape_problems(cfg.target.shape, shape) if cfg.target.shape is not None else []
-        return TargetInfo(shape, meta, f"{directory}/config.json", problems)
+        problems = shape_problems(cfg.target.shape, meta) if cfg.target.shape is not None else []
+        return PlannedTarget(meta, f"{directory}/config.json", problems)
     if cfg.target.shape is None:
         raise ValueError(
             f"target {cfg.target.name}: config.json is not on this machine ({cfg.target.path}) and "
             "target.shape is not set; add a shape: block to conf/target/<name>.yaml"
         )
-    return TargetInfo(cfg.target.shape, meta_from_shape(cfg.target.shape), "target.shape", [])
+    return PlannedTarget(TargetMeta.from_shape(cfg.target.shape), "target.shape", [])
 
 
 @dataclass(frozen=True)
@@ -286,7 +228,7 @@ class PlanInputs:
     """Everything the cost, memory and throughput models need for one config."""
 
     gpu: GpuSpec
-    target: TargetInfo
+    target: PlannedTarget
     arch: DrafterArch
     stats: DataStats
     packet: PacketShape
@@ -300,7 +242,7 @@ class PlanInputs:
 def resolve_inputs(cfg: Config) -> PlanInputs:
     """Read the GPU, the target, the drafter, the data statistics and the typical packet of ``cfg``."""
     gpu = load_gpu(cfg.plan.gpu)
-    target = resolve_target(cfg)
+    target = planned_target(cfg)
     layer_ids = resolve_layer_ids(cfg.target, target.meta)
     arch = build_arch(cfg, target.meta, layer_ids, cfg.drafter.mask_token_id or 0)
     stats = data_stats(cfg, resolve_path(cfg.target.path))

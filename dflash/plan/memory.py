@@ -49,11 +49,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash.config import TargetShape
-from dflash.plan.costs import AttentionKind, DrafterShape, PacketShape
+from dflash.plan.costs import AttentionKind, PacketShape
 from dflash.targets.tp import TpLayout
+
+if TYPE_CHECKING:
+    from dflash.drafter.arch import DrafterArch
 
 GIB = 2**30
 ADAM_BYTES_PER_PARAM = 4 + 4 + 8
@@ -141,14 +144,14 @@ def target_rank_params(target: TargetShape, layout: TpLayout | None) -> float:
     return sum(v / layout.tp_size if layout.split(k) else float(v) for k, v in parts.items())
 
 
-def drafter_layer_params(drafter: DrafterShape) -> int:
+def drafter_layer_params(drafter: DrafterArch) -> int:
     """Weights of one drafter decoder layer (q, k, v, o projections and the SwiGLU MLP)."""
     h = drafter.hidden_size
     nh, nkv, hd = drafter.num_heads, drafter.num_kv_heads, drafter.head_dim
     return 2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * drafter.intermediate_size
 
 
-def drafter_num_params(drafter: DrafterShape) -> int:
+def drafter_num_params(drafter: DrafterArch) -> int:
     """Trainable drafter parameters: decoder layers and ``fc`` (the norms are negligible)."""
     return drafter.num_layers * drafter_layer_params(drafter) + drafter.num_taps * drafter.hidden_size**2
 
@@ -225,7 +228,7 @@ def target_memory(
     }
 
 
-def drafter_state(drafter: DrafterShape, settings: DrafterSettings) -> dict[str, float]:
+def drafter_state(drafter: DrafterArch, settings: DrafterSettings) -> dict[str, float]:
     """GiB of fp32 ``weights``, ``gradients`` and ``adamw`` per drafter rank at the loss.
 
     ``optimizer`` shards gradients and moments over the drafters and holds the whole weights from the
@@ -238,14 +241,14 @@ def drafter_state(drafter: DrafterShape, settings: DrafterSettings) -> dict[str,
     return {"weights": weights / GIB, "gradients": 4 * p / m / GIB, "adamw": 8 * p / m / GIB}
 
 
-def shard_backward_bytes(drafter: DrafterShape, settings: DrafterSettings) -> float:
+def shard_backward_bytes(drafter: DrafterArch, settings: DrafterSettings) -> float:
     """What ``full`` sharding adds to the backward of a layer: four fp32 layer-sized buffers (its
     gathered weights, the next layer's gathered ahead, its whole gradient and the reduce-scatter's)."""
     full = settings.shard == "full" and settings.num_drafters > 1
     return 16 * drafter_layer_params(drafter) if full else 0.0
 
 
-def _layer_activation_bytes(drafter: DrafterShape, q: int, s: int, autocast: bool) -> float:
+def _layer_activation_bytes(drafter: DrafterArch, q: int, s: int, autocast: bool) -> float:
     """Bytes one drafter layer saves for backward (module doc), its weight casts included."""
     h, f = drafter.hidden_size, drafter.intermediate_size
     nh, nkv = drafter.num_heads, drafter.num_kv_heads
@@ -258,7 +261,7 @@ def _layer_activation_bytes(drafter: DrafterShape, q: int, s: int, autocast: boo
 
 
 def drafter_activations(
-    drafter: DrafterShape, q: int, s: int, dtypes: RunDtypes, checkpoint: bool
+    drafter: DrafterArch, q: int, s: int, dtypes: RunDtypes, checkpoint: bool
 ) -> tuple[float, float]:
     """``(at the loss, in backward)`` bytes of drafter activations (module doc)."""
     h, f, n_tap, layers = drafter.hidden_size, drafter.intermediate_size, drafter.num_taps, drafter.num_layers
@@ -286,7 +289,7 @@ def drafter_activations(
 
 
 def loss_workspace_bytes(
-    drafter: DrafterShape, rows: int, chunk_rows: int, *, verifier_logits: bool, dtypes: RunDtypes
+    drafter: DrafterArch, rows: int, chunk_rows: int, *, verifier_logits: bool, dtypes: RunDtypes
 ) -> float:
     """Bytes of the chunked loss at its peak (module doc)."""
     v, h, a = drafter.vocab_size, drafter.hidden_size, dtypes.target_bytes
@@ -300,7 +303,7 @@ def loss_workspace_bytes(
 
 
 def drafter_memory(
-    drafter: DrafterShape,
+    drafter: DrafterArch,
     packet: PacketShape,
     *,
     loss_chunk_rows: int,
@@ -354,7 +357,7 @@ def colocated_memory(target_items: dict[str, float], drafter_items: dict[str, fl
 
 def memory_per_role(
     target: TargetShape,
-    drafter: DrafterShape,
+    drafter: DrafterArch,
     packet: PacketShape,
     *,
     target_attention: AttentionKind,
@@ -389,7 +392,7 @@ _CONFIG_NAMES = {
     "num_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads",
 }
-"""TargetShape / DrafterShape field -> its config.json name (the others are the same)."""
+"""TargetShape / DrafterArch field -> its config.json name (the others are the same)."""
 _SHAPE_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -406,7 +409,7 @@ _EMBEDDINGS = "the embedding and lm_head (vocab_size x hidden_size)"
 def weights_problem(
     what: str,
     source: str,
-    shape: TargetShape | DrafterShape,
+    shape: TargetShape | DrafterArch,
     bytes_per_param: float,
     capacity_bytes: float,
     capacity: str,

@@ -107,7 +107,7 @@ def _replicas(
 ) -> tuple[dict[int, dict[str, float]], dict[int, tuple[float, float]], dict[int, dict[str, float]]]:
     """Memory of one replica rank, ``(FLOPs, bytes sent)`` per packet of one rank, and those bytes by kind."""
     memory, work, sent = {}, {}, {}
-    shape, tokens = inputs.target.shape, inputs.packet.target_tokens or inputs.packet.tokens
+    shape, tokens = inputs.target.meta, inputs.packet.target_tokens or inputs.packet.tokens
     for k, layout in layouts.items():
         memory[k] = target_memory(
             shape,
@@ -160,7 +160,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     """Costs, memory and throughput of ``cfg`` on ``plan.world_size`` GPUs of ``plan.gpu``."""
     p, gpu, world = cfg.plan, inputs.gpu, cfg.plan.world_size
     costs = packet_costs(
-        inputs.target.shape,
+        inputs.target.meta,
         inputs.arch,
         inputs.packet,
         cfg.loss,
@@ -174,7 +174,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     settings = DrafterSettings(decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world))
     memory = role_memory(cfg, inputs, settings)
     fits = {role: sum(memory[role].values()) <= capacity for role in ROLES}
-    layouts = tp_layouts(inputs.target.shape, gpu, world)
+    layouts = tp_layouts(inputs.target.meta, gpu, world)
     replica_memory, work, sent = _replicas(cfg, inputs, costs, layouts)
     replica_fits = {1: fits["target"], **{k: sum(m.values()) <= capacity for k, m in replica_memory.items()}}
     times = role_times(

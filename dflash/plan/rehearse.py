@@ -296,7 +296,7 @@ def hf_config(inputs: PlanInputs) -> Any:
     layers, the Qwen3.5/3.6 layout)."""
     from transformers import AutoConfig
 
-    s = inputs.target.shape
+    s = inputs.target.meta
     common = dict(
         vocab_size=s.vocab_size,
         hidden_size=s.hidden_size,

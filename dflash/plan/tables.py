@@ -143,7 +143,7 @@ def _moe_text(ts: TargetShape) -> str:
 
 def _inputs_lines(plan: Plan, name: str) -> list[str]:
     inp, gpu, arch = plan.inputs, plan.inputs.gpu, plan.inputs.arch
-    ts = inp.target.shape
+    ts = inp.target.meta
     return [
         f"dflash plan: {name} on {plan.world_size} x {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s dense bf16 each)",
         f"  target : {ts.num_layers} layers ({ts.num_linear_layers} linear attention), H {ts.hidden_size}, "
@@ -203,7 +203,7 @@ def _tp_lines(plan: Plan) -> list[str]:
     """The interconnect each tensor-parallel degree needs: bytes per packet per layer and per packet."""
     if not plan.layouts:
         return []
-    ts, gpu = plan.inputs.target.shape, plan.inputs.gpu
+    ts, gpu = plan.inputs.target.meta, plan.inputs.gpu
     parts = {k: ", ".join(sorted(layout.parts)) for k, layout in plan.layouts.items()}
     width = max(len("split parts (the rest on every rank)"), *(len(p) for p in parts.values()))
     lines = [

@@ -59,7 +59,7 @@ from dflash.plan.fit import (
     drafter_role,
     drafter_settings,
 )
-from dflash.plan.inputs import PlanInputs, attention_kinds, resolve_inputs, shape_from_meta
+from dflash.plan.inputs import PlanInputs, attention_kinds, resolve_inputs
 from dflash.targets.loader import load_embed_and_head, load_target
 from dflash.train import faults
 from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
@@ -183,7 +183,6 @@ class DrafterTrainer:
         self._open_run_files()
         self.phases = PhaseTimer(self.device, sync=cfg.train.time_phases)
         self._empty_steps = 0
-        self.target_shape = shape_from_meta(setup.meta)
         log.info(
             "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
             human_count(num_parameters(self.model)),
@@ -605,7 +604,7 @@ class DrafterTrainer:
         target_attn, _ = attention_kinds(self.cfg, shape.num_seqs)
         drafter_attn: AttentionKind = "sparse" if self.attention == "flex" else "dense"
         return packet_costs(
-            self.target_shape,
+            self.setup.meta,
             self.setup.arch,
             shape,
             self.cfg.loss,

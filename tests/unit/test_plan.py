@@ -29,7 +29,6 @@ from dflash.plan.inputs import (
     data_stats,
     load_gpu,
     resolve_inputs,
-    shape_from_meta,
     shape_problems,
 )
 from dflash.plan.planner import make_plan
@@ -134,7 +133,7 @@ def test_qwen3_8b_reference_packet_matches_the_issue_estimates():
 
     def costs(loss: LossConfig, target_attention):
         return packet_costs(
-            inputs.target.shape,
+            inputs.target.meta,
             inputs.arch,
             packet,
             loss,
@@ -178,7 +177,7 @@ def test_target_shape_is_read_from_config_json_and_checked(tmp_path):
         tie_word_embeddings=False,
     )
     text.save_pretrained(tmp_path)
-    actual = shape_from_meta(read_target_meta(str(tmp_path)))
+    actual = read_target_meta(str(tmp_path))
     assert shape_problems(s, actual) == []
     wrong = dataclasses.replace(s, num_linear_layers=0, hidden_size=4096)
     problems = shape_problems(wrong, actual)
@@ -187,7 +186,7 @@ def test_target_shape_is_read_from_config_json_and_checked(tmp_path):
         ["experiment=qwen3_6_27b_8gpu", f"target.path={tmp_path}", "target.shape.hidden_size=4096"]
     )
     inputs = resolve_inputs(planned)
-    assert inputs.target.source.startswith(str(tmp_path)) and inputs.target.shape == actual
+    assert inputs.target.source.startswith(str(tmp_path)) and inputs.target.meta == actual
     assert any("target.shape.hidden_size=4096" in p for p in inputs.target.problems)
 
 
@@ -215,7 +214,7 @@ def test_predicted_cost_ratio_of_the_tiny_models_is_within_2x_of_the_pipeline(ti
     best of 5."""
     cfg = _config(["experiment=tiny_cpu"])
     meta = read_target_meta(str(tiny_target_dir))
-    shape = shape_from_meta(meta)
+    shape = meta
     assert cfg.target.shape is not None and shape_problems(cfg.target.shape, shape) == []
     arch = _arch(cfg, meta)
     tokens, length = cfg.data.token_budget, cfg.data.max_length

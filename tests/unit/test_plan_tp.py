@@ -144,7 +144,7 @@ def test_llama3_70b_on_8_h200s_by_hand():
     cfg = _config(["experiment=llama3_70b_8gpu", "plan.gpu=h200", "plan.world_size=8"])
     inputs = resolve_inputs(cfg)
     plan = make_plan(cfg, inputs)
-    shape = inputs.target.shape
+    shape = inputs.target.meta
     assert 70.5e9 < target_num_params(shape) < 70.6e9
     assert not plan.fits["target"] and sorted(plan.layouts) == [2, 4]  # 8 would leave no drafter
     assert plan.replica_memory[2]["weights"] == pytest.approx(target_num_params(shape) / 2 * 2 / GIB)
@@ -162,7 +162,7 @@ def test_qwen3_235b_on_16_h200s_by_hand():
     cfg = _config(["experiment=qwen3_235b_a22b_16gpu", "plan.gpu=h200", "plan.world_size=16"])
     inputs = resolve_inputs(cfg)
     plan = make_plan(cfg, inputs)
-    shape = inputs.target.shape
+    shape = inputs.target.meta
     assert 235.0e9 < target_num_params(shape) < 235.2e9 and 20.9e9 < target_active_params(shape) < 21.0e9
     assert sorted(plan.layouts) == [2, 4] and plan.layouts[4].experts == "ep"
     assert not plan.replica_fits[2] and plan.replica_fits[4]

@@ -75,7 +75,7 @@ def _inputs(overrides: list[str]):
 
 def _estimate(cfg, inputs, settings: DrafterSettings) -> dict[str, dict[str, float]]:
     return memory_per_role(
-        inputs.target.shape,
+        inputs.target.meta,
         inputs.arch,
         inputs.packet,
         target_attention=inputs.target_attention,

@@ -17,7 +17,6 @@ import torch
 
 from dflash.config import TargetConfig
 from dflash.drafter.arch import DrafterArch
-from dflash.plan.inputs import shape_from_meta
 from dflash.plan.memory import ADAM_BYTES_PER_PARAM, GIB, weights_problem
 from dflash.targets.loader import device_capacity, load_target, read_target_meta
 
@@ -69,7 +68,7 @@ def test_a_target_whose_config_implies_too_much_memory_is_refused_before_allocat
     implied = weights_problem(
         "target",
         "t",
-        shape_from_meta(read_target_meta(str(target))),
+        read_target_meta(str(target)),
         4,
         *device_capacity(torch.device("cpu")),
     )

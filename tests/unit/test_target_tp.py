@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from testpaths import REPO
 
 from dflash.config import TargetShape, TinyTargetConfig
-from dflash.plan.inputs import shape_from_meta, shape_problems
+from dflash.plan.inputs import shape_problems
 from dflash.targets.loader import read_target_meta
 from dflash.targets.tiny import build_model
 from dflash.targets.tp import distributed_config, tp_config_problems, tp_layout, tp_problems
@@ -76,7 +76,7 @@ def _moe_spec(**kw) -> TinyTargetConfig:
 def test_tiny_moe_target_is_built_like_the_dense_one(tiny_moe_target_dir):
     """ensure_tiny_target builds the MoE spec of conf/target/tiny_moe.yaml (tokenizer included); its
     config.json gives the YAML's planner shape."""
-    shape = shape_from_meta(read_target_meta(str(tiny_moe_target_dir)))
+    shape = read_target_meta(str(tiny_moe_target_dir))
     declared = OmegaConf.to_container(OmegaConf.load(REPO / "conf/target/tiny_moe.yaml").shape)
     assert isinstance(declared, dict) and shape_problems(TargetShape(**declared), shape) == []
     assert (shape.num_experts, shape.model_type) == (8, "qwen3_moe")
@@ -131,4 +131,4 @@ def test_big_target_shapes_are_what_their_config_json_gives(name, tmp_path):
         )
     assert s.model_type is not None
     AutoConfig.for_model(s.model_type, **kw).save_pretrained(tmp_path)
-    assert shape_problems(s, shape_from_meta(read_target_meta(str(tmp_path)))) == []
+    assert shape_problems(s, read_target_meta(str(tmp_path))) == []
