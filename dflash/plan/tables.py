@@ -37,7 +37,7 @@ def _replanned(cfg: Config, plan: Plan, section: str, key: str, value: int) -> P
     """The plan of ``cfg`` with ``<section>.<key>=value`` (the packet re-derived from the same data statistics)."""
     new = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
     packet = typical_packet(new, plan.inputs.stats)
-    target_kind, drafter_kind = attention_kinds(new, packet.num_seqs)
+    target_kind, drafter_kind = attention_kinds(new, packet.num_seqs, plan.inputs.target.meta.model_type)
     inputs = dataclasses.replace(
         plan.inputs, packet=packet, target_attention=target_kind, drafter_attention=drafter_kind
     )
@@ -289,8 +289,8 @@ def render(plan: Plan, name: str, fixes: dict[str, str] | None = None) -> str:
 def measured_summary(plan: Plan, measured: dict[str, RoleMeasurement]) -> dict[str, Any]:
     """The JSON keys of a rehearsal: measured and estimated GiB per role (same keys)."""
     return {
-        "measured_gib": {role: round(m.peak_gib, 2) for role, m in measured.items()},
-        "estimated_gib": {role: round(sum(plan.memory[role].values()), 2) for role in measured},
+        "measured_gib": {role: round(m.peak_gib, 3) for role, m in measured.items()},
+        "estimated_gib": {role: round(sum(plan.memory[role].values()), 3) for role in measured},
     }
 
 
