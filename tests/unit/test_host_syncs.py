@@ -85,7 +85,9 @@ def test_transformers_alone_would_read_the_tensors(base_setup, meta_target):
 
     seqs = [base_setup.dataset.sample(int(i))[0] for i in base_setup.plan.packet(0)]
     for pack in (True, False):
-        ids, attn, pos, _ = (None if t is None else t.to(META) for t in build_batch(seqs, pack=pack, pad_id=0))
+        ids, attn, pos, _ = (
+            None if t is None else t.to(META) for t in build_batch(seqs, pack=pack, pad_id=0)
+        )
         with HostSyncs() as syncs:
             target_forward(meta_target, ids, attn, base_setup.layer_ids, position_ids=pos)
         assert syncs.events and all(MASKING in s.where and s.kind == "scalar read" for s in syncs.events), (
@@ -106,7 +108,9 @@ def test_document_masks_are_made_without_reading_the_device(attn, model_type):
     from dflash.targets.attention import document_inputs
 
     extra = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
-    config = AutoConfig.for_model(model_type, num_hidden_layers=2, **(extra if model_type == "gpt_oss" else {}))
+    config = AutoConfig.for_model(
+        model_type, num_hidden_layers=2, **(extra if model_type == "gpt_oss" else {})
+    )
     config._attn_implementation = attn
     lens = [300, 200, 12]
     pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0).to(META)

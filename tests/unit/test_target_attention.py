@@ -49,7 +49,9 @@ def make(model_type: str, attn: str, **overrides):
 
     config = AutoConfig.for_model(model_type, **{**SMALL, **overrides})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), dtype=torch.float32, attn_implementation=attn
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -83,7 +85,11 @@ def batched(model, seqs, pack: bool, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     [("qwen3", "sdpa"), ("qwen3", "eager"), ("llama", "sdpa"), ("llama", "eager"), ("qwen3_moe", "sdpa")],
 )
 def test_the_batch_equals_each_document_alone(model_type, attn, pack):
-    model = make(model_type, attn, **({"num_experts": 4, "num_experts_per_tok": 2} if model_type == "qwen3_moe" else {}))
+    model = make(
+        model_type,
+        attn,
+        **({"num_experts": 4, "num_experts_per_tok": 2} if model_type == "qwen3_moe" else {}),
+    )
     seqs = seqs_of(DOCS)
     aux, final = batched(model, seqs, pack)
     ref_aux, ref_final = alone(model, seqs)
