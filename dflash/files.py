@@ -301,16 +301,17 @@ def file_digest(
     path: str | os.PathLike[str],
     *,
     sample_above: int | None = None,
-    blocks: int = SAMPLE_BLOCKS,
+    blocks: int | None = None,
     block_bytes: int = _HASH_CHUNK,
 ) -> dict[str, int | str]:
     """``{"size", "sha256"}`` of a file: sha256 of every byte, or, for a file over ``sample_above``
-    bytes (and over ``blocks x block_bytes``), of its size and ``blocks`` blocks of ``block_bytes``
-    (the first, the last and evenly spaced ones between), marked ``"sampled": 1``. A sampled digest
+    bytes (and over ``blocks x block_bytes``), of its size and ``blocks`` (default
+    ``SAMPLE_BLOCKS``, what :func:`digest_problems` checks) blocks of ``block_bytes`` (the first, the last and evenly spaced ones between), marked ``"sampled": 1``. A sampled digest
     catches truncation, a replaced or re-saved file and damage to any sampled block, not a few bytes
     changed between blocks: for files whose full hash on every load would cost more than the load
     (tens of GB read by every rank)."""
     size = os.path.getsize(path)
+    blocks = SAMPLE_BLOCKS if blocks is None else blocks
     sampled = sample_above is not None and size > max(sample_above, blocks * block_bytes)
     out: dict[str, int | str] = {
         "size": size,

@@ -15,6 +15,9 @@ inputs (drawn on the device with ``--device cuda``), and prints one JSON line; t
 - ``limit_ce``     the same with the 2 GEMMs of ce only.
 
 Time: best of ``--repeats`` forward+backward runs after ``--warmup`` untimed ones (default 1).
+Values: every case but ``limit*`` reports the loss of its last run and two figures of the gradient it
+left on the drafter hidden states (``grad_norm``, and ``grad_probe``: its dot product with a fixed
+random tensor), so that cases of the same terms can be checked against each other (same inputs).
 Memory (warm-up included): on CUDA ``max_memory_allocated`` minus the allocation after the inputs
 exist; on CPU the process peak RSS (``VmHWM``, reset through
 ``/proc/self/clear_refs`` after the inputs exist) minus the RSS at that point. Ratios:
@@ -157,6 +160,8 @@ def _run_case(a: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize(dev)
 
+    last: dict[str, torch.Tensor] = {}  # the loss of the latest run of step()
+
     if a.case in ("limit", "limit_ce"):
         cdt = torch.float64 if dt == torch.float64 else torch.float32
         w_mm = w_head if (cuda or dt == cdt) else w_head.to(cdt)
@@ -192,6 +197,7 @@ def _run_case(a: argparse.Namespace) -> dict:
                 h_d, None if ce_only else h_v, w_head, labels, weights, ce=1.0, kl=kl, chunk_size=C
             )
             out.loss.backward()
+            last["loss"] = out.loss.detach()
     elif a.case == "torch_lce":
         from torch.nn import LinearCrossEntropyOptions
 
@@ -201,6 +207,7 @@ def _run_case(a: argparse.Namespace) -> dict:
             h_d.grad = None
             loss = F.linear_cross_entropy(h_d, w_head, labels, options=opts)
             loss.backward()
+            last["loss"] = loss.detach()
     elif a.case in ("naive", "naive_ce"):
         h_v_shift = torch.roll(h_v, -1, 0)  # the naive path rolls full-size logits back into place
 
@@ -219,6 +226,7 @@ def _run_case(a: argparse.Namespace) -> dict:
                 per_row = per_row + kl * klr
             loss = (weights * per_row).sum() / weights.sum()
             loss.backward()
+            last["loss"] = loss.detach()
     else:
         raise SystemExit(f"unknown case {a.case}")
 
@@ -282,6 +290,12 @@ def _run_case(a: argparse.Namespace) -> dict:
         # machine-wide busy share (this process included) and hypervisor steal during the timed runs
         rec["cpu_busy_frac"] = round(1 - (busy[3] + busy[4]) / tot, 3)
         rec["cpu_steal_frac"] = round(busy[7] / tot, 3)
+    if "loss" in last and h_d.grad is not None:
+        grad = h_d.grad.double()
+        probe = torch.randn(R, H, generator=torch.Generator().manual_seed(a.seed + 1), dtype=torch.float64)
+        rec["loss"] = last["loss"].item()
+        rec["grad_norm"] = grad.norm().item()
+        rec["grad_probe"] = (grad * probe.to(dev)).sum().item()
     if cuda:
         rec["tflops_6rhv"] = round(6 * R * H * V / best / 1e12, 2)
         rec["gpu"] = torch.cuda.get_device_name(dev)

@@ -9,8 +9,8 @@ Each split (``N:M`` = N targets + M drafters, or ``colocated:W`` = W co-located 
 temporary run directory). From the run's ``metrics.jsonl`` it takes the mean over the second half of
 the steps (the first ones include loading and compiling) and prints one JSON line per split:
 samples/s, tokens/s, step time, busy fractions per role, the measured seconds per packet of each
-role, and the peak memory of every rank; then one line with every split's samples/s relative to
-the first split.
+role, the peak memory of every rank and the tokens trained in all (``tokens_trained``: which packets
+the split trained); then one line with every split's samples/s relative to the first split.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def run_split(split: str, steps: int, overrides: list[str], timeout: float) -> d
     rows = [r for r in rows if "train/loss" in r]
     tail = rows[len(rows) // 2 :]
     out: dict = {"split": split, "steps": len(rows), "wall_s": round(wall, 1)}
+    out["tokens_trained"] = int(rows[-1]["train/tokens_seen"]) if rows else 0
     for key in KEYS:
         values = [r[key] for r in tail if r.get(key) is not None]
         if values:

@@ -658,7 +658,12 @@ class NcclSim:
         monkeypatch.setattr(torch.cuda, "Event", lambda **kw: SimEvent(self, **kw))
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _SIM_GPU)
         yield self
+
+
+_SIM_GPU = SimpleNamespace(name="simulated H100", total_memory=80 << 30, major=9, minor=0)
+"""What ``torch.cuda.get_device_properties`` answers under the simulator (the planner's capacity)."""
 
 
 def _wait_now(work: SimWork) -> None:

@@ -1,4 +1,15 @@
-"""Launch real ``torchrun -m dflash.train`` jobs from tests (gloo, CPU) and read what they leave."""
+"""Launch real ``dflash.train`` jobs from tests (gloo, CPU) and read what they leave.
+
+``launch`` runs a job's ranks as forks of the session's preloaded forkserver (tests/ranks.py): each
+rank gets the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_ERROR_FILE), the command line torchrun would pass
+(``sys.argv``) and calls the entry point ``python -m dflash.train`` runs; a rank that fails gets the
+others SIGTERM, as under torchrun. ``launch(..., torchrun=True)`` starts real ``torchrun`` instead,
+for what only torchrun does: restarts (``max_restarts``), forwarding its own signals to the workers,
+rendezvous (``rdzv``: c10d, several agents), and its handling of the workers' output; its workers
+(tests/rank_exit.py) have their rank forked by the session's rank server (tests/ranks.py) with the
+environment torchrun gave them, or start ``python -m dflash.train`` (``fresh_interpreters``).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ranks import RANK_SERVER_ENV, RankExit, World, as_main, free_port, rank_server, rank_specs, torchrun_env
 from testpaths import REPO
+
+from dflash.train.job import main as job_main  # the entry point `python -m dflash.train` runs
 
 if TYPE_CHECKING:
     from dflash.train.setup import RunSetup
@@ -40,30 +55,67 @@ FAST = [
 @dataclass
 class Launch:
     returncode: int
+    """torchrun's exit code; in-process: 0, or the exit code of the first rank that failed."""
     stdout: str
     stderr: str
+    """All ranks' output (in-process: rank 0's, then rank 1's, ...)."""
     seconds: float
     run_dir: Path | None
     signalled_after: float | None = None
-    """Seconds from the start of torchrun to the signal of ``signal_after``/``signal_at_step``."""
+    """Seconds from the start of the launch to the signal of ``signal_at_step``/``signal_at_log``."""
     started_at: float = 0.0
-    """``time.time()`` when torchrun was started (to compare with the times in exit records)."""
+    """``time.time()`` when the launch started (to compare with the times in exit records)."""
+    ranks: dict[int, RankExit] | None = None
+    """In-process launches: how each rank ended (torchrun launches: ``record_exits`` and ``exits()``)."""
+    stdio_dir: Path | None = None
+    """In-process launches: ``rank{r}.out``, ``rank{r}.err``, ``rank{r}.error.json`` of every rank."""
+    rank_pids: list[int] = field(default_factory=list)
+    """In-process launches: each rank's pid (= its session id)."""
 
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
 
+    @property
+    def returncodes(self) -> dict[int, int | None]:
+        """In-process launches: rank -> exit code (< 0: killed by that signal)."""
+        assert self.ranks is not None, "a torchrun launch: use record_exits=True and exits()"
+        return {r: e.returncode for r, e in self.ranks.items()}
+
+    def rank_output(self, rank: int) -> str:
+        """In-process launches: what rank ``rank`` printed (stdout, then stderr)."""
+        assert self.stdio_dir is not None
+        return "".join(
+            p.read_text(errors="replace")
+            for p in (self.stdio_dir / f"rank{rank}.out", self.stdio_dir / f"rank{rank}.err")
+        )
+
+    def error_file(self, rank: int) -> dict | None:
+        """In-process launches: the error record ``dflash.cli``'s ``@record`` left for torchrun
+        (``TORCHELASTIC_ERROR_FILE``) on rank ``rank``, if it failed with an exception."""
+        assert self.stdio_dir is not None
+        p = self.stdio_dir / f"rank{rank}.error.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    @property
+    def dir(self) -> Path:
+        assert self.run_dir is not None, "a launch without hydra.run.dir"
+        return self.run_dir
+
     def rank_log(self, rank: int) -> str:
-        p = self.run_dir / f"rank{rank}.log"
+        p = self.dir / f"rank{rank}.log"
         return p.read_text() if p.exists() else ""
 
     def ledger(self) -> list[dict]:
-        p = self.run_dir / "ledger.jsonl"
+        p = self.dir / "ledger.jsonl"
         return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
     def exits(self) -> dict[tuple[int, int], dict]:
-        """``(rank, attempt) -> exit record`` written by tests/rank_exit.py (``record_exits=True``)."""
-        d = exits_dir(self.run_dir)
+        """``(rank, attempt) -> {"rank", "attempt", "returncode", "start", "end", "signals"}``: of an
+        in-process launch (one attempt), or written by tests/rank_exit.py (``record_exits=True``)."""
+        if self.ranks is not None:
+            return {(r, 0): {**asdict(e), "attempt": 0} for r, e in self.ranks.items()}
+        d = exits_dir(self.dir)
         recs = (
             [json.loads(p.read_text()) for p in sorted(d.glob("rank*.attempt*.json"))] if d.is_dir() else []
         )
@@ -121,12 +173,11 @@ def torchrun_cmd(
     overrides: list[str],
     nproc: int = 3,
     max_restarts: int = 0,
-    record_exits: bool = False,
     rdzv: list[str] | None = None,
 ) -> list[str]:
-    """``torchrun ... -m dflash.train`` (``rdzv``: the rendezvous arguments, default ``--standalone``;
-    ``run_dir`` None: no ``hydra.run.dir``, the run picks its own under ``outputs/``)."""
-    entry = [str(REPO / "tests" / "rank_exit.py")] if record_exits else ["-m", "dflash.train"]
+    """``torchrun ... tests/rank_exit.py <args of dflash.train>`` (``rdzv``: the rendezvous arguments,
+    default ``--standalone``; ``run_dir`` None: no ``hydra.run.dir``, the run picks its own under
+    ``outputs/``)."""
     return [
         sys.executable,
         "-m",
@@ -135,11 +186,37 @@ def torchrun_cmd(
         f"--nproc_per_node={nproc}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
-        *entry,
+        str(REPO / "tests" / "rank_exit.py"),
         *([f"hydra.run.dir={run_dir}"] if run_dir is not None else []),
         *FAST,
         *overrides,
     ]
+
+
+def job_rank(rank: int, argv: list[str]) -> int:
+    """One rank of an in-process launch (tests/ranks.py runs it in a forked rank process): what
+    ``python -m dflash.train <argv>`` does; returns the exit code."""
+    sys.argv = [str(sys.modules[job_main.__module__].__file__), *argv]
+    return as_main(job_main)
+
+
+Trigger = tuple[Callable[[], bool], int]
+"""When to send a signal, and which one."""
+
+
+def _trigger(
+    run_dir: Path | None, signal_at_step: tuple[int, int] | None, signal_at_log: tuple[int, str, int] | None
+) -> Trigger | None:
+    if signal_at_step is not None:
+        assert run_dir is not None
+        step, signum = signal_at_step
+        return (lambda: ledger_steps(run_dir) >= step), signum
+    if signal_at_log is not None:
+        assert run_dir is not None
+        rank, text, signum = signal_at_log
+        rank_log = run_dir / f"rank{rank}.log"
+        return (lambda: rank_log.exists() and text in rank_log.read_text()), signum
+    return None
 
 
 def launch(
@@ -147,66 +224,157 @@ def launch(
     overrides: list[str],
     cache_dir: Path,
     *,
-    rdzv: list[str] | None = None,
-    cwd: Path = REPO,
     nproc: int = 3,
-    max_restarts: int = 0,
     timeout: float = 240,
     env: dict[str, str] | None = None,
-    signal_after: tuple[float, int] | None = None,
     signal_at_step: tuple[int, int] | None = None,
     signal_at_log: tuple[int, str, int] | None = None,
+    signal_ranks: Sequence[int] | None = None,
+    stop_peers_on_failure: bool = True,
+    grace_s: float = 30.0,
+    torchrun: bool = False,
+    rdzv: list[str] | None = None,
+    cwd: Path = REPO,
+    max_restarts: int = 0,
     record_exits: bool = False,
     forward_signals: bool = True,
+    fresh_interpreters: bool = False,
 ) -> Launch:
-    """Run one torchrun job to completion (on timeout, torchrun and every process below it are killed).
+    """Run one job of ``nproc`` ranks to completion: ``FAST`` + ``overrides`` in ``run_dir``.
 
-    ``signal_after=(seconds, signum)`` sends a signal to the job's process group (torchrun: it starts
-    every worker in a session of its own and forwards SIGTERM/SIGINT to them) after a delay;
-    ``signal_at_step=(step, signum)`` does so once the run's ledger reaches ``step``, and
-    ``signal_at_log=(rank, text, signum)`` once ``text`` appears in that rank's log.
-    ``record_exits`` starts the ranks through tests/rank_exit.py (see ``Launch.exits``), which forwards
-    signals to them unless ``forward_signals`` is False. ``rdzv`` replaces ``--standalone``; with
-    ``run_dir`` None the run picks its own directory under ``cwd/outputs/``.
+    ``signal_at_step=(step, signum)`` sends a signal once the run's ledger reaches ``step``,
+    ``signal_at_log=(rank, text, signum)`` once ``text`` appears in that rank's log: to every rank
+    (in-process: to ``signal_ranks`` when given; torchrun: to torchrun's process group, and torchrun
+    forwards SIGTERM/SIGINT to its workers). After ``timeout`` seconds every process of the job is
+    killed and the test fails.
+
+    In-process (the default): the ranks are forks of tests/ranks.py's forkserver; when a rank exits
+    non-zero the others get SIGTERM and, ``grace_s`` later, SIGKILL (torchrun's answer), unless
+    ``stop_peers_on_failure`` is False: then every rank is left to end on its own.
+
+    ``torchrun=True``: a real ``torchrun`` (``rdzv`` replaces ``--standalone``; with ``run_dir`` None
+    the run picks its own directory under ``cwd/outputs/``). Its workers are tests/rank_exit.py,
+    which forwards signals to the rank unless ``forward_signals`` is False and, with
+    ``record_exits``, records how each attempt of each rank ended (``Launch.exits``). The rank is a
+    fork of the session's rank server (tests/ranks.py) with the worker's environment, or with
+    ``fresh_interpreters`` a new ``python -m dflash.train`` as torchrun would start it.
     """
-    extra_env = dict(env or {})
-    if record_exits:
-        shutil.rmtree(exits_dir(run_dir), ignore_errors=True)
-        extra_env.update(
-            DFLASH_RANK_EXIT_DIR=str(exits_dir(run_dir)), DFLASH_RANK_EXIT_FORWARD=str(int(forward_signals))
+    trigger = _trigger(run_dir, signal_at_step, signal_at_log)
+    if torchrun:
+        assert signal_ranks is None and stop_peers_on_failure and grace_s == 30.0, "torchrun decides these"
+        extra_env = {**(env or {}), "DFLASH_RANK_EXIT_FORWARD": str(int(forward_signals))}
+        if record_exits:
+            assert run_dir is not None
+            shutil.rmtree(exits_dir(run_dir), ignore_errors=True)
+            extra_env["DFLASH_RANK_EXIT_DIR"] = str(exits_dir(run_dir))
+        if not fresh_interpreters:
+            extra_env[RANK_SERVER_ENV] = rank_server()
+        cmd = torchrun_cmd(run_dir, overrides, nproc, max_restarts, rdzv)
+        return _launch_torchrun(cmd, run_dir, env_for(cache_dir, extra_env), cwd, timeout, trigger)
+    assert run_dir is not None, "an in-process launch needs its run dir"
+    assert (
+        rdzv is None and max_restarts == 0 and not record_exits and forward_signals and not fresh_interpreters
+    ), "torchrun=True does these"
+    return _launch_in_process(
+        run_dir,
+        overrides,
+        cache_dir,
+        cwd,
+        nproc,
+        timeout,
+        env,
+        trigger,
+        signal_ranks,
+        stop_peers_on_failure,
+        grace_s,
+    )
+
+
+def _launch_in_process(
+    run_dir: Path,
+    overrides: list[str],
+    cache_dir: Path,
+    cwd: Path,
+    nproc: int,
+    timeout: float,
+    env: dict[str, str] | None,
+    trigger: Trigger | None,
+    signal_ranks: Sequence[int] | None,
+    stop_peers_on_failure: bool,
+    grace_s: float,
+) -> Launch:
+    stdio = run_dir.parent / f"{run_dir.name}.ranks"
+    shutil.rmtree(stdio, ignore_errors=True)
+    base, port = env_for(cache_dir, env), free_port()
+
+    def rank_env(r: int) -> dict[str, str]:
+        error_file = str(stdio / f"rank{r}.error.json")
+        return {**base, **torchrun_env(r, nproc, port), "TORCHELASTIC_ERROR_FILE": error_file}
+
+    argv = [f"hydra.run.dir={run_dir}", *FAST, *overrides]
+    world = World(rank_specs(nproc, job_rank, (argv,), rank_env, cwd, stdio))
+    signalled_after = None
+    started_at, t0 = time.time(), time.perf_counter()
+
+    def on_trigger(w: World) -> None:
+        nonlocal signalled_after
+        assert trigger is not None
+        w.signal(trigger[1], signal_ranks)
+        signalled_after = time.perf_counter() - t0
+
+    world.run(
+        timeout,
+        trigger=trigger[0] if trigger else None,
+        on_trigger=on_trigger,
+        stop_peers_on_failure=stop_peers_on_failure,
+        grace_s=grace_s,
+    )
+    seconds = time.perf_counter() - t0
+    out, err = world.output()
+    if world.hung:
+        raise AssertionError(
+            f"ranks {world.hung} did not finish within {timeout}s (killed)\n{out[-3000:]}\n{err[-3000:]}"
         )
+    return Launch(
+        returncode=world.returncode(),
+        stdout=out,
+        stderr=err,
+        seconds=seconds,
+        run_dir=run_dir,
+        signalled_after=signalled_after,
+        started_at=started_at,
+        ranks=world.exits,
+        stdio_dir=stdio,
+        rank_pids=world.pids,
+    )
+
+
+def _launch_torchrun(
+    cmd: list[str],
+    run_dir: Path | None,
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float,
+    trigger: Trigger | None,
+) -> Launch:
     started_at = time.time()
     t0 = time.perf_counter()
     signalled_after = None
     # Files, not pipes: nothing reads the output until the job ends, and a full pipe would block it.
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            torchrun_cmd(run_dir, overrides, nproc, max_restarts, record_exits, rdzv),
+            cmd,
             cwd=cwd,
-            env=env_for(cache_dir, extra_env),
+            env=env,
             stdout=out,
             stderr=err,
             start_new_session=True,
         )
         try:
-            if signal_after is not None:
-                delay, signum = signal_after
-                try:
-                    proc.wait(timeout=delay)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signum)
-                    signalled_after = time.perf_counter() - t0
-            trigger = None
-            if signal_at_step is not None:
-                step, signum = signal_at_step
-                trigger = lambda: ledger_steps(run_dir) >= step  # noqa: E731
-            if signal_at_log is not None:
-                rank, text, signum = signal_at_log
-                rank_log = run_dir / f"rank{rank}.log"
-                trigger = lambda: rank_log.exists() and text in rank_log.read_text()  # noqa: E731
             if trigger is not None:
+                fired, signum = trigger
                 while proc.poll() is None and time.perf_counter() - t0 < timeout:
-                    if trigger():
+                    if fired():
                         os.killpg(proc.pid, signum)
                         signalled_after = time.perf_counter() - t0
                         break
@@ -258,7 +426,18 @@ def _kill_tree(root: int) -> None:
             pass
 
 
-def no_leftover_processes(run_dir: Path) -> bool:
-    """True when no process still runs with this run dir on its command line."""
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return str(run_dir) not in out
+def no_leftover_processes(*runs: Launch | Path) -> bool:
+    """True when nothing of these launches still runs: no process in an in-process rank's session,
+    no process with a torchrun launch's run dir (or the given run dir) on its command line."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
+    procs = [line.split(None, 2) for line in out.splitlines() if line.strip()]
+    for run in runs:
+        if isinstance(run, Path):
+            run = Launch(0, "", "", 0.0, run)
+        if run.ranks is not None:
+            sessions = {str(pid) for pid in run.rank_pids}
+            if any(sid in sessions for _, sid, *_ in procs):
+                return False
+        elif any(str(run.run_dir) in (rest[0] if rest else "") for _, _, *rest in procs):
+            return False
+    return True

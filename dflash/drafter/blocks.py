@@ -68,6 +68,14 @@ def eligible_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Te
     return out
 
 
+def offered_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int) -> torch.Tensor:
+    """0-dim int64 on the device: the anchors ``sample_anchors`` would draw without ``max_total``
+    (per document, its eligible anchors up to ``num_anchors``); no host sync."""
+    elig = eligible_anchors(loss_mask, doc_ids).long()
+    per_doc = torch.zeros_like(elig).scatter_add_(1, doc_ids.clamp(min=0), elig)
+    return per_doc.clamp(max=num_anchors).sum()
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     doc_ids: torch.Tensor,

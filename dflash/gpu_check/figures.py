@@ -136,6 +136,8 @@ def loss_figures(recs: list[dict[str, Any]], peak: float | None) -> dict[str, An
                 "time_vs_limit",
                 "time_vs_torch_lce",
                 "mem_vs_torch_lce",
+                "loss",
+                "grad_norm",
             ):
                 if k in r:
                     c[k] = r[k]

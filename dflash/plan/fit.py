@@ -9,6 +9,7 @@ Every answer comes from the memory model (:mod:`dflash.plan.memory`) on the conf
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -142,9 +143,11 @@ def anchor_cap_note(
     if cap is None or cap >= offered:
         return None
     n = inputs.packet.num_seqs
-    fits = largest_anchors(cfg, inputs, capacity_gib, role, settings)
-    return (
+    line = (
         f"drafter.max_anchors_per_packet={cap} binds: {cap} anchors per packet of the {offered} that "
         f"drafter.num_anchors={cfg.drafter.num_anchors} per sample gives ({cap / n:.0f} instead of "
-        f"{offered / n:.0f} per sample over {n} samples); {fits} would fit {capacity_gib:.1f} GiB"
+        f"{offered / n:.0f} per sample over {n} samples)"
     )
+    if not math.isfinite(capacity_gib):  # a CPU: no device memory to fit
+        return line
+    return f"{line}; {largest_anchors(cfg, inputs, capacity_gib, role, settings)} would fit {capacity_gib:.1f} GiB"

@@ -43,14 +43,19 @@ COUNTERS = (
     "wait_s",
     "target_s",
     "busy_s",
+    "wall_s",
     "nonfinite_loss",
     "nonfinite_samples",
     "target_flop",
     "drafter_flop",
+    "anchors_offered",
 )
 """Per-drafter counters summed per step (``stop``: stop requests seen; ``target_s``: the forward
-time of the step's packets; ``busy_s``: the drafter's own step time minus its waits; ``*_flop``:
-the planner's cost model (``dflash.plan.packet_costs``) of the step's packets)."""
+time of the step's packets; ``wall_s``: the drafter's own step time up to the reduction; ``busy_s``: ``wall_s`` minus its
+waits; the ``*_frac`` metrics divide by the summed ``wall_s``, so drafters that start a step at
+different moments never share more than all of it; ``*_flop``:
+the planner's cost model (``dflash.plan.packet_costs``) of the step's packets; ``anchors_offered``:
+what ``drafter.num_anchors`` per document offers before ``drafter.max_anchors_per_packet``)."""
 
 
 @dataclass
@@ -115,18 +120,20 @@ def step_metrics(
         "train/lr": lr,
         "train/grad_norm": grad_norm,
         "train/num_blocks": float(o["num_blocks"]),
+        "train/anchors_per_sample": _ratio(blocks, c["seqs"]),
+        "train/anchors_offered_per_sample": _ratio(c["anchors_offered"], c["seqs"]),
         "train/supervised_slots": float(o["slot_count"].sum()),
         "perf/step_s": step_s,
         "perf/tokens_per_s": c["tokens"] / step_s,
         "perf/samples_per_s": c["seqs"] / step_s,
         "comm/recv_wait_s": c["wait_s"] / num_drafters,
-        "comm/recv_wait_frac": c["wait_s"] / (num_drafters * step_s),
-        "perf/drafter_busy_frac": c["busy_s"] / (num_drafters * step_s),
+        "comm/recv_wait_frac": _ratio(c["wait_s"], c["wall_s"]),
+        "perf/drafter_busy_frac": _ratio(c["busy_s"], c["wall_s"]),
         "perf/tflops/target": c["target_flop"] / max(c["target_s"], 1e-9) / 1e12,
         "perf/tflops/drafter": c["drafter_flop"] / max(c["busy_s"], 1e-9) / 1e12,
     }
     if colocated:
-        m["perf/target_frac"] = c["target_s"] / (num_drafters * step_s)
+        m["perf/target_frac"] = _ratio(c["target_s"], c["wall_s"])
     else:
         m["perf/target_busy_frac"] = c["target_s"] / (num_targets * step_s)
     for i, name in enumerate(TERMS):

@@ -59,7 +59,9 @@ class RunSummary:
             self.first = self.first or dict(m)
             self.last = dict(m)
             self.tokens_per_s.append(m.get("perf/tokens_per_s", 0.0))
-            self.rows.append({k: v for k, v in m.items() if k.startswith(("perf/", "comm/"))})
+            self.rows.append(
+                {k: v for k, v in m.items() if k.startswith(("perf/", "comm/", "train/anchors"))}
+            )
         if "eval/tau" in m:
             self.last_eval = dict(m)
 
@@ -74,8 +76,10 @@ def summary_table(
     wandb_mode: str,
     extra: dict[str, str] | None = None,
     not_exported: str = "the run did not finish",
+    cap: int | None = None,
 ) -> str:
-    """A short two-column table (``status`` first) for the console and the log."""
+    """A short two-column table (``status`` first) for the console and the log (``cap``:
+    ``drafter.max_anchors_per_packet``, for the anchors line)."""
     rows: list[tuple[str, str]] = [("run", str(run_dir)), ("status", status)]
     if s.last:
         rows.append(("train/loss", f"{s.last['train/loss']:.4f} (first logged {s.first['train/loss']:.4f})"))
@@ -93,6 +97,8 @@ def summary_table(
                 f"{e['eval/tau']:.3f} at step {int(e['train/step'])} (eval/tau_hat {e.get('eval/tau_hat', math.nan):.3f})",
             )
         )
+    if (anchors := anchors_line(s.rows, cap)) is not None:
+        rows.append(("anchors", anchors))
     rows += list((extra or {}).items())
     rows.append(
         (
@@ -128,6 +134,26 @@ def best_split(world: int, t_target: float, t_drafter: float, target_tp: int = 1
 def _split(n: int, m: int, k: int = 1) -> str:
     targets = f"{n} target{'s' * (n != 1)}" if k == 1 else f"{n} target replica{'s' * (n != 1)} x {k} ranks"
     return f"{targets} + {m} drafter{'s' * (m != 1)}"
+
+
+def anchors_line(rows: list[dict[str, float]], cap: int | None) -> str | None:
+    """The anchors trained per sample (mean over the logged steps) and, when the per-packet cap
+    took some away, what ``drafter.num_anchors`` offered."""
+    got = [
+        r["train/anchors_per_sample"]
+        for r in rows
+        if math.isfinite(r.get("train/anchors_per_sample", math.nan))
+    ]
+    offered = [r["train/anchors_offered_per_sample"] for r in rows if "train/anchors_offered_per_sample" in r]
+    if not got:
+        return None
+    line = f"{sum(got) / len(got):.0f} per sample trained"
+    if offered and sum(offered) / len(offered) > sum(got) / len(got) * 1.001:
+        line += (
+            f" of {sum(offered) / len(offered):.0f} that drafter.num_anchors offers: "
+            f"drafter.max_anchors_per_packet={cap} binds"
+        )
+    return line
 
 
 def balance_line(

@@ -10,6 +10,7 @@ exactly what the uninterrupted run sampled.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import signal
@@ -28,14 +29,13 @@ from dflash.distributed.collectives import (
     agree_on_start,
     all_reduce_max,
     all_reduce_sum,
-    check_replicas,
     gather_lists,
 )
-from dflash.distributed.grad_reducer import GradReducer
+from dflash.distributed.drafter_parallel import drafter_parallel
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet
-from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
+from dflash.drafter.blocks import doc_ids_from_positions, offered_anchors, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
@@ -52,7 +52,14 @@ from dflash.metrics import (
     reset_peak_memory,
 )
 from dflash.plan import AttentionKind, PacketCosts, PacketShape, packet_costs
-from dflash.plan.inputs import attention_kinds, shape_from_meta
+from dflash.plan.fit import (
+    anchor_cap_note,
+    decide_checkpointing,
+    device_capacity_gib,
+    drafter_role,
+    drafter_settings,
+)
+from dflash.plan.inputs import PlanInputs, attention_kinds, resolve_inputs, shape_from_meta
 from dflash.targets.loader import load_embed_and_head, load_target
 from dflash.train import faults
 from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
@@ -106,6 +113,9 @@ class _StepLocal:
     trained: list[int] = field(default_factory=list)
     """Per packet: g, its number of samples, their source ids (the ledger's raw material)."""
     shapes: list[PacketShape] = field(default_factory=list)
+    anchors_offered: torch.Tensor | int = 0
+    """The anchors ``drafter.num_anchors`` offers in these packets before ``max_anchors_per_packet``
+    (a device scalar once a packet is trained: no host sync per packet)."""
 
 
 @dataclass
@@ -149,11 +159,9 @@ class DrafterTrainer:
         target = self._packet_source()
         self.embed, self.head = self._embed_and_head(target)
         self.model = self._build_model()
+        self.parallel = drafter_parallel(self.model, ctx, str(cfg.drafter.shard), self.topology.num_drafters)
         self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
-        self.grads = (
-            GradReducer(list(self.model.parameters()), ctx) if self.topology.num_drafters > 1 else None
-        )
         self.state = TrainState(skipped=dict(setup.dataset.skipped))
         if resume is not None:
             self._restore(resume)
@@ -213,14 +221,43 @@ class DrafterTrainer:
         return embed.to(self.device, self.target_dtype), head.to(self.device, self.target_dtype)
 
     def _build_model(self) -> DFlashDraftModel:
-        """The drafter, initialised from ``train.seed`` or warm-started from ``drafter.init_from``."""
+        """The drafter, initialised from ``train.seed`` or warm-started from ``drafter.init_from``,
+        its layers checkpointed when ``drafter.activation_checkpointing`` says so (auto: when the
+        planner finds that this role does not fit its device without it; every drafter agrees)."""
         model = DFlashDraftModel(self.setup.arch)
         model.reset_parameters(seed=self.cfg.train.seed)
         if self.cfg.drafter.init_from:
             _, state = load_exported(resolve_path(self.cfg.drafter.init_from))
             load_into(model, state)
             log.info("warm start from %s", self.cfg.drafter.init_from)
+        model.checkpoint_layers = self._checkpointing()
         return model.to(self.device)
+
+    @functools.cached_property
+    def _plan_inputs(self) -> PlanInputs:
+        """The planner's view of this run (for the memory decisions and the anchor-cap note)."""
+        return resolve_inputs(self.cfg)
+
+    def _checkpointing(self) -> bool:
+        """``drafter.activation_checkpointing`` resolved (the planner's decision for ``auto``, logged),
+        and, on the leader, the note that ``drafter.max_anchors_per_packet`` binds, with the cap that fits."""
+        cfg = self.cfg
+        capacity = device_capacity_gib(self.device, cfg.plan.reserved_gib)
+        if self.is_leader and cfg.drafter.max_anchors_per_packet is not None:
+            settings = drafter_settings(cfg, self._plan_inputs, capacity, self.topology.world_size)
+            note = anchor_cap_note(cfg, self._plan_inputs, capacity, drafter_role(cfg), settings)
+            if note:
+                log.warning(note)
+        if cfg.drafter.activation_checkpointing != "auto":
+            return cfg.drafter.activation_checkpointing == "layers"
+        decision = decide_checkpointing(cfg, self._plan_inputs, capacity, world_size=self.topology.world_size)
+        agreed = all_reduce_max(self.ctx, torch.tensor([float(decision.checkpoint)], device=self.device))
+        log.info(
+            "%s%s",
+            decision.reason,
+            "; another drafter needs it: on" if agreed.item() > decision.checkpoint else "",
+        )
+        return bool(agreed.item())
 
     def _open_run_files(self) -> None:
         """The leader's W&B run and the run's ledger and metrics files (what was written after the
@@ -252,8 +289,7 @@ class DrafterTrainer:
         self.stop_requested = True
 
     def _restore(self, loaded: LoadedCheckpoint) -> None:
-        self.model.load_state_dict(loaded.model_state)
-        self.optimizer.load_state_dict(loaded.optimizer_state)
+        self.parallel.load(self.optimizer, loaded.model_state, loaded.optimizer_state)
         self.scheduler.load_state_dict(loaded.scheduler_state)
         restore_rng_state(loaded.rng_state)
         self.state = loaded.train_state
@@ -300,13 +336,18 @@ class DrafterTrainer:
             signal.signal(s, h)
 
     # ---------------------------------------------------------------- one step
-    def _forward_packet(self, packet: Packet) -> ObjectiveOutput:
+    def _forward_packet(self, packet: Packet, local: _StepLocal) -> ObjectiveOutput:
+        """The objective of one packet; its offered anchors (before the per-packet cap) go to ``local``."""
         ids = packet.input_ids.to(self.device).unsqueeze(0)
         mask = packet.loss_mask.to(self.device).unsqueeze(0)
         pos = packet_positions(packet.seq_lens.to(self.device)).unsqueeze(0)
+        docs = doc_ids_from_positions(pos)
+        local.anchors_offered = local.anchors_offered + offered_anchors(
+            mask, docs, self.cfg.drafter.num_anchors
+        )
         anchors = sample_anchors(
             mask,
-            doc_ids_from_positions(pos),
+            docs,
             self.cfg.drafter.num_anchors,
             anchor_generator(self.cfg.train.seed, packet.index),
             self.cfg.drafter.max_anchors_per_packet,
@@ -349,8 +390,7 @@ class DrafterTrainer:
         self.optimizer.zero_grad(set_to_none=False)
         local = self._accumulate(step)
         faults.slow_step(self.cfg.fault, self.ctx.rank, step + 1)
-        if self.grads is not None:
-            self.grads.finish(self.source_timeout)
+        self.parallel.finish(self.source_timeout)
         reduced = self._reduce(step, local, t0)
         grad_norm, lr = self._apply_update(step, reduced.sums)
         self._advance(step, reduced.sums, local.trained)
@@ -374,17 +414,18 @@ class DrafterTrainer:
             self.source.ack(g)
             self._next_packet(step, i, packets)
             self._count_packet(packet, local)
-            if self.grads is not None and i == len(packets) - 1:
-                self.grads.arm()  # the last backward of the step overlaps the gradient all-reduce
+            if i == len(packets) - 1:
+                self.parallel.arm()  # the last backward of the step overlaps the gradient reduction
             if packet.num_tokens == 0:
                 continue
-            out = self._forward_packet(packet)
+            with self.parallel.forward():
+                out = self._forward_packet(packet, local)
             loss = out.loss
             if faults.nan_loss(self.cfg.fault, step + 1):
                 loss = loss * float("nan")
             if not torch.isfinite(loss):
                 c["nonfinite_loss"] += 1.0
-            loss.backward()
+            self.parallel.backward(loss)
             self.phases.mark("backward")
             local.sums.add(out)
             local.shapes.append(self._packet_shape(packet, out))
@@ -411,9 +452,9 @@ class DrafterTrainer:
         forward times, one max of the peak memories) and the stop agreement."""
         c = local.sums.counters
         c["stop"] += float(self.stop_requested)
-        c["busy_s"] = (
-            time.perf_counter() - t0 - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
-        )
+        c["anchors_offered"] = float(local.anchors_offered)
+        c["wall_s"] = time.perf_counter() - t0
+        c["busy_s"] = c["wall_s"] - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
         if self._logged(step + 1):  # the cost model runs for the rows that are logged, not per packet
             for shape in local.shapes:
                 costs = self._costs(shape)
@@ -443,7 +484,7 @@ class DrafterTrainer:
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
+        grad_norm = self.parallel.clip(cfg.optim.max_grad_norm)
         lr = float(self.scheduler.get_last_lr()[0])
         if weight_sum == 0:
             log.warning("step %d: no packet of the step held a supervised slot; nothing trained", step + 1)
@@ -482,7 +523,7 @@ class DrafterTrainer:
         if cfg.train.ledger:
             self._write_ledger(step + 1, trained)
         if cfg.train.check_replicas_every and self.state.step % cfg.train.check_replicas_every == 0:
-            check_replicas(self.ctx, self.model, self.state.step)
+            self.parallel.check(self.state.step)
 
     def _check_trained_on_something(self, step: int, weight_sum: float) -> None:
         """A step without a supervised slot trains nothing; ``EMPTY_STEPS_LIMIT`` in a row stop the run."""
@@ -530,6 +571,7 @@ class DrafterTrainer:
         m["train/tokens_seen"] = float(self.state.tokens_seen)
         m["train/nonfinite_steps"] = float(self.state.nonfinite_steps)
         packets_in_step = max(topo.packets_per_step, 1)
+        m["train/anchors_per_packet"] = float(r.sums.objective["num_blocks"]) / packets_in_step
         m["perf/target_s_per_packet"] = r.sums.counters["target_s"] / packets_in_step
         m["perf/drafter_s_per_packet"] = r.sums.counters["busy_s"] / packets_in_step
         if not topo.colocated:  # the targets that made a packet of this step (no 0.0 for the others)
@@ -594,13 +636,19 @@ class DrafterTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        if not self.is_leader or not self.cfg.train.save_weights:
+        """The leader writes the checkpoint (a sharded drafter's whole state is gathered by every
+        drafter first)."""
+        if not self.cfg.train.save_weights:
+            return
+        model_state = self.parallel.model_state()
+        optimizer_state = self.parallel.optimizer_state(self.optimizer)
+        if not self.is_leader:
             return
         save_checkpoint(
             self.run_dir / "checkpoints",
             self.state.step,
-            model_state=self.model.state_dict(),
-            optimizer_state=self.optimizer.state_dict(),
+            model_state=model_state,
+            optimizer_state=optimizer_state,
             scheduler_state=self.scheduler.state_dict(),
             train_state=self.state,
             rng_state=capture_rng_state(),
@@ -624,7 +672,10 @@ class DrafterTrainer:
         request aborted any share (a checkpoint never waits for an eval)."""
         assert self.evaluator is not None
         log.info("eval at step %d started: %d prompts on this drafter", step, len(self.evaluator.prompts))
-        sums = self.evaluator.run(self.model, self.embed, self.head, should_stop=lambda: self.stop_requested)
+        model = (
+            self.parallel.whole()
+        )  # a sharded forward is a collective; the drafters decode different prompts
+        sums = self.evaluator.run(model, self.embed, self.head, should_stop=lambda: self.stop_requested)
         sums = all_reduce_sum(self.ctx, sums.to(self.device)).cpu()
         metrics = eval_metrics(sums, self.setup.arch.block_size)
         if not metrics:
@@ -689,11 +740,13 @@ class DrafterTrainer:
                     )
                     break
         finished = self.state.step == self.setup.num_steps
-        if self.is_leader and finished and cfg.train.save_weights:
-            out = export_drafter(
-                self.model, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
-            )
-            log.info("exported the drafter to %s", out)
+        if finished and cfg.train.save_weights:
+            whole = self.parallel.whole()  # every drafter: gathered when sharded
+            if self.is_leader:
+                out = export_drafter(
+                    whole, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
+                )
+                log.info("exported the drafter to %s", out)
         discarded = self.source.stop_all()
         log.info(
             "drafter rank %d done at step %d (%d in-flight packets discarded)",
@@ -731,6 +784,7 @@ class DrafterTrainer:
             checkpoint=latest_checkpoint(self.run_dir / "checkpoints"),
             wandb_mode=self.cfg.logging.mode,
             extra={"balance": b} if (b := self.balance()) else None,
+            cap=self.cfg.drafter.max_anchors_per_packet,
             not_exported="the run did not finish" if not finished else "train.save_weights=false",
         )
         log_to_files(logging.INFO, "\n" + table)

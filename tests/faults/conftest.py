@@ -3,8 +3,9 @@
 - ``reference``: the uninterrupted run that R1, R2, R8 and R9 compare with (same config, no fault).
   It runs with a sentinel ``WANDB_API_KEY`` in its environment, so R10 can check that no file it
   writes contains the key.
-- ``killed_target_run``: R2's run, whose checkpoints R8 then damages.
+- ``killed_target_run``: R2's run (real torchrun: it restarts the job), whose checkpoints R8 then damages.
 - ``hung_target_run``: R4's run, started in the background as soon as the session has its cache.
+Every run but R2's is an in-process launch (tests/runner.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
-from faultkit import HANG_TIMEOUT_S, SENTINEL, STEPS
+from faultkit import HANG_GRACE_S, HANG_TIMEOUT_S, SENTINEL, STEPS
 from runner import Launch, launch
 
 HANG_TEST = "test_crashes.py::test_hung_target_is_reported_by_the_drafter"
@@ -34,6 +35,7 @@ def killed_target_run(tmp_path_factory: pytest.TempPathFactory, run_cache) -> La
         tmp_path_factory.mktemp("killed_target") / "run",
         [*STEPS, "train.keep_checkpoints=3", "fault.kill_rank=1", "fault.kill_at_step=10"],
         run_cache,
+        torchrun=True,
         max_restarts=1,
         record_exits=True,
         timeout=300,
@@ -44,10 +46,10 @@ def killed_target_run(tmp_path_factory: pytest.TempPathFactory, run_cache) -> La
 def hung_target_run(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, run_cache
 ) -> Iterator[Future[Launch] | None]:
-    """R4's run: target 0 stops responding at step 6 with topology.step_timeout_s=8. It spends ~40 s
-    waiting (the drafter's timeout, then torchrun's 30 s SIGKILL grace for the hung rank, which ignores
-    SIGTERM like a stuck process), so it starts in the background when R4 is among the selected tests
-    and the other scenarios run meanwhile. The session waits for it before it ends."""
+    """R4's run: target 0 stops responding at step 6 with topology.step_timeout_s=8. It mostly waits
+    (the drafter's timeout, then the launch's SIGKILL grace of HANG_GRACE_S for the hung rank, which
+    ignores SIGTERM like a stuck process), so it starts in the background when R4 is among the
+    selected tests and the other scenarios run meanwhile. The session waits for it before it ends."""
     if not any(item.nodeid.endswith(HANG_TEST) for item in request.session.items):
         yield None
         return
@@ -63,6 +65,6 @@ def hung_target_run(
                 "fault.hang_at_step=6",
             ],
             run_cache,
-            record_exits=True,
+            grace_s=HANG_GRACE_S,
             timeout=240,
         )

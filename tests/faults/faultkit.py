@@ -17,6 +17,8 @@ SENTINEL = "wandb-key-sentinel-7f3e2a9c1d5b"
 """The WANDB_API_KEY of the reference run; no file it writes may contain it."""
 HANG_TIMEOUT_S = 8
 """topology.step_timeout_s of R4's run (a target stops responding)."""
+HANG_GRACE_S = 10.0
+"""R4's launch: seconds from the SIGTERM to the SIGKILL of a rank that ignores it (torchrun waits 30)."""
 
 _STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
 

@@ -3,7 +3,7 @@
 Two ways of killing the writer:
 - at every step boundary: a forked child SIGKILLs itself right before its n-th filesystem call
   (write, fsync, rename, exchange, rmtree, ...), for every n until the write completes;
-- at random moments: a subprocess rewrites a file and a directory in a loop and is SIGKILLed
+- at random moments: a process rewrites a file and a directory in a loop and is SIGKILLed
   after random delays.
 After each kill the file (and the directory) must read back as one complete version, and the next
 write must succeed.
@@ -14,13 +14,12 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
-from testpaths import REPO
+from ranks import context
 
 import dflash.files as files
 
@@ -149,41 +148,35 @@ def test_directory_without_exchange_is_restored_after_a_kill(tmp_path, monkeypat
     assert None in found and _version_of_dir(path) == 2
 
 
-_LOOP = """
-import sys, time
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-from faults.test_atomic_write import _payload, _write_dir
-import dflash.files as files
-root = Path(sys.argv[1])
-v = int(sys.argv[2])
-print("ready", flush=True)
-while True:
-    v += 1
-    files.atomic_write(root / "state.bin", _payload(v))
-    _write_dir(root / "drafter", v)
-"""
+def _rewrite_forever(root: str, version: int, ready: Connection) -> None:
+    """A writer process: says it is ready, then rewrites a file and a directory until it is killed."""
+    path = Path(root)
+    ready.send(version)
+    while True:
+        version += 1
+        files.atomic_write(path / "state.bin", _payload(version))
+        _write_dir(path / "drafter", version)
 
 
 def test_random_sigkills_leave_a_complete_version(tmp_path):
-    """A writer rewriting a file and a directory in a loop, SIGKILLed 25 times at random moments."""
+    """A writer rewriting a file and a directory in a loop, SIGKILLed 25 times at random moments (a
+    process forked from tests/ranks.py's forkserver, which has already imported what it needs)."""
     rng = random.Random(0)
     files.atomic_write(tmp_path / "state.bin", _payload(0))
     _write_dir(tmp_path / "drafter", 0)
-    script = _LOOP.format(tests=str(REPO / "tests"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    ctx = context()
     versions = []
     for i in range(25):
         start = _version_of_file(tmp_path / "state.bin")
-        proc = subprocess.Popen(
-            [sys.executable, "-c", script, str(tmp_path), str(start + 10 * i)],
-            env=env,
-            stdout=subprocess.PIPE,
-        )
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"  # in the loop now
+        ready, ready_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rewrite_forever, args=(str(tmp_path), start + 10 * i, ready_w))
+        proc.start()
+        ready_w.close()
+        assert ready.poll(60) and ready.recv() == start + 10 * i  # in the loop now
         time.sleep(rng.random() * 0.2)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
         files._restore_interrupted(tmp_path / "drafter")  # what the next atomic_directory does first
         versions.append((_version_of_file(tmp_path / "state.bin"), _version_of_dir(tmp_path / "drafter")))
     assert len({v for v, _ in versions}) > 1  # the writer did make progress between the kills

@@ -13,6 +13,7 @@ from runner import launch, no_leftover_processes, prepare_fast
 from wandb_reader import read_history
 
 from dflash.config import EXIT_USER_ERROR
+from dflash.data.sources import resolve_source
 
 pytestmark = pytest.mark.faults
 
@@ -29,7 +30,8 @@ def corpus(tmp_path_factory, run_cache):
     """A pre-tokenized JSONL of clean samples of the embedded corpus with bad ones injected, the
     overrides to train on it, the expected counts and, from the data plan, the expected ledger."""
     vocab = json.loads((run_cache / "tiny_target_v1" / "config.json").read_text())["vocab_size"]
-    (src,) = (run_cache / "data" / "embedded").glob("corpus-*.jsonl")
+    fast = prepare_fast(run_cache)  # the FAST embedded corpus (a reused cache dir may hold others)
+    src = Path(resolve_source(fast.cfg.data, fast.target_path))
     clean = []
     for line in src.read_text().splitlines():
         r = json.loads(line)
@@ -132,7 +134,7 @@ def test_bad_samples_are_skipped_counted_and_never_trained(tmp_path, run_cache, 
         trained_samples=len(trained),
         records=corpus["num_records"],
     )
-    assert no_leftover_processes(run_dir)
+    assert no_leftover_processes(first, second)
 
 
 def test_too_many_bad_samples_abort_on_every_rank(tmp_path, run_cache, corpus):
@@ -141,8 +143,7 @@ def test_too_many_bad_samples_abort_on_every_rank(tmp_path, run_cache, corpus):
         tmp_path / "run",
         [*overrides, "logging.mode=disabled"],
         run_cache,
-        record_exits=True,
-        forward_signals=False,
+        stop_peers_on_failure=False,  # every rank must reject the data by itself
         timeout=120,
     )
     assert run.returncode != 0
@@ -163,4 +164,4 @@ def test_too_many_bad_samples_abort_on_every_rank(tmp_path, run_cache, corpus):
         exit_codes=[exits[(r, 0)]["returncode"] for r in range(3)],
         all_ranks_done_s=round(ended, 1),
     )
-    assert no_leftover_processes(run.run_dir)
+    assert no_leftover_processes(run)

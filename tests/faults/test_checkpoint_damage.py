@@ -13,6 +13,7 @@ from runner import launch, no_leftover_processes
 pytestmark = pytest.mark.faults
 
 
+@pytest.mark.slow  # it reads R2's torchrun run (tests/faults/conftest.py)
 def test_damaged_newest_checkpoints_fall_back_to_the_last_good_one(
     tmp_path, run_cache, killed_target_run, reference
 ):
@@ -53,4 +54,4 @@ def test_damaged_newest_checkpoints_fall_back_to_the_last_good_one(
         equal_loss_steps="5-12",
         silent_loads=0,
     )
-    assert no_leftover_processes(run_dir)
+    assert no_leftover_processes(run)

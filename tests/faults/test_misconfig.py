@@ -1,14 +1,17 @@
 """R7: a user's mistake is rejected on every rank before any process group or model, printed once,
 short, without a traceback, and every rank exits 2.
 
-Real torchrun launches (3 ranks) for the cases that differ in where they are caught: a typo Hydra
-rejects, a key the schema does not know, a cross-field config error, a world-size mismatch, a tap
-id only the target's config.json shows, a target path that does not exist. The workers' own output
-is captured per rank (``--redirects 3 --log-dir``); torchrun's failure report about the failed
-workers is not ours and is left out of the count. The ranks are left to fail on their own
-(tests/rank_exit.py does not forward torchrun's SIGTERM), so every rank's own rejection is checked.
-Every other misconfiguration goes through the same entry point in-process (``dflash.train.job.train``
-as rank 0 of a 3-rank world), which is where the launches above spend their time anyway.
+Launches of 3 ranks for the cases that differ in where they are caught: a typo Hydra rejects, a key
+the schema does not know, a cross-field config error, a world-size mismatch, a tap id only the
+target's config.json shows, a target path that does not exist. The ranks are left to fail on their
+own (no SIGTERM after the first failure), so every rank's own rejection is checked, and their own
+output (stdout and stderr of every rank) is what is counted. The typo runs under real torchrun
+(workers' output captured per rank with ``--redirects 3 --log-dir``; torchrun's failure report about
+the failed workers is not ours and is left out of the count; tests/rank_exit.py does not forward
+torchrun's SIGTERM), each rank a fresh ``python -m dflash.train``: a command line parsed as torchrun
+passes it to a new interpreter. The others are in-process launches (tests/runner.py). Every other
+misconfiguration goes through the same entry point in-process (``dflash.train.job.train`` as rank 0
+of a 3-rank world), which is where the launches above spend their time anyway.
 """
 
 from __future__ import annotations
@@ -48,23 +51,35 @@ LAUNCHED = [
 ]
 
 
+TORCHRUN_CASE = "typo without +"
+
+
 @pytest.mark.parametrize(("case", "overrides", "needle"), LAUNCHED, ids=[c[0] for c in LAUNCHED])
 def test_mistake_is_printed_once_short_before_anything_starts(tmp_path, run_cache, case, overrides, needle):
     logs = tmp_path / "workers"
     run_dir = tmp_path / "run"
-    run = launch(
-        run_dir,
-        overrides,
-        run_cache,
-        nproc=3,
-        rdzv=["--standalone", "--redirects=3", f"--log-dir={logs}"],
-        record_exits=True,
-        forward_signals=False,
-        timeout=90,
-        env={"HYDRA_FULL_ERROR": "0"},  # as a user runs it (the test runner asks Hydra for tracebacks)
-    )
+    as_user = {"HYDRA_FULL_ERROR": "0"}  # as a user runs it (the test runner asks Hydra for tracebacks)
+    if case == TORCHRUN_CASE:
+        run = launch(
+            run_dir,
+            overrides,
+            run_cache,
+            nproc=3,
+            torchrun=True,
+            rdzv=["--standalone", "--redirects=3", f"--log-dir={logs}"],
+            record_exits=True,
+            forward_signals=False,
+            fresh_interpreters=True,
+            timeout=90,
+            env=as_user,
+        )
+        printed = "".join(p.read_text() for p in sorted(logs.rglob("std*.log")))
+    else:
+        run = launch(
+            run_dir, overrides, run_cache, nproc=3, stop_peers_on_failure=False, timeout=90, env=as_user
+        )
+        printed = "".join(run.rank_output(r) for r in range(3))
     assert run.returncode != 0
-    printed = "".join(p.read_text() for p in sorted(logs.rglob("std*.log")))
     lines = [ln for ln in printed.splitlines() if ln.strip()]
     assert printed.count(needle) == 1, printed[-3000:]
     assert len(lines) < 15 and "Traceback" not in printed, printed
@@ -84,7 +99,7 @@ def test_mistake_is_printed_once_short_before_anything_starts(tmp_path, run_cach
         exit_codes=[EXIT_USER_ERROR] * 3,
         all_ranks_done_s=round(ended, 1),
     )
-    assert no_leftover_processes(run_dir)
+    assert no_leftover_processes(run)
 
 
 IN_PROCESS = [

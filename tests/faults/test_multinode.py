@@ -9,15 +9,15 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from faultkit import figure
+from ranks import free_port
 from runner import launch
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
 def _rdzv(port: int) -> list[str]:
@@ -29,14 +29,8 @@ def _rdzv(port: int) -> list[str]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_nodes(run_dirs, overrides, cache, max_restarts=0, timeout=400):
-    rdzv = _rdzv(_free_port())
+    rdzv = _rdzv(free_port())
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # as scripts/launch_multinode.sh
     with ThreadPoolExecutor(max_workers=2) as pool:
         jobs = [
@@ -46,6 +40,7 @@ def _two_nodes(run_dirs, overrides, cache, max_restarts=0, timeout=400):
                 overrides,
                 cache,
                 nproc=1,
+                torchrun=True,
                 rdzv=rdzv,
                 max_restarts=max_restarts,
                 timeout=timeout,

@@ -28,9 +28,7 @@ def _weights(ckpt) -> dict[str, torch.Tensor]:
 
 def test_nan_loss_error_then_contract_then_skip(tmp_path, run_cache):
     run_dir, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    failed = launch(
-        run_dir, [*NAN, "train.max_steps=4", "logging.mode=disabled"], run_cache, nproc=2, record_exits=True
-    )
+    failed = launch(run_dir, [*NAN, "train.max_steps=4", "logging.mode=disabled"], run_cache, nproc=2)
     assert failed.returncode != 0
     log = failed.rank_log(1)
     err = [ln for ln in log.splitlines() if ln.startswith("RuntimeError: drafter rank 1:")]
@@ -86,4 +84,4 @@ def test_nan_loss_error_then_contract_then_skip(tmp_path, run_cache):
     assert json.loads((ckpts / "step_00000005" / "train_state.json").read_text())["nonfinite_steps"] == 1
     figure("R6 NaN loss, train.on_nonfinite=skip", weights_step2_equal_step3=True, nonfinite_steps=1)
     figure("contract", refused=changed, allowed=allowed.split(": ", 1)[1])
-    assert no_leftover_processes(run_dir)
+    assert no_leftover_processes(failed, refused, skipped)

@@ -2,12 +2,13 @@
 a complete checkpoint exists, every worker exits within 30 s (the targets 0, the drafter
 ``EXIT_STOPPED``: the run is unfinished), and resuming continues exactly.
 
-``runner.launch`` signals torchrun's process group. torchrun starts each worker in a session of its
+The first launch is a real torchrun (``runner.launch(torchrun=True)``), whose process group gets
+the signal. torchrun starts each worker in a session of its
 own and forwards the SIGTERM to them (torch/distributed/elastic/multiprocessing/api.py ``_close``),
 then, by design, re-raises its own ``SignalException`` (agent/server/api.py ``run``,
 launcher/api.py keeps the rendezvous open for an elastic restart): torchrun itself exits 1 however
 cleanly the workers end. The workers' own exit codes are recorded by tests/rank_exit.py; the
-torchrun code is checked to be exactly that documented 1.
+torchrun code is checked to be exactly that documented 1. The resuming launch is in-process.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from runner import launch, ledger_steps, no_leftover_processes
 from dflash.config import EXIT_STOPPED
 from dflash.train.checkpoint import load_checkpoint
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
 def test_sigterm_at_a_random_step_checkpoints_and_resumes_exactly(tmp_path, run_cache, reference):
     seed = int(os.environ.get("DFLASH_FAULT_SEED", time.time_ns() % 1_000_000))
     at = random.Random(seed).randint(3, 7)  # the stop lands a step or two later, before 12
     run_dir = tmp_path / "run"
-    first = launch(run_dir, STEPS, run_cache, record_exits=True, signal_at_step=(at, signal.SIGTERM))
+    first = launch(
+        run_dir, STEPS, run_cache, torchrun=True, record_exits=True, signal_at_step=(at, signal.SIGTERM)
+    )
     assert first.signalled_after is not None, first.output[-3000:]
     stopped = ledger_steps(run_dir)
     assert at <= stopped < 12, f"seed {seed}: signalled after step {at}, stopped at {stopped}"
@@ -67,4 +70,4 @@ def test_sigterm_at_a_random_step_checkpoints_and_resumes_exactly(tmp_path, run_
         torchrun_exit=first.returncode,
         equal_loss_steps=f"{stopped + 1}-12",
     )
-    assert no_leftover_processes(run_dir)
+    assert no_leftover_processes(first, second)

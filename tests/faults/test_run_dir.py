@@ -5,17 +5,18 @@
 - A second launch into a directory another launch is using is refused at once, naming the holder;
   the first one finishes untouched.
 - Launches without ``--standalone`` and without ``--rdzv-id`` (torchrun's run id is then the string
-  ``none``) each get a directory of their own; a torchrun restart stays in its launch's directory.
+  ``none``) each get a directory of their own; a torchrun restart stays in its launch's directory
+  (real torchrun launches; the others are in-process).
 """
 
 from __future__ import annotations
 
 import shutil
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from faultkit import figure
+from ranks import free_port
 from runner import Launch, launch, no_leftover_processes
 
 from dflash.config import EXIT_USER_ERROR
@@ -34,7 +35,7 @@ def test_resume_never_refuses_then_overwrite_moves_aside(tmp_path, run_cache, re
     run_dir = tmp_path / "run"
     shutil.copytree(reference.run_dir, run_dir)
     before = _tree(run_dir)
-    refused = launch(run_dir, [*QUICK, "train.resume=never"], run_cache, nproc=2, record_exits=True)
+    refused = launch(run_dir, [*QUICK, "train.resume=never"], run_cache, nproc=2)
     assert refused.returncode != 0
     assert refused.exits()[(1, 0)]["returncode"] == EXIT_USER_ERROR
     assert "holds another run's outputs" in refused.output and "train.overwrite=true" in refused.output
@@ -69,19 +70,14 @@ def test_two_launches_into_one_run_dir_one_is_refused(tmp_path, run_cache):
     figure("run dir: two launches at once", refused_after_s=round(refused.seconds, 1), winner_steps=40)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_launches_without_a_run_id_get_their_own_directories(tmp_path, run_cache):
     """``torchrun --nnodes 1 --master-addr 127.0.0.1 --master-port P`` twice (torchrun's run id is
     ``none`` both times): two directories. The first launch loses a target at step 2 and is restarted
     by torchrun (--max-restarts=1): the restart resumes in the first launch's directory."""
 
     def rdzv():
-        return ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
+        return ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
 
     common = ["topology.num_targets=1", "train.max_steps=4", "train.save_every=1", "logging.mode=disabled"]
     first = launch(
@@ -89,11 +85,12 @@ def test_launches_without_a_run_id_get_their_own_directories(tmp_path, run_cache
         [*common, "fault.kill_rank=0", "fault.kill_at_step=2"],
         run_cache,
         nproc=2,
+        torchrun=True,
         rdzv=rdzv(),
         cwd=tmp_path,
         max_restarts=1,
     )
-    second = launch(None, common, run_cache, nproc=2, rdzv=rdzv(), cwd=tmp_path)
+    second = launch(None, common, run_cache, nproc=2, torchrun=True, rdzv=rdzv(), cwd=tmp_path)
     assert first.returncode == 0 and second.returncode == 0, (first.output[-2000:], second.output[-2000:])
     runs = sorted(p for p in (tmp_path / "outputs" / "tiny_cpu").iterdir())
     assert len(runs) == 2 and "none" not in {p.name for p in runs}, runs

@@ -58,7 +58,7 @@ def test_crafted_pickle_checkpoint_is_refused_without_running_it(tmp_path, run_c
         load_checkpoint(bare)
     assert not marker.exists()
     figure("R10 crafted pickle", exit_code=run.returncode, payload_ran=marker.exists(), error=refused)
-    assert no_leftover_processes(run.run_dir)
+    assert no_leftover_processes(run)
 
 
 def test_wandb_key_is_in_no_file_the_run_writes(reference):

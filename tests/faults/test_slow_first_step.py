@@ -15,7 +15,7 @@ STEP_TIMEOUT_S = 3
 SLOW_S = 8  # > 2 x STEP_TIMEOUT_S: what a target waits for a drafter once its first step is over
 
 
-@pytest.mark.slow  # one torchrun job with an 8 s stall
+@pytest.mark.slow  # one launch with an 8 s stall
 def test_slow_first_step_is_waited_for(tmp_path, run_cache):
     run = launch(
         tmp_path / "run",
@@ -49,4 +49,4 @@ def test_slow_first_step_is_waited_for(tmp_path, run_cache):
         steps=ledger_steps(run.run_dir),
         total_s=round(run.seconds, 1),
     )
-    assert no_leftover_processes(run.run_dir)
+    assert no_leftover_processes(run)

@@ -3,6 +3,7 @@
 - SIGTERM while the drafter leader runs a long periodic eval: the eval is aborted, the checkpoint is
   written within seconds (not after the eval, which here takes minutes), every rank exits.
 - SIGHUP (a closed terminal) is handled like SIGTERM: a checkpoint, then exit.
+- SIGTERM to the target alone: the target asks the drafter to stop; a checkpoint, then exit.
 - A run stopped before its last step by a signal to one worker says so in its summary and exits
   with ``EXIT_STOPPED`` (75), never 0; a stop asked for with ``train.stop_after_steps`` exits 0
   (tests/faults/test_resume.py).
@@ -37,7 +38,6 @@ def test_sigterm_during_a_long_eval_checkpoints_within_seconds(tmp_path, run_cac
         [*TWO, *long_eval],
         run_cache,
         nproc=2,
-        record_exits=True,
         signal_at_log=(1, "eval at step 2 started", signal.SIGTERM),
     )
     exits = run.exits()
@@ -51,12 +51,12 @@ def test_sigterm_during_a_long_eval_checkpoints_within_seconds(tmp_path, run_cac
     assert saved_s < 15 and max(e["end"] for e in exits.values()) - signalled < 20
     assert ledger_steps(run_dir) == 2
     figure("stop during a long eval", signal_to_checkpoint_s=round(saved_s, 2), drafter_exit=EXIT_STOPPED)
-    assert no_leftover_processes(run_dir)
+    assert no_leftover_processes(first, run)
 
 
 def test_sighup_stops_with_a_checkpoint(tmp_path, run_cache):
     run_dir = tmp_path / "run"
-    run = launch(run_dir, TWO, run_cache, nproc=2, record_exits=True, signal_at_step=(3, signal.SIGHUP))
+    run = launch(run_dir, TWO, run_cache, nproc=2, signal_at_step=(3, signal.SIGHUP))
     stopped = ledger_steps(run_dir)
     assert 3 <= stopped < 12, run.output[-3000:]
     assert load_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}").step == stopped
@@ -73,7 +73,6 @@ def test_sigterm_to_one_worker_is_an_unfinished_run(tmp_path, run_cache):
         [*TWO, "fault.kill_rank=1", "fault.kill_at_step=3", "fault.kill_signal=SIGTERM"],
         run_cache,
         nproc=2,
-        record_exits=True,
     )
     exits = run.exits()
     assert run.returncode != 0 and exits[(1, 0)]["returncode"] == EXIT_STOPPED, (exits, run.output[-3000:])
@@ -83,4 +82,20 @@ def test_sigterm_to_one_worker_is_an_unfinished_run(tmp_path, run_cache):
     assert "not exported (the run did not finish)" in run.output and not (run_dir / "drafter").exists()
     resumed = launch(run_dir, TWO, run_cache, nproc=2)
     assert resumed.returncode == 0 and re.search(r"status +finished: 12 of 12 steps", resumed.output)
-    figure("SIGTERM to the drafter alone", drafter_exit=EXIT_STOPPED, torchrun_exit=run.returncode)
+    figure("SIGTERM to the drafter alone", drafter_exit=EXIT_STOPPED, launch_exit=run.returncode)
+
+
+def test_sigterm_to_the_target_alone_stops_the_run_with_a_checkpoint(tmp_path, run_cache):
+    """The drafter gets no signal: it stops at a step boundary because the target asked it to."""
+    run_dir = tmp_path / "run"
+    run = launch(run_dir, TWO, run_cache, nproc=2, signal_at_step=(3, signal.SIGTERM), signal_ranks=[0])
+    stopped = ledger_steps(run_dir)
+    assert 3 <= stopped < 12, run.output[-3000:]
+    assert load_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}").step == stopped
+    exits = run.exits()
+    assert [s for s, _ in exits[(0, 0)]["signals"]][:1] == [signal.SIGTERM] and exits[(1, 0)]["signals"] == []
+    assert run.returncodes == {0: 0, 1: EXIT_STOPPED}, run.output[-3000:]
+    assert "target 0 (rank 0): got SIGTERM; asking the drafters to stop at the next step" in run.rank_log(0)
+    assert re.search(rf"status +stopped at step {stopped} of 12", run.output), run.output[-3000:]
+    figure("SIGTERM to the target alone", stopped_at_step=stopped, exit_codes=run.returncodes)
+    assert no_leftover_processes(run)

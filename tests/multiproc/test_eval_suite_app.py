@@ -1,16 +1,16 @@
 """``python -m dflash.eval suite=...`` end to end on local fixture datasets (tests/suite_fixtures.py)
 with the tiny target and a tiny drafter: the table, report.json and offline W&B; a missing dataset
-is one line and exit 2; torchrun with 2 gloo ranks gives the single process's results."""
+is one line and exit 2; 2 gloo ranks give the single process's results. The app runs as processes
+forked from tests/ranks.py's forkserver (``run_module``; the 2 ranks with torchrun's environment)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ranks import Completed, run_module
 from suite_fixtures import GSM8K, MT_BENCH, export_tiny_drafter, save_fixture_datasets
 from testpaths import REPO
 from wandb_reader import read_wandb_run
@@ -55,15 +55,9 @@ def _args(tiny_target_dir, drafter_dir, run_dir, *extra) -> list[str]:
     ]
 
 
-def _eval(args: list[str], cwd: Path, torchrun: int = 0) -> subprocess.CompletedProcess:
-    launcher = (
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}", "-m", "dflash.eval"]
-        if torchrun
-        else ["-m", "dflash.eval"]
-    )
-    return subprocess.run(
-        [sys.executable, *launcher, *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240
-    )
+def _eval(args: list[str], cwd: Path, nproc: int = 1) -> Completed:
+    """``python -m dflash.eval <args>``; ``nproc`` > 1: as that many torchrun ranks."""
+    return run_module("dflash.eval", args, env=_env(), cwd=cwd, timeout=240, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +111,10 @@ def test_torchrun_two_gloo_ranks_give_the_single_process_results(
     zlab_run, tiny_target_dir, drafter_dir, data_dir, tmp_path
 ):
     """Rank r decodes conversations r, r + 2, ...; rank 0 gathers and reports: every turn's output
-    and acceptance lengths equal the single process's (11-19 s on 2 shared cores)."""
+    and acceptance lengths equal the single process's."""
     run_dir = tmp_path / "run"
     extra = [f"data_dir={data_dir}", "suite=gsm8k,mt-bench", "max_samples=4", "logging.mode=disabled"]
-    proc = _eval(_args(tiny_target_dir, drafter_dir, run_dir, *extra), tmp_path, torchrun=2)
+    proc = _eval(_args(tiny_target_dir, drafter_dir, run_dir, *extra), tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("DFlash suite:") == 1  # rank 0 alone reports
     two = json.loads((run_dir / "report.json").read_text())

@@ -14,7 +14,7 @@ import pytest
 from runner import env_for
 from testpaths import REPO
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cache):
@@ -35,40 +35,8 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     a = parts["kernels"]  # every CUDA test collected and skipped
     assert a["status"] == "skipped" and a["counts"]["skipped"] >= 10 and a["counts"]["failed"] == 0
 
-    b = parts["loss"]
-    assert b["status"] == "passed"
-    assert {(c["case"], c["chunk"]) for c in b["cases"]} == {
-        *(
-            (case, chunk)
-            for case in ("limit", "limit_ce", "chunked", "chunked_ce", "torch_lce")
-            for chunk in (64, 256)
-        ),
-        ("naive", None),
-        ("naive_ce", None),
-    }
-    assert all(c["time_s"] > 0 and c["tflops"] is not None for c in b["cases"])
-    assert b["best_chunked"]["time_vs_naive"] > 0 and b["best_chunked_ce"]["time_vs_torch_lce"] > 0
-
-    for name, nranks in (("colocated", 1), ("split", 2), ("tp", 2)):  # tp: its sender's and the drafter's
-        r = parts[name]
-        assert r["status"] == "passed" and r["steps"] == r["steps_requested"] == 4, (name, r)
-        assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and r["first_step_s"] > 0
-        assert r["packet"]["seqs"] == 4 and r["packet"]["blocks"] > 0
-        assert r["split_s"]["drafter_forward_backward_s"] > 0 and r["split_s"]["loss_s"] > 0
-        assert len(r["peak_mem_gib"]) == nranks and r["recompiles"] == 0
-        p = r["planner"]
-        assert p["target_tflop_per_packet"] > 0 and p["drafter_tflop_per_packet"] > 0
-        assert p["target_mfu"] > 0 and p["drafter_mfu"] > 0 and p["planner_samples_per_s"] > 0
-    assert "target_forward" in parts["colocated"]["phases_s"] and "recv_wait" in parts["split"]["phases_s"]
-    assert set(parts["split"]["peak_mem_gib_by_role"]) == {"target", "drafter"}
-    tp = parts["tp"]  # a replica's rank computes part of the target's FLOPs and holds part of it
-    assert set(tp["peak_mem_gib"]) == {"0", "2"} and set(tp["peak_mem_gib_by_role"]) == {"target", "drafter"}
-    p = tp["planner"]
-    assert 0 < p["target_rank_tflop_per_packet"] < p["target_tflop_per_packet"]
-    assert 0 < p["memory_gib"]["target_rank"] < p["memory_gib"]["target"]
-    assert "topology.target_tp=2" in tp["command"] and tp["command"].startswith(
-        "torchrun --standalone --nproc_per_node 3"
-    )
+    _check_loss_part(parts["loss"])
+    _check_training_parts(parts, summary["setup"]["token_budget"])
 
     probe = parts["colocated"]["target_probe"]  # the headless forward makes no logits; model(...) does
     assert probe["status"] == "passed" and probe["headless"]["vocab_tensors"] == 0
@@ -82,4 +50,68 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     assert "1 target replica of 2 ranks (TP) + 1 drafter (gloo)" in table
     print(
         f"FIGURE gpu_check dry run: {seconds:.1f} s wall, parts {[(k, v['part_s']) for k, v in parts.items()]}"
+    )
+
+
+def _check_loss_part(b: dict) -> None:
+    """Part loss: every case ran, and every case computed the loss of the naive case of its terms."""
+    assert b["status"] == "passed"
+    assert {(c["case"], c["chunk"]) for c in b["cases"]} == {
+        *(
+            (case, chunk)
+            for case in ("limit", "limit_ce", "chunked", "chunked_ce", "torch_lce")
+            for chunk in (64, 256)
+        ),
+        ("naive", None),
+        ("naive_ce", None),
+    }
+    assert all(c["time_s"] > 0 and c["tflops"] is not None for c in b["cases"])
+    # every case computed the loss and gradient of the naive case of its terms (same seeded inputs)
+    naive = {c["terms"]: c for c in b["cases"] if c["case"] in ("naive", "naive_ce")}
+    for c in b["cases"]:
+        if not c["case"].startswith("limit"):
+            ref = naive[c["terms"]]
+            assert c["loss"] == pytest.approx(ref["loss"], rel=1e-5), c
+            assert c["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), c
+    best = b["best_chunked"]
+    assert best["time_s"] == min(c["time_s"] for c in b["cases"] if c["case"] == "chunked")
+    assert best["time_vs_naive"] == round(best["time_s"] / naive["ce+kl"]["time_s"], 4)
+    lce = [c for c in b["cases"] if c["case"] == "torch_lce" and c["chunk"] == b["best_chunked_ce"]["chunk"]]
+    assert b["best_chunked_ce"]["time_vs_torch_lce"] == round(
+        b["best_chunked_ce"]["time_s"] / lce[0]["time_s"], 4
+    )
+
+
+def _check_training_parts(parts: dict, token_budget: int) -> None:
+    """Parts colocated, split and tp: the steady-state figures, the planner's on the measured packet,
+    and what must be equal between the co-located and the split run."""
+    for name, nranks in (("colocated", 1), ("split", 2), ("tp", 2)):  # tp: its sender's and the drafter's
+        r = parts[name]
+        assert r["status"] == "passed" and r["steps"] == r["steps_requested"] == 4, (name, r)
+        assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and r["first_step_s"] > 0
+        assert r["packet"]["seqs"] == 4 and 0 < r["packet"]["tokens"] <= token_budget
+        assert r["packet"]["blocks"] > 0
+        assert r["split_s"]["drafter_forward_backward_s"] > 0 and r["split_s"]["loss_s"] > 0
+        assert len(r["peak_mem_gib"]) == nranks and r["recompiles"] == 0
+        p = r["planner"]
+        assert p["target_tflop_per_packet"] > 0 and p["drafter_tflop_per_packet"] > 0
+        assert p["target_mfu"] > 0 and p["drafter_mfu"] > 0
+        t_plan, d_plan = p["planner_s_per_packet"]["target"], p["planner_s_per_packet"]["drafter"]
+        per_packet = t_plan + d_plan if name == "colocated" else max(t_plan, d_plan)  # in turn, or the slower
+        assert p["planner_samples_per_s"] == pytest.approx(r["packet"]["seqs"] / per_packet, rel=1e-3)
+    c, d = parts["colocated"], parts["split"]
+    # co-located (1 rank) and 1 target + 1 drafter train the same packets from the same seed: equal
+    # losses, and the planner prices the same packet the same way
+    assert c["final_loss"] == d["final_loss"] and c["packet"] == d["packet"], (c, d)
+    for k in ("target_tflop_per_packet", "drafter_tflop_per_packet"):
+        assert c["planner"][k] == d["planner"][k]
+    assert "target_forward" in parts["colocated"]["phases_s"] and "recv_wait" in parts["split"]["phases_s"]
+    assert set(parts["split"]["peak_mem_gib_by_role"]) == {"target", "drafter"}
+    tp = parts["tp"]  # a replica's rank computes part of the target's FLOPs and holds part of it
+    assert set(tp["peak_mem_gib"]) == {"0", "2"} and set(tp["peak_mem_gib_by_role"]) == {"target", "drafter"}
+    p = tp["planner"]
+    assert 0 < p["target_rank_tflop_per_packet"] < p["target_tflop_per_packet"]
+    assert 0 < p["memory_gib"]["target_rank"] < p["memory_gib"]["target"]
+    assert "topology.target_tp=2" in tp["command"] and tp["command"].startswith(
+        "torchrun --standalone --nproc_per_node 3"
     )

@@ -1,17 +1,17 @@
 """python -m dflash.data.prepare builds the cache with worker processes (byte-identical to one
 process), prints the statistics and shows samples with the supervised tokens marked exactly as
-trained; torchrun with the same overrides then loads that cache on every rank without rebuilding."""
+trained; a training launch with the same overrides then loads that cache on every rank without
+rebuilding (the app and the job run as processes forked from tests/ranks.py's forkserver)."""
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
+from ranks import run_module
 from runner import FAST, REPO, env_for, launch
 from transformers import AutoTokenizer
 
@@ -67,9 +67,8 @@ def test_prepare_shows_the_trained_mask_and_training_loads_its_cache(tmp_path, r
     src = tmp_path / "chat.jsonl"
     records = corpus(src)
     overrides = [f"data.path={src}", "data.num_eval_prompts=2", "data.num_workers=2"]
-    cmd = [sys.executable, "-m", "dflash.data.prepare", *FAST, *overrides, "show=3"]
-    cmd.append(f"hydra.run.dir={tmp_path / 'prep'}")
-    proc = subprocess.run(cmd, cwd=REPO, env=env_for(run_cache), capture_output=True, text=True, timeout=300)
+    argv = [*FAST, *overrides, "show=3", f"hydra.run.dir={tmp_path / 'prep'}"]
+    proc = run_module("dflash.data.prepare", argv, env=env_for(run_cache), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     m = re.search(r"dataset (\w{12}) built: (\S+)", out)
@@ -109,7 +108,7 @@ def test_prepare_shows_the_trained_mask_and_training_loads_its_cache(tmp_path, r
         supervised = [t for t, sup in runs if sup]
         assert supervised == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
 
-    # torchrun with the same overrides loads the cache on every rank, nothing is tokenized again
+    # a launch with the same overrides loads the cache on every rank, nothing is tokenized again
     mtime = (cache_dir / "data.safetensors").stat().st_mtime_ns
     run = launch(tmp_path / "run", [*overrides, "train.max_steps=2", "logging.mode=disabled"], run_cache)
     assert run.returncode == 0, run.output[-4000:]

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from procs import finish_rank, rank_env, run_ranks
+from ranks import finish_rank, rank_env, run_ranks
 from tiny_drafter import tiny_arch
 
 from dflash.config import LossConfig, OptimConfig
@@ -47,7 +47,6 @@ from dflash.drafter.optim import build_optimizer
 WORLD, STEPS, HALF = 2, 10, 5
 LOSS = LossConfig(ce=1.0, kl=0.5, chunk_size=16)
 OPTIM = OptimConfig(lr=1e-3, max_grad_norm=0.5)
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "transformers.models.qwen3.modeling_qwen3")
 
 
 def _packet(g: int, arch):
@@ -202,7 +201,7 @@ def _shard_rows(n: int, rank: int, world: int) -> slice:
 
 @pytest.mark.parametrize("mode", ["optimizer", "full"])
 def test_sharded_training_equals_unsharded_and_resumes_across_settings(tmp_path, mode):
-    res = run_ranks(tmp_path, _entry, WORLD, (mode,), deadline_s=120.0, preload=PRELOAD)
+    res = run_ranks(tmp_path, _entry, WORLD, (mode,), deadline_s=120.0)
     for r in range(WORLD):
         assert res[r]["ok"], res[r].get("traceback")
         print(r, {k: v for k, v in res[r].items() if k != "rank"})
@@ -243,7 +242,7 @@ def _dead_peer_entry(rank: int, world: int, tmp: str) -> None:
 
 
 def test_a_dead_drafter_is_named_by_the_sharded_reduction(tmp_path):
-    res = run_ranks(tmp_path, _dead_peer_entry, WORLD, deadline_s=90.0, preload=PRELOAD)
+    res = run_ranks(tmp_path, _dead_peer_entry, WORLD, deadline_s=90.0)
     assert res[0]["ok"], res[0].get("traceback")
     err = res[0]["error"]
     print(err)

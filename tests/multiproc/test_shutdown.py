@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import finish_rank, rank_env, run_ranks
+from ranks import finish_rank, rank_env, run_ranks
 
 pytestmark = pytest.mark.multiproc
 

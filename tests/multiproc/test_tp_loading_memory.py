@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import finish_rank, rank_env, run_ranks
+from ranks import finish_rank, rank_env, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -26,7 +26,7 @@ TP = 2
 MIB = 2**20
 OVERHEAD_MIB = 64
 """Allowance beyond the shard for what loading itself allocates (plans, per-tensor temporaries)."""
-PRELOAD = ("torch", "torch.distributed.tensor", "transformers.modeling_utils", "dflash.targets.loader")
+IMPORTED_FIRST = ("torch", "torch.distributed.tensor", "transformers.modeling_utils", "dflash.targets.loader")
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -48,9 +48,12 @@ def _load(rank: int, tmp: str, path: str) -> dict:
 
     import torch
 
-    # imported before the baseline (the fork server may or may not have them, depending on which
-    # test started it): only the loading itself may count
-    for module in PRELOAD + ("transformers.models.qwen3.modeling_qwen3", "transformers.distributed.mixin"):
+    # imported before the baseline (whatever the fork server imported already): only the loading
+    # itself may count
+    for module in IMPORTED_FIRST + (
+        "transformers.models.qwen3.modeling_qwen3",
+        "transformers.distributed.mixin",
+    ):
         importlib.import_module(module)
 
     from dflash.config import TargetConfig
@@ -130,7 +133,7 @@ def test_a_tp_rank_holds_its_shard_while_loading(tmp_path, big_target):
                 peak[key] = max(peak.get(key, 0), value)
 
     t0 = time.perf_counter()
-    res = run_ranks(tmp_path, _entry, WORLD, (path,), deadline_s=90.0, preload=PRELOAD, poll=sample)
+    res = run_ranks(tmp_path, _entry, WORLD, (path,), deadline_s=90.0, poll=sample)
     for r in range(WORLD):
         assert res[r].get("ok"), res[r].get("traceback") or res[r]
     growth = {r: peaks[r]["RssAnon"] - res[r]["before"]["RssAnon"] for r in range(WORLD)}

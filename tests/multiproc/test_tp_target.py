@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import finish_rank, rank_env, run_ranks
+from ranks import finish_rank, rank_env, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -22,15 +22,6 @@ WORLD = 3
 TP = 2
 VOCAB = 300
 MODELS = ("qwen3", "qwen3_moe", "qwen3_5_moe", "gpt_oss")
-PRELOAD = (
-    "torch",
-    "torch.distributed.tensor",
-    "transformers.modeling_utils",
-    *(f"transformers.models.{m}.modeling_{m}" for m in MODELS),
-    "dflash.targets.loader",
-    "dflash.targets.forward",
-)
-"""Imported once by the fork server (most of a rank's start-up time otherwise)."""
 
 
 def _lengths(pack: bool) -> list[int]:
@@ -162,7 +153,7 @@ def test_tp2_replica_equals_the_whole_target(tmp_path, tiny_target_dir, tiny_moe
     ]
     models = [dict(zip(fields, row, strict=True)) for row in rows]
     assert tp_layout("qwen3_moe", 8, TP).experts == "ep" and tp_layout("qwen3_moe", 5, TP).experts == "tp"
-    res = run_ranks(tmp_path, _entry, WORLD, (models,), deadline_s=90.0, preload=PRELOAD)
+    res = run_ranks(tmp_path, _entry, WORLD, (models,), deadline_s=90.0)
     for r in range(WORLD):
         assert res[r].get("ok"), res[r].get("traceback") or res[r]
     for m in models:

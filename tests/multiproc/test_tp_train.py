@@ -1,5 +1,5 @@
-"""The training job with tensor-parallel target replicas (``topology.target_tp=2``) on gloo: real
-``torchrun -m dflash.train`` launches of the fast test run (tests/runner.py).
+"""The training job with tensor-parallel target replicas (``topology.target_tp=2``) on gloo: launches
+of the fast test run (tests/runner.py, in-process ranks with torchrun's environment).
 
 2 replicas of 2 ranks + 1 drafter (5 processes) train the same losses as 2 single-rank targets + 1
 drafter (3 processes): the sharded forwards give the hidden states of the whole target up to fp32
@@ -40,7 +40,7 @@ def _assert_same_steps(a_rows: list[dict], b_rows: list[dict]) -> float:
     return max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(a_rows, b_rows, strict=True))
 
 
-@pytest.mark.slow  # three torchrun jobs (5, 3 and 3 processes): 51-94 s on 2 shared cores
+@pytest.mark.slow  # three launches (5, 3 and 3 ranks)
 def test_tp_replicas_train_the_losses_of_single_rank_targets(tmp_path, run_cache):
     """2x2:1 for 10 steps of a 12-step run equals 2:1 (fp32, 1e-5); resumed with single-rank targets
     (``target_tp`` is free in the run contract) it continues the straight 2:1 run."""
@@ -88,7 +88,6 @@ def test_a_killed_tp_rank_is_named_and_ends_the_job(tmp_path, run_cache):
         [*COMMON, TP2, "train.save_weights=false", "fault.kill_rank=1", "fault.kill_at_step=3"],
         run_cache,
         nproc=5,
-        record_exits=True,
     )
     assert run.returncode != 0
     assert run.exits()[(1, 0)]["returncode"] == -9
@@ -97,7 +96,7 @@ def test_a_killed_tp_rank_is_named_and_ends_the_job(tmp_path, run_cache):
     assert err, log[-3000:]
     assert err[-1].startswith("dflash.distributed.links.PeerError: target replica 0, TP rank 0 (rank 0): ")
     assert "target replica 0, TP rank 1 (rank 1)" in err[-1] and "dead or stuck" in err[-1], err[-1]
-    assert no_leftover_processes(run.run_dir)
+    assert no_leftover_processes(run)
 
 
 @pytest.mark.faults
@@ -107,7 +106,7 @@ def test_a_stop_signal_to_a_tp_rank_stops_the_run_with_a_checkpoint(tmp_path, ru
     that step, with a checkpoint."""
     run_dir = tmp_path / "run"
     signal = ["fault.kill_rank=1", "fault.kill_at_step=3", "fault.kill_signal=SIGTERM"]
-    run = launch(run_dir, [*COMMON, TP2, *signal], run_cache, nproc=5, record_exits=True)
+    run = launch(run_dir, [*COMMON, TP2, *signal], run_cache, nproc=5)
     exits = run.exits()
     assert exits[(4, 0)]["returncode"] == EXIT_STOPPED, (exits, run.output[-3000:])
     stopped = ledger_steps(run_dir)

@@ -1,4 +1,6 @@
-"""The whole pipeline under torchrun: 2 tiny targets + 1 drafter on gloo, metrics read back from W&B."""
+"""The whole pipeline: 2 tiny targets + 1 drafter on gloo (an in-process launch of the training job,
+tests/runner.py), metrics read back from W&B, and the first 20 losses of the tiny default against
+the golden file."""
 
 from __future__ import annotations
 
@@ -6,22 +8,35 @@ import json
 import os
 import re
 import stat
-import subprocess
-import sys
 
 import pytest
-from runner import launch
+from ranks import run_module
+from runner import FAST, launch
+from testpaths import REPO
 from wandb_reader import read_wandb_run
 
 pytestmark = pytest.mark.multiproc
 
+GOLDEN = REPO / "tests" / "golden" / "tiny_default_losses.json"
+GOLDEN_OVERRIDES = ["train.max_steps=20", "train.save_every=10"]
+"""The golden run (after tests/runner.py's FAST): the tiny default, 20 steps."""
+GOLDEN_RTOL = 1e-4
+REGENERATE = "DFLASH_REGENERATE_GOLDEN"
 
-def test_two_targets_one_drafter_end_to_end(tmp_path, run_cache):
-    run = launch(tmp_path / "run", ["train.max_steps=6", "train.save_every=3"], run_cache)
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory, run_cache):
+    """One 20-step run of the tiny default (W&B offline), read by the end-to-end and golden tests."""
+    run = launch(tmp_path_factory.mktemp("e2e") / "run", GOLDEN_OVERRIDES, run_cache)
     assert run.returncode == 0, run.output[-4000:]
+    return run
+
+
+def test_two_targets_one_drafter_end_to_end(e2e):
+    run = e2e
     w = read_wandb_run(run.run_dir)
     steps = [row["train/step"] for row in w.history]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert steps == list(range(1, 21))
     last = w.history[-1]
     for key in (
         "train/loss",
@@ -50,16 +65,51 @@ def test_two_targets_one_drafter_end_to_end(tmp_path, run_cache):
     assert {p.name for p in run.run_dir.glob("rank*.log")} == {"rank0.log", "rank1.log", "rank2.log"}
     assert (run.run_dir / "config.yaml").exists()
     assert sorted(p.name for p in (run.run_dir / "checkpoints").glob("step_*")) == [
-        "step_00000003",
-        "step_00000006",
+        "step_00000010",
+        "step_00000020",
     ]
     exported = json.loads((run.run_dir / "drafter" / "config.json").read_text())
     assert exported["architectures"] == ["DFlashDraftModel"]
     # every packet was trained exactly once, in schedule order
     ledger = run.ledger()
-    assert [e["step"] for e in ledger] == [1, 2, 3, 4, 5, 6] and [e["packets"] for e in ledger] == [
-        [g] for g in range(6)
+    assert [e["step"] for e in ledger] == list(range(1, 21)) and [e["packets"] for e in ledger] == [
+        [g] for g in range(20)
     ]
+
+
+def test_first_20_losses_match_the_golden_file(e2e):
+    """The tiny default's first 20 logged losses (fixed seeds, fp32 CPU, one thread per rank) equal the
+    golden file's within a relative 1e-4: the loss is O(1-10) from step 1 to step 20, a relative
+    bound means the same at every step, and it leaves room for other CPUs' fp32 summation orders (a
+    change of the model, the data, the loss or the optimizer moves them by far more). To regenerate
+    on purpose: DFLASH_REGENERATE_GOLDEN=1 pytest tests/multiproc/test_train_e2e.py, then commit the
+    file with the reason."""
+    rows = [json.loads(line) for line in (e2e.run_dir / "metrics.jsonl").read_text().splitlines()]
+    got = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert [r["train/step"] for r in rows if "train/loss" in r] == list(range(1, 21))
+    if os.environ.get(REGENERATE) == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        record = {
+            "what": "train/loss of steps 1-20 (metrics.jsonl) of the tiny default: 2 tiny targets + 1 drafter, "
+            "gloo, fp32 CPU, one thread per rank, seeds of conf/ (train.seed=42)",
+            "command": "torchrun --standalone --nproc_per_node 3 -m dflash.train "
+            + " ".join([*FAST, *GOLDEN_OVERRIDES]),
+            "produced_by": f"{REGENERATE}=1 pytest tests/multiproc/test_train_e2e.py::test_first_20_losses_match_the_golden_file",
+            "why": "a regression guard: a change of the model, the data, the loss, the optimizer or the use of "
+            "the seeds moves these losses; regenerate only on purpose, with the reason in the commit",
+            "tolerance": f"relative {GOLDEN_RTOL}",
+            "losses": got,
+        }
+        GOLDEN.write_text(json.dumps(record, indent=1) + "\n")
+        pytest.skip(f"{REGENERATE}=1: wrote {GOLDEN}; commit it with the reason for the change")
+    want = json.loads(GOLDEN.read_text())["losses"]
+    assert len(want) == 20
+    bad = [
+        (s + 1, w, g)
+        for s, (w, g) in enumerate(zip(want, got, strict=True))
+        if abs(g - w) > GOLDEN_RTOL * abs(w)
+    ]
+    assert not bad, f"(step, golden, got) beyond a relative {GOLDEN_RTOL}: {bad}"
 
 
 def test_numbers_without_wandb(tmp_path, run_cache):
@@ -76,9 +126,7 @@ def test_numbers_without_wandb(tmp_path, run_cache):
     assert not (run.run_dir / "wandb").exists()
     rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in rows] == [1, 2, 3] and all("train/loss" in r for r in rows)
-    out = subprocess.run(
-        [sys.executable, "-m", "dflash.report", str(run.run_dir)], capture_output=True, text=True, timeout=120
-    )
+    out = run_module("dflash.report", [str(run.run_dir)], env=dict(os.environ), cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     page = (run.run_dir / "report.html").read_text()
     assert page.count("<svg") >= 3 and "train/tau_hat" in page and "train/loss" in out.stdout

@@ -1,8 +1,8 @@
 """The packet transport between real processes: 2 targets + 1 drafter on gloo (CPU).
 
-Each test starts a world of 3 processes (``init_distributed`` with a ``file://`` rendezvous),
-runs one scenario per rank, and collects each rank's result from a JSON file. A deadline guard
-kills every child that is still alive, so no test can hang.
+Each test starts a world of 3 rank processes (tests/ranks.py ``run_ranks``; ``init_distributed``
+with a ``file://`` rendezvous), runs one scenario per rank, and collects each rank's result from a
+JSON file. A deadline kills every rank that is still alive, so no test can hang.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import finish_rank, rank_env, run_ranks
+from ranks import finish_rank, rank_env, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -52,12 +52,9 @@ def run_world(
     tmp_path: Path, scenario: str, deadline_s: float = 40.0, num_targets: int = 2, num_drafters: int = 1
 ) -> dict[int, dict]:
     """Start the ranks of ``scenario``, join them with a deadline, return each rank's result."""
-    preload = ["torch", "torch.distributed", "dflash.distributed.links", "dflash.distributed.process_group"]
     args = (scenario, num_targets, num_drafters)
     try:
-        return run_ranks(
-            tmp_path, _entry, num_targets + num_drafters, args, deadline_s=deadline_s, preload=preload
-        )
+        return run_ranks(tmp_path, _entry, num_targets + num_drafters, args, deadline_s=deadline_s)
     except AssertionError as e:
         raise AssertionError(f"scenario {scenario}: {e}") from None
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dflash.train.checkpoint as ckpt_mod
+from dflash.files import file_digest
 from dflash.train.checkpoint import (
     MARKER,
     CheckpointError,
@@ -330,8 +331,7 @@ class _Evil:
 def _reseal(path: Path, fname: str) -> None:
     """Rewrite COMPLETE so that ``fname`` passes the checksum (an attacker who can edit both)."""
     marker = json.loads((path / MARKER).read_text())
-    size, digest = ckpt_mod._file_digest(path / fname)
-    marker["files"][fname] = {"size": size, "sha256": digest}
+    marker["files"][fname] = file_digest(path / fname)
     (path / MARKER).write_text(json.dumps(marker))
 
 

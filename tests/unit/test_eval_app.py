@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import run_module
 from wandb_reader import read_wandb_run
 
 from dflash.config.cli import compose_config
@@ -318,10 +317,7 @@ def test_app_subprocess_logs_tau_to_offline_wandb(files, tiny_target_dir, tmp_pa
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "dflash.eval",
+    argv = [
         *_overrides(tiny_target_dir, drafter, prompts),
         "num_prompts=2",
         "logging.mode=offline",
@@ -329,7 +325,8 @@ def test_app_subprocess_logs_tau_to_offline_wandb(files, tiny_target_dir, tmp_pa
         "step=7",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    # python -m dflash.eval, in a process forked from tests/ranks.py's forkserver
+    proc = run_module("dflash.eval", argv, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DFlash eval: 2 prompts, block size 4" in proc.stdout and "lossless: yes" in proc.stdout
     assert f"report: {run_dir / 'report.json'}" in proc.stdout  # says where the report went
@@ -430,14 +427,13 @@ def test_the_app_reports_a_missing_file_in_one_line_with_exit_2(files, tiny_targ
     _, drafter, prompts = files
     paths = {"prompts": prompts, "drafter_path": drafter, missing: tmp_path / f"no_{missing}.jsonl"}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "dflash.eval",
+    argv = [
         *_overrides(tiny_target_dir, paths["drafter_path"], paths["prompts"]),
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_module(
+        "dflash.eval", argv, env=env, cwd=tmp_path, timeout=120
+    )  # forked, as the app test above
     assert proc.returncode == 2, proc.stderr[-3000:]  # was 1, with a 20-line traceback
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dflash: error:")]
     assert len(errors) == 1 and f"{missing}=" in errors[0] and "Traceback" not in proc.stderr, proc.stderr

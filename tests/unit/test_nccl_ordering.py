@@ -93,7 +93,7 @@ class _ThreadEnv(dict):
         return key in getattr(self.local, "env", {})
 
 
-def _fake_objective(self, packet):
+def _fake_objective(self, packet, local):
     """Stands for ``dflash_loss``: the phases it marks, a loss through every drafter parameter."""
     from dflash.drafter.objective import ObjectiveOutput
     from dflash.train.step_stats import OBJECTIVE_SUMS

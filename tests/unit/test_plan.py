@@ -8,12 +8,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from ranks import Completed, run_module
 from testpaths import REPO
 
 from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs
@@ -410,11 +409,11 @@ def test_one_gpu_plans_the_colocated_mode(capsys):
         assert "One GPU: co-located only" in text and ("does not fit" in text) is not fits, text
 
 
-def _plan_app(*overrides: str) -> subprocess.CompletedProcess:
-    """``python -m dflash.plan <overrides>`` as a user runs it (offline, from the checkout)."""
+def _plan_app(*overrides: str) -> Completed:
+    """``python -m dflash.plan <overrides>`` as a user runs it (offline, from the checkout; a process
+    forked from tests/ranks.py's forkserver)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "dflash.plan", *overrides]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return run_module("dflash.plan", list(overrides), env=env, cwd=REPO, timeout=120)
 
 
 def test_the_app_prints_a_table_and_ends_with_one_json_line():
