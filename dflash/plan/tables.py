@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
+from dflash.plan.fit import LEVERS, AnchorCaps
 from dflash.plan.inputs import attention_kinds, typical_packet
 from dflash.plan.memory import target_active_params, target_num_params
 from dflash.plan.planner import ROLES, Plan, make_plan
@@ -291,6 +292,28 @@ def measured_summary(plan: Plan, measured: dict[str, RoleMeasurement]) -> dict[s
     return {
         "measured_gib": {role: round(m.peak_gib, 3) for role, m in measured.items()},
         "estimated_gib": {role: round(sum(plan.memory[role].values()), 3) for role in measured},
+    }
+
+
+def render_anchor_caps(caps: AnchorCaps) -> str:
+    """The largest anchors per packet that fit one GPU, per role and memory lever (:func:`anchor_caps`)."""
+    lines = [
+        f"Largest drafter.max_anchors_per_packet that fits {caps.capacity_gib:.1f} GiB per GPU (multiples "
+        f"of 64; the packet offers {caps.offered} at drafter.num_anchors per sample; a sharded state is "
+        f"split over {caps.ranks['drafter']} drafters, or {caps.ranks['colocated']} co-located ranks)",
+        f"  {'activation_checkpointing':<25} {'shard':<10} {'drafter':>8} {'colocated':>10}",
+    ]
+    for ckpt, shard in LEVERS:
+        d, c = caps.caps["drafter"][(ckpt, shard)], caps.caps["colocated"][(ckpt, shard)]
+        lines.append(f"  {'layers' if ckpt else 'none':<25} {shard:<10} {d:>8} {c:>10}")
+    return "\n".join(lines)
+
+
+def anchor_caps_summary(caps: AnchorCaps) -> dict[str, dict[str, int]]:
+    """The JSON key ``largest_anchors``: ``{role: {"<checkpointing>/<shard>": anchors}}``."""
+    return {
+        role: {f"{'layers' if ckpt else 'none'}/{shard}": n for (ckpt, shard), n in by.items()}
+        for role, by in caps.caps.items()
     }
 
 
