@@ -96,7 +96,7 @@ def document_inputs(
         if kind == LINEAR or flash or (impl == "sdpa" and not several):
             masks[kind] = None  # linear layers, flash-attn and SDPA's is_causal need no mask here
         else:
-            pattern = sliding_window_causal_mask_function(window) if kind == SLIDING else None
+            pattern = sliding_window_causal_mask_function(window) if kind == SLIDING and window else None
             masks[kind] = _kernel_mask(impl, pattern, same_doc, length, position_ids.device, dtype)
     out["attention_mask"] = masks if layer_types else masks[FULL]
     return out
@@ -115,14 +115,16 @@ def _kernel_mask(
     or a bool (sdpa) / additive (eager) [1, 1, L, L] tensor."""
     from transformers.masking_utils import and_masks, causal_mask_function, eager_mask, sdpa_mask
 
-    fn = pattern or causal_mask_function
-    fn = fn if same_doc is None else and_masks(fn, same_doc)
+    base: Any = pattern or causal_mask_function
+    fn: MaskFn = base if same_doc is None else and_masks(base, same_doc)
     if impl == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
         # compiled on CUDA (no [T, T] tensor), eager elsewhere
         return create_block_mask(fn, 1, None, length, length, device=device, _compile=device.type == "cuda")
-    shape = dict(batch_size=1, q_length=length, kv_length=length, mask_function=fn, device=device)
+    shape: dict[str, Any] = dict(
+        batch_size=1, q_length=length, kv_length=length, mask_function=fn, device=device
+    )
     if impl == "eager":
         return eager_mask(**shape, dtype=dtype)
     return sdpa_mask(**shape, allow_is_causal_skip=False)
