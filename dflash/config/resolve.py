@@ -5,6 +5,9 @@
 - ``torch_dtype``: ``auto``/``float32``/``bfloat16``/``float16`` -> a ``torch.dtype`` for a device
   (auto: bfloat16 on CUDA, float32 on CPU, where bf16 matmul is much slower than fp32);
 - ``drafter_attention``: ``drafter.attention`` for a device kind (auto: flex on CUDA, sdpa on CPU);
+- ``target_attention``: ``target.attn_implementation`` for a device kind and a model (auto on
+  CUDA: a document-masked kernel, flash_attention_2 when installed, else flex_attention, for packed
+  rows; sdpa for padded rows and on CPU);
 - ``resolve_path``: a local path made absolute against the launch directory (Hydra does not
   chdir), ``~`` expanded; a hub id is returned unchanged.
 
@@ -18,6 +21,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from dflash.config.schema import TargetConfig
 
 
 def device_kind(device: str) -> str:
@@ -65,6 +70,43 @@ def drafter_attention(attention: str, device: str) -> str:
     if attention == "auto":
         return "flex" if device == "cuda" else "sdpa"
     return attention
+
+
+def target_attention(
+    cfg: TargetConfig, device: str, model_type: str | None = None, *, pack: bool | None = None
+) -> str:
+    """``target.attn_implementation`` resolved for a ``cpu``/``cuda`` device (transformers' name), the
+    target's ``model_type`` (None: taken to support every kernel) and the rows it will run (``pack``:
+    default ``target.pack``; decoding runs one sequence per row, ``pack=False``).
+
+    auto computes only the pairs inside each document on CUDA. Packed rows (``target.pack``) need a
+    kernel that knows the documents: ``flash_attention_2`` when the flash-attn package is installed,
+    the rows are 16-bit and transformers supports it for the model, else transformers'
+    ``flex_attention`` (torch only) where the model supports it, else ``sdpa`` (every pair of the row).
+    Padded rows hold one document each: ``sdpa`` (``is_causal``, see ``dflash.targets.attention``).
+    auto on CPU is ``sdpa``; explicit names are kept.
+    """
+    name = str(cfg.attn_implementation)
+    if name != "auto":
+        return name
+    if device != "cuda" or not (cfg.pack if pack is None else pack):
+        return "sdpa"
+    from transformers.utils import is_flash_attn_2_available
+
+    half = str(cfg.dtype) in ("auto", "bfloat16", "float16")
+    if half and _supports(model_type, "_supports_flash_attn") and is_flash_attn_2_available():
+        return "flash_attention_2"
+    return "flex_attention" if _supports(model_type, "_supports_flex_attn") else "sdpa"
+
+
+def _supports(model_type: str | None, flag: str) -> bool:
+    """Whether transformers' ``*ForCausalLM`` of ``model_type`` sets ``flag`` (unknown: True)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type or "")
+    cls = getattr(transformers, name, None) if name else None
+    return cls is None or bool(getattr(cls, flag, True))
 
 
 def resolve_path(path: str) -> str:

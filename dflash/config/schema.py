@@ -242,7 +242,11 @@ class TargetConfig:
     """Tapped decoder layers (tap l = output of layer l); None = round(1 + i*(L-4)/(n-1))."""
     num_taps: int | None = field(default=None, metadata=derived("target.layer_ids"))
     """Number of taps when layer_ids is None (None = 5); must equal len(layer_ids) when both are set."""
-    attn_implementation: str = field(default="sdpa", metadata=FREE)
+    attn_implementation: str = field(default="auto", metadata=FREE)
+    """transformers' attention of the target: auto (on CUDA a kernel that computes only the pairs
+    inside each packed document: flash_attention_2 when installed, else flex_attention where the model
+    supports it; sdpa for padded rows and on CPU: dflash.config.resolve.target_attention), or a name
+    transformers knows (sdpa, eager, flex_attention, flash_attention_2, ...)."""
     pack: bool = field(default=True, metadata=FREE)
     """Pack several sequences in one row (position ids restart per sequence); False pads (Qwen3.5)."""
     trust_remote_code: bool = field(default=False, metadata=FREE)

@@ -341,7 +341,7 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
     prompts = _prompt_file(cfg, prompts_path, tokenizer, meta, block_size) if prompts_path is not None else []
 
     tcfg = type(cfg.target)(**{**asdict(cfg.target), "path": target_path})
-    target = load_target(tcfg, device, dtype)
+    target = load_target(tcfg, device, dtype, decoding=True)
     drafter = _frozen_drafter(arch, state, device, dtype)
     embed, head = target_embed_and_head(target)
     if embed is None or head is None:

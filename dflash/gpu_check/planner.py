@@ -61,7 +61,7 @@ def planner_figures(
         target_tokens=tokens,
         target_row_tokens=tokens if cfg.target.pack else inputs.packet.target_row_tokens,
     )
-    t_kind, d_kind = attention_kinds(cfg, shape.num_seqs)
+    t_kind, d_kind = attention_kinds(cfg, shape.num_seqs, inputs.target.meta.model_type)
     costs = packet_costs(
         inputs.target.meta,
         inputs.arch,
@@ -116,8 +116,9 @@ def probe_planner_activations(overrides: list[str], tokens: int, docs: int, num_
 
     cfg = training_config(overrides)
     packet = PacketShape(tokens=tokens, num_seqs=docs, num_anchors=0)
-    kind = attention_kinds(cfg, docs)[0]
+    target = planned_target(cfg)
+    kind = attention_kinds(cfg, docs, target.meta.model_type)[0]
     mem = target_memory(
-        planned_target(cfg).meta, packet, num_taps, attention=kind, max_in_flight=0, dtypes=run_dtypes(cfg)
+        target.meta, packet, num_taps, attention=kind, max_in_flight=0, dtypes=run_dtypes(cfg)
     )
     return round(mem["activations"], 3)

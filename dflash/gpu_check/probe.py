@@ -85,9 +85,10 @@ def _measured(fn: Any, device: Any, vocab_size: int) -> dict[str, Any]:
     }
 
 
-def _random_packet(spec: dict[str, Any], pack: bool, device: Any) -> tuple[Any, Any, Any]:
+def _random_packet(spec: dict[str, Any], pack: bool, device: Any) -> tuple[Any, Any, Any, list[int]]:
     """``spec["tokens"]`` random token ids (below ``spec["vocab_used"]``) in ``spec["docs"]`` documents,
-    batched as the target ranks batch them: ``(input_ids, attention_mask or None, position_ids)``."""
+    batched as the target ranks batch them: ``(input_ids, attention_mask or None, position_ids,
+    the documents' lengths)``."""
     import torch
 
     from dflash.targets.forward import build_batch
@@ -97,7 +98,7 @@ def _random_packet(spec: dict[str, Any], pack: bool, device: Any) -> tuple[Any, 
     lens = [tokens // docs + (1 if i < tokens % docs else 0) for i in range(docs)]
     seqs = [torch.randint(0, spec["vocab_used"], (n,), generator=g) for n in lens]
     ids, attn, pos, _ = build_batch(seqs, pack=pack, pad_id=0)
-    return ids.to(device), (attn.to(device) if attn is not None else None), pos.to(device)
+    return ids.to(device), (attn.to(device) if attn is not None else None), pos.to(device), lens
 
 
 def probe_target(spec: dict[str, Any]) -> dict[str, Any]:
@@ -120,10 +121,10 @@ def probe_target(spec: dict[str, Any]) -> dict[str, Any]:
     model = load_target(cfg.target, device, dtype)
     build_s = time.perf_counter() - t0
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    ids, attn, pos = _random_packet(spec, cfg.target.pack, device)
+    ids, attn, pos, lens = _random_packet(spec, cfg.target.pack, device)
 
-    def headless():
-        return target_forward(model, ids, attn, layer_ids, position_ids=pos)
+    def headless():  # the target ranks' forward: masks from the documents' lengths
+        return target_forward(model, ids, attn, layer_ids, position_ids=pos, seq_lens=lens)
 
     def full():
         return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
@@ -134,6 +135,7 @@ def probe_target(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "attention": str(model.config._attn_implementation),
         "tokens": spec["tokens"],
         "docs": spec["docs"],
         "build_s": round(build_s, 2),

@@ -103,7 +103,7 @@ def _part_lines(part: str, r: dict[str, Any]) -> tuple[str, list[str]]:
         if probe and "headless" in probe:
             h, f = probe["headless"], probe["full"]
             more.append(
-                f"target probe ({probe['tokens']} tokens, {probe['dtype']}): weights {probe['weights_gib']:.2f} GiB; headless forward "
+                f"target probe ({probe['tokens']} tokens, {probe['dtype']}, {probe.get('attention', '?')} attention): weights {probe['weights_gib']:.2f} GiB; headless forward "
                 f"+{h['extra_gib']:.2f} GiB (planner {probe['planner_activations_gib']:.2f}), largest tensor "
                 f"{h['largest_tensor']['shape']}, vocab-sized tensors {h['vocab_tensors']}; model(...) +{f['extra_gib']:.2f} GiB, "
                 f"vocab-sized {f['vocab_tensors']} (logits {probe['logits_gib']:.2f} GiB)"

@@ -23,9 +23,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import Config, PlanConfig, register_configs, to_config
 from dflash.config.checks import raise_problems
+from dflash.plan.fit import anchor_caps
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.planner import make_plan
-from dflash.plan.tables import fitting_overrides, measured_summary, render, render_measured, summary
+from dflash.plan.tables import (
+    anchor_caps_summary,
+    fitting_overrides,
+    measured_summary,
+    render,
+    render_anchor_caps,
+    render_measured,
+    summary,
+)
 
 register_configs()
 
@@ -74,8 +83,10 @@ def run(dcfg: DictConfig) -> dict[str, Any]:
     inputs = resolve_inputs(cfg)
     plan = make_plan(cfg, inputs)
     fixes = fitting_overrides(cfg, plan)
-    print(render(plan, cfg.name, fixes), flush=True)
+    caps = anchor_caps(cfg, inputs, plan.capacity_gib, plan.world_size)
+    print(render(plan, cfg.name, fixes) + "\n\n" + render_anchor_caps(caps), flush=True)
     out = summary(plan, cfg.name, cfg.plan.gpu, fixes)
+    out["largest_anchors"] = anchor_caps_summary(caps)
     if cfg.plan.measure:
         from dflash.plan.rehearse import rehearse  # torch and the fake-tensor machinery: only when asked
 

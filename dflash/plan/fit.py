@@ -125,6 +125,38 @@ def largest_anchors(
     return min(lo * step, offered)
 
 
+LEVERS = [(ckpt, shard) for ckpt in (False, True) for shard in ("none", "optimizer", "full")]
+"""``(activation checkpointing, drafter.shard)`` pairs :func:`anchor_caps` tries."""
+
+
+@dataclass(frozen=True)
+class AnchorCaps:
+    """The largest ``drafter.max_anchors_per_packet`` that fits one GPU, by role and lever."""
+
+    capacity_gib: float
+    offered: int
+    """Anchors the typical packet offers at ``drafter.num_anchors`` per sample (the recipe's density)."""
+    ranks: dict[str, int]
+    """Ranks a sharded state is split over: the config's drafters, or every GPU co-located."""
+    caps: dict[str, dict[tuple[bool, str], int]]
+    """``caps[role][(checkpoint, shard)]`` for ``role`` in :data:`DRAFTER_ROLES`; 0: none fits."""
+
+
+def anchor_caps(cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size: int) -> AnchorCaps:
+    """:class:`AnchorCaps` of ``cfg`` on ``world_size`` GPUs of ``capacity_gib`` for each of
+    :data:`LEVERS` (the memory model on the typical packet, via :func:`largest_anchors`)."""
+    ranks = {"drafter": num_drafters(cfg, world_size), "colocated": world_size}
+    caps = {
+        role: {
+            (ckpt, shard): largest_anchors(cfg, inputs, capacity_gib, role, DrafterSettings(ckpt, shard, n))
+            for ckpt, shard in LEVERS
+        }
+        for role, n in ranks.items()
+    }
+    offered = with_anchor_cap(cfg, inputs, 1 << 30)[1].packet.num_anchors
+    return AnchorCaps(capacity_gib, offered, ranks, caps)
+
+
 def device_capacity_gib(device: torch.device, reserved_gib: float) -> float:
     """What tensors may use on ``device``: its memory minus ``reserved_gib`` (``plan.reserved_gib``);
     unbounded on a CPU."""

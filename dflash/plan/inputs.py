@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from dflash.config import Config, GpuSpec, TargetShape, dataset_settings
-from dflash.config.resolve import drafter_attention, resolve_path
+from dflash.config.resolve import drafter_attention, resolve_path, target_attention
 from dflash.data.embedded import embedded_corpus_path
 from dflash.data.sources import EMBEDDED, resolve_data_path
 from dflash.drafter.arch import DrafterArch, build_arch
@@ -35,7 +35,8 @@ DEFAULT_SUPERVISED_FRACTION = 0.7
 VERIFIER_METRICS = True
 """The trainer computes the verifier logits for acc_verifier and tau_hat whatever the loss terms."""
 SPARSE_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
-"""target.attn_implementation values whose kernels skip masked tiles (causal, per document)."""
+"""Target attention implementations whose kernels skip masked tiles (causal, per document); any
+``flash_attention_*`` counts too."""
 
 
 def load_gpu(name: str) -> GpuSpec:
@@ -162,14 +163,22 @@ def plan_device(cfg: Config) -> str:
     return "cpu" if cfg.topology.device == "cpu" else "cuda"
 
 
-def attention_kinds(cfg: Config, num_seqs: int) -> tuple[AttentionKind, AttentionKind]:
-    """``(target, drafter)`` attention kinds of the run.
+def attention_kinds(
+    cfg: Config, num_seqs: int, model_type: str | None = None
+) -> tuple[AttentionKind, AttentionKind]:
+    """``(target, drafter)`` attention kinds of the run on the planned device.
 
-    Target: flash-attention/flex kernels are sparse; SDPA and eager get an explicit mask from
-    transformers for packed rows of several documents and for padded rows, and compute every pair
-    (dense); one document per packet runs causal (sparse). Drafter: flex sparse, SDPA dense.
+    Target: the kernel ``target.attn_implementation`` resolves to there for ``model_type``
+    (``dflash.config.resolve.target_attention``; auto on CUDA is document-masked for packed rows).
+    flash-attention and flex compute only the causal pairs inside each document (sparse); SDPA and
+    eager get an explicit mask for a packed row of several documents and compute every pair of the
+    row (dense); with one document per row (padded rows, or one document packed) SDPA runs
+    ``is_causal`` (sparse, ``dflash.targets.attention``), eager still computes every pair. Drafter:
+    flex sparse, SDPA dense.
     """
-    if cfg.target.attn_implementation in SPARSE_ATTENTION or num_seqs == 1:
+    impl = target_attention(cfg.target, plan_device(cfg), model_type)
+    one_per_row = num_seqs == 1 or not cfg.target.pack
+    if impl in SPARSE_ATTENTION or impl.startswith("flash_attention") or (impl == "sdpa" and one_per_row):
         target: AttentionKind = "sparse"
     else:
         target = "dense"
@@ -247,7 +256,7 @@ def resolve_inputs(cfg: Config) -> PlanInputs:
     arch = build_arch(cfg, target.meta, layer_ids, cfg.drafter.mask_token_id or 0)
     stats = data_stats(cfg, resolve_path(cfg.target.path))
     packet = typical_packet(cfg, stats)
-    target_kind, drafter_kind = attention_kinds(cfg, packet.num_seqs)
+    target_kind, drafter_kind = attention_kinds(cfg, packet.num_seqs, target.meta.model_type)
     lo = cfg.loss
     verifier = lo.kl > 0 or lo.verifier_ce > 0 or VERIFIER_METRICS
     chunk = lo.chunk_size or default_chunk_size(arch.vocab_size, lo.mem_budget_gib, with_verifier=verifier)

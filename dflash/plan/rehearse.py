@@ -27,8 +27,8 @@ additive mask the CUDA composite makes from a boolean one.
 
 Not measured (add ``plan.reserved_gib``): the CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces,
 allocator rounding and fragmentation, and kernels whose CUDA implementations differ from the CPU
-ones (the hybrid target's linear attention runs transformers' torch fallback here; flash-attention
-targets run SDPA with a dense mask).
+ones (the hybrid target's linear attention runs transformers' torch fallback here; flex and
+flash-attention targets run SDPA without a mask, see ``make_packet``).
 """
 
 from __future__ import annotations
@@ -337,11 +337,21 @@ def hf_config(inputs: PlanInputs) -> Any:
 
 
 def make_packet(model: nn.Module, cfg: Config, inputs: PlanInputs, live: LiveBytes) -> tuple[Tensor, Tensor]:
-    """The target's packet as the packet maker makes it: forward, padding removed, finite check."""
+    """The target's packet as the packet maker makes it: forward, padding removed, finite check.
+
+    The model runs SDPA (``target_model``). A document-masked kernel (``inputs.target_attention``
+    sparse: flex, flash-attn) holds no [T, T] mask: it stands in as SDPA over the packed row taken as
+    one causal document (``is_causal``, the same tensors; the cross-document pairs it computes are
+    FLOPs, not memory)."""
     ids, _ = packet_tokens(inputs, inputs.arch.vocab_size - 1)
     batch, attention_mask, positions, keep = build_batch(ids, pack=cfg.target.pack, pad_id=0)
+    lens = [len(x) for x in ids]
+    if cfg.target.pack and inputs.target_attention == "sparse":
+        lens = [sum(lens)]
     with live.term("activations"):
-        aux, final = target_forward(model, batch, attention_mask, inputs.arch.target_layer_ids, positions)
+        aux, final = target_forward(
+            model, batch, attention_mask, inputs.arch.target_layer_ids, positions, seq_lens=lens
+        )
     with live.term("packets"):
         aux, final = gather_tokens(aux, keep), gather_tokens(final, keep)
     with live.term("activations"):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
+from dflash.plan.fit import LEVERS, AnchorCaps
 from dflash.plan.inputs import attention_kinds, typical_packet
 from dflash.plan.memory import target_active_params, target_num_params
 from dflash.plan.planner import ROLES, Plan, make_plan
@@ -37,7 +38,7 @@ def _replanned(cfg: Config, plan: Plan, section: str, key: str, value: int) -> P
     """The plan of ``cfg`` with ``<section>.<key>=value`` (the packet re-derived from the same data statistics)."""
     new = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
     packet = typical_packet(new, plan.inputs.stats)
-    target_kind, drafter_kind = attention_kinds(new, packet.num_seqs)
+    target_kind, drafter_kind = attention_kinds(new, packet.num_seqs, plan.inputs.target.meta.model_type)
     inputs = dataclasses.replace(
         plan.inputs, packet=packet, target_attention=target_kind, drafter_attention=drafter_kind
     )
@@ -289,8 +290,30 @@ def render(plan: Plan, name: str, fixes: dict[str, str] | None = None) -> str:
 def measured_summary(plan: Plan, measured: dict[str, RoleMeasurement]) -> dict[str, Any]:
     """The JSON keys of a rehearsal: measured and estimated GiB per role (same keys)."""
     return {
-        "measured_gib": {role: round(m.peak_gib, 2) for role, m in measured.items()},
-        "estimated_gib": {role: round(sum(plan.memory[role].values()), 2) for role in measured},
+        "measured_gib": {role: round(m.peak_gib, 3) for role, m in measured.items()},
+        "estimated_gib": {role: round(sum(plan.memory[role].values()), 3) for role in measured},
+    }
+
+
+def render_anchor_caps(caps: AnchorCaps) -> str:
+    """The largest anchors per packet that fit one GPU, per role and memory lever (:func:`anchor_caps`)."""
+    lines = [
+        f"Largest drafter.max_anchors_per_packet that fits {caps.capacity_gib:.1f} GiB per GPU (multiples "
+        f"of 64; the packet offers {caps.offered} at drafter.num_anchors per sample; a sharded state is "
+        f"split over {caps.ranks['drafter']} drafters, or {caps.ranks['colocated']} co-located ranks)",
+        f"  {'activation_checkpointing':<25} {'shard':<10} {'drafter':>8} {'colocated':>10}",
+    ]
+    for ckpt, shard in LEVERS:
+        d, c = caps.caps["drafter"][(ckpt, shard)], caps.caps["colocated"][(ckpt, shard)]
+        lines.append(f"  {'layers' if ckpt else 'none':<25} {shard:<10} {d:>8} {c:>10}")
+    return "\n".join(lines)
+
+
+def anchor_caps_summary(caps: AnchorCaps) -> dict[str, dict[str, int]]:
+    """The JSON key ``largest_anchors``: ``{role: {"<checkpointing>/<shard>": anchors}}``."""
+    return {
+        role: {f"{'layers' if ckpt else 'none'}/{shard}": n for (ckpt, shard), n in by.items()}
+        for role, by in caps.caps.items()
     }
 
 

@@ -9,9 +9,12 @@ hooks that copy straight into one preallocated ``[B, T, n_tap*H]`` buffer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
+from dflash.targets.attention import document_inputs
 from dflash.targets.hooks import full_tensor, tap_hooks
 from dflash.targets.loader import base_model
 
@@ -22,6 +25,7 @@ def target_forward(
     attention_mask: Tensor | None,
     layer_ids: list[int],
     position_ids: Tensor | None = None,
+    seq_lens: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(aux_hidden [B, T, n_tap*H], final_hidden [B, T, H])`` of the target.
 
@@ -30,6 +34,11 @@ def target_forward(
     final norm). Runs ``base_model(model)(..., use_cache=False)``; the lm_head never runs. With a
     tensor-parallel target (``dflash.targets.tp``) every rank of the replica calls it on the same
     batch and gets the same full tensors.
+
+    ``seq_lens``: the documents' lengths (host ints) of a batch laid out by ``build_batch``, with its
+    ``position_ids``: the attention masks are then made from them (``dflash.targets.attention``) and
+    transformers reads neither the position ids nor the padding mask on the host. Without them
+    transformers prepares the masks from ``attention_mask`` / ``position_ids`` itself.
     """
     ids = [int(i) for i in layer_ids]
     n = len(ids)
@@ -44,10 +53,13 @@ def target_forward(
         aux[..., pos * h : (pos + 1) * h].copy_(hidden)
 
     base = base_model(model)
+    inputs: dict = {"attention_mask": attention_mask, "position_ids": position_ids}
+    if seq_lens is not None and position_ids is not None:
+        dtype = next(base.parameters()).dtype
+        prepared = document_inputs(base.config, seq_lens, input_ids, attention_mask, position_ids, dtype)
+        inputs = prepared if prepared is not None else inputs
     with tap_hooks(model, ids, write), torch.inference_mode():
-        out = base(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        )
+        out = base(input_ids=input_ids, use_cache=False, **inputs)
     final = full_tensor(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
     if "aux" not in state:
         raise RuntimeError(f"target forward ran but no tap hook fired (layer_ids={ids})")
@@ -60,8 +72,8 @@ def build_batch(
     """Lay out sequences for one target forward: ``(input_ids, attention_mask, position_ids, keep)``.
 
     - ``pack=True``: one row ``[1, T]`` (T = total tokens), position ids restarting at 0 per
-      sequence, ``attention_mask=None``: transformers treats each restart as a new document
-      (Qwen3/Llama with sdpa/eager/flash/flex attention).
+      sequence, ``attention_mask=None``: each restart is a new document (``target_forward`` with
+      ``seq_lens`` masks them apart; transformers alone finds them from the position ids).
     - ``pack=False``: right-padded rows ``[S, Lmax]`` with an attention mask (Qwen3.5/3.6: their
       linear-attention state would leak across packed documents).
 

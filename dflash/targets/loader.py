@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dflash.config import DEFAULT_NUM_TAPS, TargetConfig, TargetShape
+from dflash.config.resolve import target_attention
 from dflash.metrics import human_count
 from dflash.targets.tp import distributed_config, local_num_bytes, replica_mesh
 
@@ -292,7 +293,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def load_target(
-    cfg: TargetConfig, device: torch.device, dtype: torch.dtype, tp_group: Any = None
+    cfg: TargetConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp_group: Any = None,
+    *,
+    decoding: bool = False,
 ) -> PreTrainedModel:
     """The frozen target ``*ForCausalLM``: eval, requires_grad off, on ``device`` (with
     ``target.random_weights``: built from config.json with random weights, no weights file read).
@@ -300,7 +306,11 @@ def load_target(
     ``tp_group``: the process group of this rank's tensor-parallel replica (``dflash.targets.tp``);
     with more than one rank the weights are DTensors sharded over it and each rank reads only its
     shard of the checkpoint. Every rank of the group must call this together. ValueError before
-    anything is allocated when its config.json implies more weights than the device holds.
+    anything is allocated when its config.json implies more weights than the device holds. The
+    attention kernel is ``target.attn_implementation`` resolved for the device and the model
+    (``dflash.config.resolve.target_attention``: auto is document-masked on CUDA); ``decoding``: the
+    target will decode one sequence at a time with a cache (speculative decoding), which auto runs
+    with SDPA.
     """
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -313,7 +323,9 @@ def load_target(
     problems = target_size_problems(_meta_of(config), where, dtype, device, shards=tp_size)
     if problems:
         raise ValueError(problems[0])
-    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=cfg.attn_implementation)
+    model_type = str(config.get_text_config(decoder=True).model_type)
+    attn = target_attention(cfg, device.type, model_type, pack=False if decoding else None)
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn)
     sharding: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if tp_size > 1:
         kwargs["distributed_config"] = distributed_config(config.get_text_config(decoder=True), tp_size)
@@ -346,9 +358,10 @@ def load_target(
             f"target {cfg.path}: {len(on_meta)} tensors left on the meta device, e.g. {on_meta[:3]}"
         )
     log.info(
-        "loaded target %s (%s) on %s%s: %s params, %.2f GiB %s on this rank, %.1fs",
+        "loaded target %s (%s, %s attention) on %s%s: %s params, %.2f GiB %s on this rank, %.1fs",
         cfg.path,
         type(model).__name__,
+        attn,
         device,
         f" (tensor parallel over {tp_size} ranks)" if tp_size > 1 else "",
         human_count(sum(p.numel() for p in model.parameters())),

@@ -6,8 +6,8 @@ from the packet and counted in it (``num_skipped_nonfinite``); the drafter never
 
 On CUDA the host waits for the device once per packet: for the per-sample finite flags, which
 decide the packet's size (``tests/unit/test_host_syncs.py`` counts it). Everything else is either
-host work on host tensors (the plan, the layout, the dropped samples' indices) or non-blocking
-host-to-device copies; a packed row (no padding) is used as it is, never gathered into a copy. The
+host work on host tensors (the plan, the layout, the dropped samples' indices, the attention masks'
+shape from the samples' lengths) or non-blocking host-to-device copies; a packed row (no padding) is used as it is, never gathered into a copy. The
 packet's ``forward_s`` is device time between two CUDA events around the forward on the current
 stream (``DeviceClock``), never a device-wide synchronize, which would also wait for this rank's
 pending sends and control receive, i.e. for its drafters.
@@ -53,22 +53,28 @@ class PacketMaker:
         """``build_batch`` of the samples' token ids (host tensors)."""
         return build_batch([s[0] for s in samples], pack=self.cfg.target.pack, pad_id=self.pad_id)
 
-    def _forward(self, ids: Tensor, attn: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """The headless target forward of one batch: ``(aux [B, L, n_tap*H], final [B, L, H])``."""
+    def _forward(
+        self, ids: Tensor, attn: Tensor | None, pos: Tensor, lens: list[int]
+    ) -> tuple[Tensor, Tensor]:
+        """The headless target forward of one batch of documents of lengths ``lens``:
+        ``(aux [B, L, n_tap*H], final [B, L, H])``; its masks come from ``lens``, not from reading
+        the device tensors (``dflash.targets.attention``)."""
         return target_forward(
             self.model,
             self._put(ids),
             None if attn is None else self._put(attn),
             self.setup.layer_ids,
             position_ids=self._put(pos),
+            seq_lens=lens,
         )
 
     def forward_only(self, g: int) -> None:
         """Run the target forward of packet g and discard it: a rank of a tensor-parallel replica
         that is not its sender takes part in the sharded forward (its collectives), nothing else."""
         ds = self.setup.dataset
-        ids, attn, pos, _ = self._batch([ds.sample(i) for i in self.setup.plan.packet(g).tolist()])
-        self._forward(ids, attn, pos)
+        samples = [ds.sample(i) for i in self.setup.plan.packet(g).tolist()]
+        ids, attn, pos, _ = self._batch(samples)
+        self._forward(ids, attn, pos, [s[0].numel() for s in samples])
 
     def make(self, g: int, flags: int = 0) -> Packet:
         """Forward the samples of packet g and assemble the packet (non-finite samples dropped)."""
@@ -81,7 +87,7 @@ class PacketMaker:
         ids, attn, pos, keep = self._batch(samples)
         clock = DeviceClock(self.device)
         clock.start()
-        aux, final = self._forward(ids, attn, pos)
+        aux, final = self._forward(ids, attn, pos, lens.tolist())
         aux, final = self._real_tokens(aux, keep), self._real_tokens(final, keep)
         if self.cfg.fault.nonfinite_sample_ids:
             aux = self._inject_nonfinite(aux, sample_idx, lens)

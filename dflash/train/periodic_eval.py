@@ -93,7 +93,7 @@ class PeriodicEval:
         self.target = (
             target
             if target is not None
-            else load_target(cfg.target, device, torch_dtype(cfg.target.dtype, device))
+            else load_target(cfg.target, device, torch_dtype(cfg.target.dtype, device), decoding=True)
         )
         self.eos_ids = eos_ids_of(setup.tokenizer, self.target)
         try:

@@ -2,9 +2,11 @@
 
 ``PacketMaker.make`` runs the real tiny target (its weights on the meta device) and waits for the
 device once: the per-sample finite flags, which decide the packet's size. The headless forward adds
-transformers' own mask preparation (``transformers/masking_utils.py``), which reads the position ids
-(a packed row: ``find_packed_sequence_indices``) or the padding mask (``_ignore_causal_mask_sdpa``)
-on the host; the tests pin that nothing else syncs, so a change on either side is seen.
+none: the attention masks come from the samples' lengths (``dflash.targets.attention``), so
+transformers' mask preparation never reads the position ids (``find_packed_sequence_indices``) or
+the padding mask (``_ignore_causal_mask_sdpa``) on the host, as it does when given only tensors.
+flex_attention and flash-attn kernels do not run on the meta device: their mask preparation is
+counted alone.
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ def base_setup(run_cache):
     return prepare_fast(run_cache)
 
 
-@pytest.fixture(scope="module")
-def meta_target(base_setup):
+def _meta_target(base_setup, attn: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_setup.target_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        base_setup.target_path, dtype=torch.float32, attn_implementation=attn
+    )
     return model.eval().requires_grad_(False).to(META)
+
+
+@pytest.fixture(scope="module")
+def meta_target(base_setup):
+    return _meta_target(base_setup, "sdpa")
 
 
 def _maker(base_setup, model, *, pack: bool, nonfinite: list[int] | None = None):
@@ -46,17 +54,19 @@ def _maker(base_setup, model, *, pack: bool, nonfinite: list[int] | None = None)
     return PacketMaker(cfg, base_setup, model, META)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("pack", [True, False])
-def test_one_host_sync_per_packet(base_setup, meta_target, pack):
-    maker = _maker(base_setup, meta_target, pack=pack)
+def test_one_host_sync_per_packet(base_setup, meta_target, pack, attn):
+    model = meta_target if attn == "sdpa" else _meta_target(base_setup, attn)
+    maker = _maker(base_setup, model, pack=pack)
+    docs = []
     for g in range(3):
         with HostSyncs() as syncs:
             pkt = maker.make(g)
-        ours = syncs.where("dflash/")
-        assert [(s.kind, s.op) for s in ours] == [("device-to-host copy", "_to_copy.default")], syncs.events
-        assert "packets.py" in ours[0].where and "_finite_per_sample" in ours[0].where
-        forward = [s for s in syncs.events if s not in ours]
-        assert forward and all(MASKING in s.where and s.kind == "scalar read" for s in forward), forward
+        assert [(s.kind, s.op) for s in syncs.events] == [("device-to-host copy", "_to_copy.default")], (
+            syncs.events
+        )
+        assert "packets.py" in syncs.events[0].where and "_finite_per_sample" in syncs.events[0].where
         assert pkt.aux_hidden.device == META and pkt.num_tokens == sum(
             base_setup.dataset.sample(int(i))[0].numel() for i in base_setup.plan.packet(g)
         )
@@ -64,6 +74,66 @@ def test_one_host_sync_per_packet(base_setup, meta_target, pack):
             pkt.num_tokens,
             len(base_setup.layer_ids) * base_setup.meta.hidden_size,
         )
+        docs.append(pkt.num_seqs)
+    assert max(docs) > 1, docs  # packed rows of several documents: the masks were made, not skipped
+
+
+def test_transformers_alone_would_read_the_tensors(base_setup, meta_target):
+    """Without the documents' lengths transformers prepares the masks from the tensors and reads them
+    on the host (once per forward): what ``seq_lens`` saves, and proof that the counter sees it."""
+    from dflash.targets.forward import build_batch, target_forward
+
+    seqs = [base_setup.dataset.sample(int(i))[0] for i in base_setup.plan.packet(0)]
+    for pack in (True, False):
+        ids, attn, pos, _ = (
+            None if t is None else t.to(META) for t in build_batch(seqs, pack=pack, pad_id=0)
+        )
+        with HostSyncs() as syncs:
+            target_forward(meta_target, ids, attn, base_setup.layer_ids, position_ids=pos)
+        assert syncs.events and all(MASKING in s.where and s.kind == "scalar read" for s in syncs.events), (
+            pack,
+            syncs.events,
+        )
+
+
+@pytest.mark.parametrize("attn", ["flex_attention", "flash_attention_2", "sdpa"])
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "gpt_oss"])
+def test_document_masks_are_made_without_reading_the_device(attn, model_type):
+    """The masks (or flash-attn's boundaries) of a packed row of three documents, per layer type
+    where the config lists them, with no host sync; a single-mask model (Llama) under flash-attn
+    keeps the position ids, which transformers then reads once."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers import AutoConfig
+
+    from dflash.targets.attention import document_inputs
+
+    extra = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
+    config = AutoConfig.for_model(
+        model_type, num_hidden_layers=2, **(extra if model_type == "gpt_oss" else {})
+    )
+    config._attn_implementation = attn
+    lens = [300, 200, 12]
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0).to(META)
+    ids = torch.zeros(1, sum(lens), dtype=torch.long, device=META)
+    with HostSyncs() as syncs:
+        out = document_inputs(config, lens, ids, None, pos, torch.float32)
+    assert out is not None and syncs.events == [], syncs.events
+    masks = out["attention_mask"]
+    if model_type == "llama":
+        assert not isinstance(masks, dict)
+        masks = {"full_attention": masks}
+    else:
+        assert set(masks) == set(config.layer_types)
+    for mask in masks.values():
+        if attn == "flex_attention":
+            assert isinstance(mask, BlockMask) and mask.shape == (1, 1, sum(lens), sum(lens))
+        elif attn == "sdpa":
+            assert mask.dtype == torch.bool and mask.shape == (1, 1, sum(lens), sum(lens))
+        else:
+            assert mask is None
+    if attn == "flash_attention_2":
+        assert (out["max_length_q"], out["cu_seq_lens_q"].shape) == (300, (4,))
+    assert out["position_ids"] is pos
 
 
 def test_dropped_samples_cost_no_extra_sync(base_setup, meta_target):

@@ -405,7 +405,7 @@ def test_one_gpu_plans_the_colocated_mode(capsys):
             out["fits"]["colocated"] is fits
             and out["configured_samples_per_s"] == out["expected_samples_per_s"] > 0
         )
-        assert "One GPU: co-located only" in text and ("does not fit" in text) is not fits, text
+        assert "One GPU: co-located only" in text and ("DOES NOT FIT" in text) is not fits, text
 
 
 def _plan_app(*overrides: str) -> Completed:
@@ -436,15 +436,17 @@ def test_the_app_reports_a_bad_value_in_one_line():
 
 
 def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_training_takes(capsys):
-    """On 80 GB H100s the Qwen3-8B drafter at 4,096 anchors per packet does not fit (109.5 GiB; the
-    shipped 2,048 do, with 67.9): the plan names the largest drafter.max_anchors_per_packet that does
-    (and it fits, the next step up does not), and writes the co-located mode as training spells it
+    """On 80 GB H100s the Qwen3-8B drafter at 4,096 anchors per packet without activation
+    checkpointing does not fit (109.5 GiB; 2,048 do, with 67.9): the plan names the largest
+    drafter.max_anchors_per_packet that does (and it fits, the next step up does not), the same as its
+    table of the largest anchors per lever, and writes the co-located mode as training spells it
     (topology=colocated, not topology.colocated=true)."""
     base = [
         "experiment=qwen3_8b_8gpu",
         "plan.world_size=8",
         "plan.gpu=h100",
         "drafter.max_anchors_per_packet=4096",
+        "drafter.activation_checkpointing=none",
     ]
     out = run(_compose(base))
     text = capsys.readouterr().out
@@ -453,6 +455,9 @@ def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_trai
     assert fix.startswith("drafter.max_anchors_per_packet=") and f"To fit a drafter: {fix}" in text
     anchors = int(fix.split("=")[1].split()[0])
     assert anchors % 64 == 0 and 0 < anchors < 4096
+    assert out["largest_anchors"]["drafter"]["none/none"] == anchors
+    assert out["largest_anchors"]["drafter"]["layers/none"] > anchors  # checkpointing fits more
+    assert "Largest drafter.max_anchors_per_packet that fits 70.5 GiB per GPU" in text
     fitting = run(_compose([*base, f"drafter.max_anchors_per_packet={anchors}"]))
     assert fitting["fits"]["drafter"] and "drafter" not in fitting["fits_with"]
     assert not run(_compose([*base, f"drafter.max_anchors_per_packet={anchors + 64}"]))["fits"]["drafter"]

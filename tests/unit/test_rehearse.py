@@ -253,7 +253,7 @@ def test_largest_anchors_that_fit_is_the_fitting_cap():
 
 
 def test_a_binding_anchor_cap_is_named_with_the_cap_that_fits():
-    cfg, inputs = _inputs(["experiment=qwen3_8b_8gpu"])
+    cfg, inputs = _inputs(["experiment=qwen3_8b_8gpu", "drafter.max_anchors_per_packet=2048"])
     note = anchor_cap_note(cfg, inputs, 60.0, "drafter", DrafterSettings())
     fits = largest_anchors(cfg, inputs, 60.0, "drafter", DrafterSettings())
     assert note is not None and "2048 anchors per packet of the 8192" in note and f"{fits} would fit" in note
