@@ -25,7 +25,7 @@ casts (cached by autocast), the two inputs, q and k, and the bf16 rounding insid
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -165,11 +165,23 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(arch, arch.window(layer))
         self.post_attention_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.mlp = Qwen3MLP(arch.qwen3_config())
+        self.compiled: Callable[..., torch.Tensor] | None = None
+        """The ``torch.compile``d training forward (:meth:`DFlashDraftModel.compile_layers`), or None."""
 
     def forward(
         self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache, layer
     ) -> torch.Tensor:
-        """x [B, Q, H] fp32 residual stream, context [B, S, H] (already :func:`gemm_input`) -> [B, Q, H]."""
+        """x [B, Q, H] fp32 residual stream, context [B, S, H] (already :func:`gemm_input`) -> [B, Q, H].
+
+        A training forward (no cache) runs :attr:`compiled` when there is one; decoding stays eager."""
+        if cache is None and self.compiled is not None:
+            return self.compiled(x, context, rope_q, rope_ctx, mask)
+        return self.body(x, context, rope_q, rope_ctx, mask, cache, layer)
+
+    def body(
+        self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache=None, layer: int = 0
+    ) -> torch.Tensor:
+        """The layer's math (:meth:`forward`, eager)."""
         h = gemm_input(self.input_layernorm(x))  # one copy for q, k and v
         x = x + self.self_attn(h, context, rope_q, rope_ctx, mask, cache, layer)
         return x + self.mlp(gemm_input(self.post_attention_layernorm(x)))  # one copy for gate and up
@@ -196,6 +208,22 @@ class DFlashDraftModel(nn.Module):
     @property
     def block_size(self) -> int:
         return self.arch.block_size
+
+    def compile_layers(self, dynamic: bool | None = False) -> None:
+        """``torch.compile`` each decoder layer's training forward on its own (as torchtitan compiles
+        each transformer block): one graph per layer fuses its norms, RoPE, SiLU gate and residual adds
+        around the GEMMs and attention (flex is compiled inside it). ``dynamic=False``: one graph per
+        shape, for the static flex shapes; None lets torch mark a changing size dynamic (dense SDPA,
+        whose shapes follow each packet). Decoding with a cache stays eager.
+
+        What is compiled is each layer's math inside its module call, so parameter names do not
+        change (checkpoints and the export are untouched) and everything wrapped around the call
+        stays eager and composes: :attr:`checkpoint_layers` checkpoints the call (backward runs the
+        compiled forward again), and FSDP2's ``fully_shard`` of a layer (applied after this) gathers
+        and frees its weights in the module's hooks, outside the graph."""
+        for layer in self.layers:
+            assert isinstance(layer, DFlashDecoderLayer)
+            layer.compiled = torch.compile(layer.body, dynamic=dynamic)
 
     def new_cache(self) -> KVCache:
         """An empty decoding cache: sliding layers keep their last W-1 context rows."""
