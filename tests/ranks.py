@@ -451,8 +451,11 @@ def rank_server() -> str:
             deadline = time.monotonic() + 120
             while not os.path.exists(address):
                 world._reap(0.05)
-                err = Path(world.specs[0].stderr).read_text(errors="replace")
-                assert world.alive() and time.monotonic() < deadline, f"the rank server did not start:\n{err}"
+                if not world.alive() or time.monotonic() > deadline:  # its stderr exists once it runs
+                    err = Path(world.specs[0].stderr)
+                    raise AssertionError(
+                        f"the rank server did not start:\n{err.read_text(errors='replace') if err.exists() else ''}"
+                    )
             _server = (world, address)
         return _server[1]
 

@@ -17,6 +17,7 @@ resumes across shard settings and drafter counts.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
@@ -40,6 +41,8 @@ from dflash.distributed.sharding import (
     whole_model,
 )
 from dflash.drafter.model import DFlashDraftModel
+
+log = logging.getLogger(__name__)
 
 
 class DrafterParallel(Protocol):
@@ -175,7 +178,14 @@ def drafter_parallel(
     model: DFlashDraftModel, ctx: DistContext, shard: str, num_drafters: int
 ) -> DrafterParallel:
     """``Sharded`` for ``drafter.shard=optimizer|full`` with several drafters (sharding ``model`` in
-    place: build the optimizer afterwards), else ``Replicated``."""
+    place: build the optimizer afterwards), else ``Replicated`` (one drafter: said once, as the
+    setting then has no effect)."""
     if shard != "none" and num_drafters > 1:
         return Sharded(model, ctx, shard)
+    if shard != "none":
+        log.warning(
+            "drafter.shard=%s with one drafter: nothing to shard, the drafter trains unsharded "
+            "(add drafters with topology.num_drafters to shard its state)",
+            shard,
+        )
     return Replicated(model, ctx, num_drafters)

@@ -6,15 +6,17 @@ and both values; a changed train.num_steps is accepted with train.allow_contract
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from faultkit import figure, log_time
-from runner import launch, no_leftover_processes
+from runner import launch, no_leftover_processes, prepare_fast
 from safetensors.torch import load_file
 from wandb_reader import read_history
 
 from dflash.train.checkpoint import load_checkpoint
+from dflash.train.trainer import EMPTY_STEPS_LIMIT
 
 pytestmark = pytest.mark.faults
 
@@ -85,3 +87,47 @@ def test_nan_loss_error_then_contract_then_skip(tmp_path, run_cache):
     figure("R6 NaN loss, train.on_nonfinite=skip", weights_step2_equal_step3=True, nonfinite_steps=1)
     figure("contract", refused=changed, allowed=allowed.split(": ", 1)[1])
     assert no_leftover_processes(failed, refused, skipped)
+
+
+@pytest.mark.parametrize(
+    ("skip_fraction", "error"),
+    [
+        ("0.1", "non-finite hidden states, more than data.max_skip_fraction=0.1"),
+        ("1.0", "trained on nothing: no packet held a supervised slot"),
+    ],
+)
+def test_a_run_whose_hidden_states_are_all_non_finite_fails_without_an_export(
+    tmp_path, run_cache, skip_fraction, error
+):
+    """Every sample's target hidden states NaN (a broken target checkpoint): the run stops with an
+    error naming the cause, exports no drafter and never prints 'finished'. Within
+    ``data.max_skip_fraction`` the drops count against it; when the user allows every sample to be
+    dropped, ``EMPTY_STEPS_LIMIT`` steps in a row with no supervised slot end it."""
+    num_samples = len(prepare_fast(run_cache).dataset)
+    every = ",".join(str(i) for i in range(num_samples))
+    run_dir = tmp_path / "run"
+    run = launch(
+        run_dir,
+        [
+            "topology.num_targets=1",
+            "train.max_steps=6",
+            "logging.mode=disabled",
+            f"data.max_skip_fraction={skip_fraction}",
+            f"fault.nonfinite_sample_ids=[{every}]",
+        ],
+        run_cache,
+        nproc=2,
+    )
+    log = run.rank_log(1)
+    assert run.returncode not in (0, None) and run.exits()[(1, 0)]["returncode"] != 0, log[-3000:]
+    assert error in log, log[-3000:]
+    assert "finished:" not in run.output and not (run_dir / "drafter").exists()
+    step = re.search(r"steps (\d+)-(\d+) trained on nothing", log)
+    if step:
+        assert int(step[2]) - int(step[1]) + 1 == EMPTY_STEPS_LIMIT
+    figure(
+        f"train on nothing, data.max_skip_fraction={skip_fraction}",
+        error=next(ln for ln in log.splitlines() if error in ln)[-200:],
+        exported=False,
+    )
+    assert no_leftover_processes(run)

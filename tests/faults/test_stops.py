@@ -11,12 +11,20 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
 import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 from faultkit import figure
-from runner import launch, ledger_steps, no_leftover_processes
+from ranks import RANK_SERVER_ENV, rank_server
+from runner import env_for, exits_dir, launch, ledger_steps, no_leftover_processes, torchrun_cmd
+from testpaths import REPO
 
 from dflash.config import EXIT_STOPPED
 from dflash.train.checkpoint import load_checkpoint
@@ -99,3 +107,44 @@ def test_sigterm_to_the_target_alone_stops_the_run_with_a_checkpoint(tmp_path, r
     assert re.search(rf"status +stopped at step {stopped} of 12", run.output), run.output[-3000:]
     figure("SIGTERM to the target alone", stopped_at_step=stopped, exit_codes=run.returncodes)
     assert no_leftover_processes(run)
+
+
+def test_ctrl_c_after_the_terminal_pipe_closed_still_checkpoints(tmp_path, run_cache):
+    """``torchrun ... | head -c 400`` with the progress bar on: the reader goes away after a few
+    lines, so every later write to the console hits a closed pipe (``tee`` killed by the same
+    Ctrl-C, or a closed ssh session). Ctrl-C (SIGINT to the foreground process group) must still
+    write the checkpoint: the drafter stops at a step boundary and exits ``EXIT_STOPPED``."""
+    run_dir = tmp_path / "run"
+    env = env_for(
+        run_cache,
+        {
+            RANK_SERVER_ENV: rank_server(),
+            "DFLASH_RANK_EXIT_FORWARD": "1",
+            "DFLASH_RANK_EXIT_DIR": str(exits_dir(run_dir)),
+        },
+    )
+    cmd = torchrun_cmd(run_dir, [*TWO, "logging.progress_bar=true"], nproc=2)
+    shell = f"{shlex.join(cmd)} 2>&1 | head -c 400 >/dev/null"
+    proc = subprocess.Popen(["bash", "-c", shell], cwd=REPO, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while ledger_steps(run_dir) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and ledger_steps(run_dir) >= 3, "the run ended or stalled before step 3"
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stopped = ledger_steps(run_dir)
+    assert 3 <= stopped < 12
+    assert load_checkpoint(run_dir / "checkpoints" / f"step_{stopped:08d}").step == stopped
+    exits = {
+        r["rank"]: r for r in map(json.loads, map(Path.read_text, exits_dir(run_dir).glob("rank*.json")))
+    }
+    assert exits[1]["returncode"] == EXIT_STOPPED and exits[0]["returncode"] == 0, exits
+    log = (run_dir / "rank1.log").read_text()
+    assert "got SIGINT; stopping with a checkpoint" in log and "BrokenPipeError" not in log, log[-3000:]
+    figure("Ctrl-C under a closed pipe", stopped_at_step=stopped, drafter_exit=exits[1]["returncode"])
+    assert no_leftover_processes(run_dir)
