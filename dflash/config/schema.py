@@ -298,6 +298,9 @@ class DrafterConfig:
     target's. SGLang's DFlash model rotates the whole head whatever the config says: 1.0 to serve there."""
     attention: Attention = field(default=Attention.auto, metadata=FREE)
     """auto (flex on CUDA, sdpa on CPU), flex or sdpa: the same function, two kernels."""
+    compile: bool = field(default=True, metadata=FREE)
+    """torch.compile each drafter layer's training forward on CUDA (one graph per layer, static shapes
+    with flex; the same results); acts only on CUDA. False: eager layers (flex is still compiled)."""
     dtype: DrafterDtype = field(default=DrafterDtype.auto, metadata=FREE)
     """Compute dtype of the drafter: auto (bfloat16 autocast on GPU, float32 on CPU)."""
     init_from: str | None = field(default=None, metadata=FREE)

@@ -38,9 +38,11 @@ def attend(
 ) -> torch.Tensor:
     """q [B, nh, Q, hd], k/v [B, nkv, KV, hd] -> [B, nh, Q, hd] (GQA handled here)."""
     if mask is not None and mask.block_mask is not None:
-        return _flex(q.device.type)(
-            q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # inside a compiled drafter layer the layer's graph compiles flex itself
+        flex = flex_attention if torch.compiler.is_compiling() else _flex(q.device.type)
+        return flex(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     attn_mask = None if mask is None else mask.dense
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]

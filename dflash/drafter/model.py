@@ -12,12 +12,20 @@ this module. Parameter names follow the public DFlash checkpoint layout
 (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``).
 Each layer is ``full_attention`` or ``sliding_attention`` (window W): what a block query sees in
 either is written down, with the servers it follows, in ``dflash.drafter.blocks``.
+
+Under autocast (bf16 on GPU) every activation that feeds GEMMs is cast once, by :func:`gemm_input`,
+for the whole group of GEMMs that read it (left to autocast, each GEMM would make and save its own
+copy): the normed block states once for q, k and v, the MLP input once for gate and up, the context
+once for the k and v of every layer; the tapped target states go to ``fc`` in their own dtype (no
+fp32 round trip), and q and k enter attention in v's dtype. Per layer that leaves the seven weight
+casts (cached by autocast), the two inputs, q and k, and the bf16 rounding inside the q/k RMSNorms
+(``tests/unit/test_drafter_compute.py`` counts them).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -27,6 +35,15 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.attention import AttentionMask, attend
 from dflash.drafter.blocks import decode_mask
+
+
+def gemm_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype autocast runs GEMMs in when autocast is on for its device (one copy that
+    every GEMM reading ``x`` then shares), else ``x`` itself. fp64 is left alone, as autocast does."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind) or x.dtype == torch.float64:
+        return x
+    return x.to(torch.get_autocast_dtype(kind))
 
 
 class RotaryEmbedding(nn.Module):
@@ -131,6 +148,8 @@ class DFlashAttention(nn.Module):
             k_ctx, v_ctx = cache.extend(layer, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
+        # q and k leave the RMSNorm (fp32 weight) and RoPE in fp32; attention takes v's dtype for all three
+        q, k = q.to(v.dtype), k.to(v.dtype)
         if mask is None and self.window is not None and x.shape[1] > 0:
             mask = decode_mask(k_ctx.shape[2], x.shape[1], self.window, x.device)
         out = attend(q, k, v, mask, scale=1.0 / math.sqrt(self.head_dim))
@@ -146,12 +165,26 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(arch, arch.window(layer))
         self.post_attention_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.mlp = Qwen3MLP(arch.qwen3_config())
+        self.compiled: Callable[..., torch.Tensor] | None = None
+        """The ``torch.compile``d training forward (:meth:`DFlashDraftModel.compile_layers`), or None."""
 
     def forward(
         self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache, layer
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_ctx, mask, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x [B, Q, H] fp32 residual stream, context [B, S, H] (already :func:`gemm_input`) -> [B, Q, H].
+
+        A training forward (no cache) runs :attr:`compiled` when there is one; decoding stays eager."""
+        if cache is None and self.compiled is not None:
+            return self.compiled(x, context, rope_q, rope_ctx, mask)
+        return self.body(x, context, rope_q, rope_ctx, mask, cache, layer)
+
+    def body(
+        self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache=None, layer: int = 0
+    ) -> torch.Tensor:
+        """The layer's math (:meth:`forward`, eager)."""
+        h = gemm_input(self.input_layernorm(x))  # one copy for q, k and v
+        x = x + self.self_attn(h, context, rope_q, rope_ctx, mask, cache, layer)
+        return x + self.mlp(gemm_input(self.post_attention_layernorm(x)))  # one copy for gate and up
 
 
 class DFlashDraftModel(nn.Module):
@@ -176,6 +209,22 @@ class DFlashDraftModel(nn.Module):
     def block_size(self) -> int:
         return self.arch.block_size
 
+    def compile_layers(self, dynamic: bool | None = False) -> None:
+        """``torch.compile`` each decoder layer's training forward on its own (as torchtitan compiles
+        each transformer block): one graph per layer fuses its norms, RoPE, SiLU gate and residual adds
+        around the GEMMs and attention (flex is compiled inside it). ``dynamic=False``: one graph per
+        shape, for the static flex shapes; None lets torch mark a changing size dynamic (dense SDPA,
+        whose shapes follow each packet). Decoding with a cache stays eager.
+
+        What is compiled is each layer's math inside its module call, so parameter names do not
+        change (checkpoints and the export are untouched) and everything wrapped around the call
+        stays eager and composes: :attr:`checkpoint_layers` checkpoints the call (backward runs the
+        compiled forward again), and FSDP2's ``fully_shard`` of a layer (applied after this) gathers
+        and frees its weights in the module's hooks, outside the graph."""
+        for layer in self.layers:
+            assert isinstance(layer, DFlashDecoderLayer)
+            layer.compiled = torch.compile(layer.body, dynamic=dynamic)
+
     def new_cache(self) -> KVCache:
         """An empty decoding cache: sliding layers keep their last W-1 context rows."""
         windows = [self.arch.window(i) for i in range(self.arch.num_layers)]
@@ -193,8 +242,14 @@ class DFlashDraftModel(nn.Module):
                 nn.init.ones_(module.weight)
 
     def context(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, S, n_tap*H] concatenated tapped target states -> [B, S, H] context rows."""
-        return self.hidden_norm(self.fc(target_hidden))
+        """[B, S, n_tap*H] concatenated tapped target states -> [B, S, H] context rows, ready for the
+        layers' k and v projections (:func:`gemm_input`: one copy shared by every layer).
+
+        The taps go to ``fc`` as they come when autocast is on (bf16 from the target: no copy at
+        all), else in ``fc``'s dtype."""
+        on = torch.is_autocast_enabled(target_hidden.device.type) and target_hidden.dtype != torch.float64
+        taps = target_hidden if on else target_hidden.to(self.fc.weight.dtype)
+        return gemm_input(self.hidden_norm(self.fc(gemm_input(taps))))
 
     def forward(
         self,
@@ -214,7 +269,7 @@ class DFlashDraftModel(nn.Module):
         ``[context (S); blocks (Q)]`` (``blocks.build_masks``), or None for decoding one block right
         after the context (and ``cache``). Returns [B, Q, H] after the drafter's final norm.
         """
-        context = self.context(target_hidden.to(self.fc.weight.dtype))
+        context = self.context(target_hidden)
         x = noise_embeds.to(self.fc.weight.dtype)
         rope_q = self.rotary_emb(x, block_positions)
         rope_ctx = self.rotary_emb(x, context_positions)

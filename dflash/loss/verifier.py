@@ -153,6 +153,8 @@ def _device_mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     if a.dtype == b.dtype and kernel_device(a.device) == "cuda":
         try:
             return torch.mm(a, b, out_dtype=out.dtype, out=out)
+        except torch.OutOfMemoryError:
+            raise  # the fallback's upcast copies would need more memory, not less
         except (RuntimeError, TypeError):  # pragma: no cover - older torch / arch
             pass
     return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)

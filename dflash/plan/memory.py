@@ -29,13 +29,15 @@ Drafter rank (bf16 autocast, the GPU default; fp32 runs count 4 bytes and no cas
   whole weights for the step, ``full`` four layer-sized buffers in backward);
 - the frozen embedding and lm_head ``2*V*H*a`` (a co-located rank uses the target's own);
 - one packet (the one being trained on; the next one's receive posts only its header);
-- activations saved for backward, per layer ``Q*(26H + 10A + 10K + 8F + 12nh + 4nkv + 16) +
-  S*(4H + 10K + 4nkv)`` bytes (fp32 residual stream and norms, bf16 GEMM inputs cast once per consumer,
-  bf16 GEMM outputs, flex's output and log-sum-exp) plus the bf16 copy of the layer's weights that
-  autocast caches, and once ``S*(2*n_tap*H + 6H)`` (fc input, context norm), ``Q*10H`` (noise
-  embedding, final norm), ``2*n_tap*H*H`` (fc's bf16 weight) and RoPE tables ``8*rd*(Q + S)``;
+- activations saved for backward, per layer ``Q*(20H + 10A + 10K + 8F + 12nh + 4nkv + 16) +
+  S*(10K + 4nkv)`` bytes (fp32 residual stream and norms, one bf16 copy per GEMM-input group: the
+  normed states for q, k and v, the MLP input for gate and up; bf16 GEMM outputs, flex's output and
+  log-sum-exp) plus the bf16 copy of the layer's weights that autocast caches, and once ``S*8H`` (the
+  context norm and the context's one bf16 copy, read by every layer's k and v; ``fc`` reads the
+  packet's bf16 taps themselves), ``Q*10H`` (noise embedding, final norm), ``2*n_tap*H*H`` (fc's bf16
+  weight) and RoPE tables ``8*rd*(Q + S)``;
 - with per-layer checkpointing (``drafter.activation_checkpointing``) the layers keep only their
-  inputs ``(L + 1)*Q*4H`` and the context ``S*4H``; the peak is the larger of the loss (weight casts
+  inputs ``(L + 1)*Q*4H`` (and the context, already counted); the peak is the larger of the loss (weight casts
   still cached) and the backward of one layer (its activations recomputed, ``Q*(4H + 4F)`` of gradients);
 - the loss workspace: ``(2C + 256)*V*4`` (drafter and verifier logit chunks, the 256-row scratch;
   ``C*V*4`` without a verifier), the bf16 copy of a gradient chunk ``C*V*2``, the gathered drafter rows
@@ -255,7 +257,7 @@ def _layer_activation_bytes(drafter: DrafterArch, q: int, s: int, autocast: bool
     a, k = nh * drafter.head_dim, nkv * drafter.head_dim
     small = q * (12 * nh + 4 * nkv + 16) + s * 4 * nkv  # norm statistics, flex's log-sum-exp
     if autocast:
-        big = q * (26 * h + 10 * a + 10 * k + 8 * f) + s * (4 * h + 10 * k)
+        big = q * (20 * h + 10 * a + 10 * k + 8 * f) + s * 10 * k
         return big + small + 2 * drafter_layer_params(drafter)
     return q * 4 * (6 * h + 4 * a + 4 * k + 4 * f) + s * 4 * 4 * k + small
 
@@ -268,8 +270,8 @@ def drafter_activations(
     rd = int(drafter.head_dim * getattr(drafter, "partial_rotary_factor", 1.0))
     c = 2 if dtypes.autocast else 4  # bytes of a GEMM output
     casts = 2 * drafter_num_params(drafter) if dtypes.autocast else 0
-    # fc's input (cast to bf16, or the fp32 copy of the taps) and the context norm; RoPE tables
-    once = s * (2 * n_tap * h + 6 * h if dtypes.autocast else 4 * n_tap * h + 12 * h) + 8 * rd * (q + s)
+    # the context norm and (autocast) the context's one bf16 copy, or the fp32 copy of the taps; RoPE tables
+    once = s * (8 * h if dtypes.autocast else 4 * n_tap * h + 12 * h) + 8 * rd * (q + s)
     ends = q * (8 + dtypes.target_bytes) * h  # the noise embedding, the final norm
     layer = _layer_activation_bytes(drafter, q, s, dtypes.autocast)
     if not checkpoint:
@@ -280,8 +282,8 @@ def drafter_activations(
             + (casts - layers * 2 * drafter_layer_params(drafter) if casts else 0)
         )
         return full, full
-    # the layers keep their inputs (and, under autocast, the context, which only casts read otherwise)
-    saved = once + (s * 4 * h if dtypes.autocast else 0) + layers * q * 4 * h
+    # the layers keep their inputs (the context is already in ``once``)
+    saved = once + layers * q * 4 * h
     at_loss = saved + q * 4 * h + ends + casts
     # one layer recomputed (its output is not kept) and the gradients of its input and MLP rows
     backward = saved + layer - q * 4 * h + q * (4 * h + 2 * c * f)

@@ -222,7 +222,8 @@ class DrafterTrainer:
     def _build_model(self) -> DFlashDraftModel:
         """The drafter, initialised from ``train.seed`` or warm-started from ``drafter.init_from``,
         its layers checkpointed when ``drafter.activation_checkpointing`` says so (auto: when the
-        planner finds that this role does not fit its device without it; every drafter agrees)."""
+        planner finds that this role does not fit its device without it; every drafter agrees) and
+        compiled on CUDA unless ``drafter.compile=false`` (before FSDP2 shards them, as torchtitan)."""
         model = DFlashDraftModel(self.setup.arch)
         model.reset_parameters(seed=self.cfg.train.seed)
         if self.cfg.drafter.init_from:
@@ -230,6 +231,8 @@ class DrafterTrainer:
             load_into(model, state)
             log.info("warm start from %s", self.cfg.drafter.init_from)
         model.checkpoint_layers = self._checkpointing()
+        if self.cfg.drafter.compile and self.device.type == "cuda":
+            model.compile_layers(dynamic=False if self.attention == "flex" else None)
         return model.to(self.device)
 
     @functools.cached_property

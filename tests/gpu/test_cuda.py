@@ -1,6 +1,7 @@
 """CUDA paths that CPU CI cannot run: the chunked loss on CUDA (fp32, bf16 inputs with fp32
 accumulation, compiled block math) against the CPU fp64 result, and compiled flex_attention against
-dense SDPA (forward and backward, full and sliding-window layers). Run with ``pytest -m gpu`` on a GPU host; skipped elsewhere."""
+dense SDPA (forward and backward, full and sliding-window layers, fp32 and under bf16 autocast, eager
+layers and each layer compiled). Run with ``pytest -m gpu`` on a GPU host; skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -117,3 +118,82 @@ def test_compiled_flex_attention_equals_dense_sdpa_forward_and_backward(layout):
     assert grads["flex"].keys() == grads["sdpa"].keys() and grads["sdpa"]
     for name, g in grads["sdpa"].items():
         torch.testing.assert_close(grads["flex"][name], g, atol=1e-4 * (1 + g.abs().max().item()), rtol=1e-3)
+
+
+def _bf16_step(model, noise, aux, pos, blocks, masks):
+    """One training forward and backward under bf16 autocast: (fp32 output, parameter gradients)."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", torch.bfloat16):
+        out = model(noise, aux, pos, blocks.block_positions, masks)
+    out.float().square().mean().backward()
+    return out.detach().float(), {
+        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-layers", "compiled-layers"])
+@pytest.mark.parametrize("layout", [{}, SLIDING], ids=["full", "sliding"])
+def test_bf16_autocast_compiled_flex_equals_dense_sdpa_forward_and_backward(layout, compiled):
+    """The training path as the trainer runs it on a GPU: fp32 master weights under bf16 autocast, the
+    target's taps in bf16, q/k/v in bf16 into compiled flex_attention, eager layers or each layer
+    compiled (``compile_layers``, static shapes, with per-layer checkpointing around it), against
+    eager dense SDPA under the same autocast. bf16 tolerances; no graph break in a compiled layer."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = DFlashDraftModel(tiny_arch(**layout)).cuda()
+    pos, doc, anchors, ids, aux, emb = (t.cuda() for t in tiny_batch())
+    aux, emb = aux.bfloat16(), emb.float()
+    blocks = make_blocks(ids, pos, doc, anchors, BS, MASK_ID)
+    noise = emb[blocks.block_ids]
+    dense, dense_grads = _bf16_step(model, noise, aux, pos, blocks, masks_for(model, anchors, doc, "sdpa"))
+    if compiled:
+        model.compile_layers(dynamic=False)
+        model.checkpoint_layers = True
+    flex, flex_grads = _bf16_step(model, noise, aux, pos, blocks, masks_for(model, anchors, doc, "flex"))
+    scale = dense.abs().max().item()
+    torch.testing.assert_close(flex, dense, atol=3e-2 * scale, rtol=3e-2)
+    assert flex_grads.keys() == dense_grads.keys() and dense_grads
+    for name, g in dense_grads.items():
+        assert flex_grads[name].dtype == torch.float32  # fp32 master gradients
+        torch.testing.assert_close(flex_grads[name], g, atol=5e-2 * (1e-6 + g.abs().max().item()), rtol=5e-2)
+    if compiled:
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] >= model.arch.num_layers
+
+
+def _cuda_packet(seed: int):
+    pos, doc, anchors, ids, aux, emb = (t.cuda() for t in tiny_batch(seed))
+    blocks = make_blocks(ids, pos, doc, anchors, BS, MASK_ID)
+    return emb.float()[blocks.block_ids], aux.float(), pos, blocks.block_positions, anchors, doc
+
+
+def test_compiled_layers_with_flex_equal_eager_layers_on_cuda():
+    """fp32, compiled flex in both: each layer compiled (static shapes) equals the eager layers in
+    forward and backward to fp32 rounding, and the next packet (same shapes, new anchors, a new block
+    mask and mask_mod closure, as every training step builds) compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    noise, aux, pos, block_pos, anchors, doc = _cuda_packet(0)
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = DFlashDraftModel(tiny_arch(**SLIDING)).cuda()
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            model.compile_layers(dynamic=False)
+        out = model(noise, aux, pos, block_pos, masks_for(model, anchors, doc, "flex"))
+        out.square().mean().backward()
+        runs.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    graphs = counters["stats"]["unique_graphs"]
+    noise, aux, pos, block_pos, anchors, doc = _cuda_packet(1)
+    assert anchors.shape == _cuda_packet(0)[4].shape
+    model(noise, aux, pos, block_pos, masks_for(model, anchors, doc, "flex")).sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs
+    (eager, eager_grads), (comp, comp_grads) = runs
+    torch.testing.assert_close(comp, eager, atol=1e-4, rtol=1e-4)
+    for name, g in eager_grads.items():
+        torch.testing.assert_close(comp_grads[name], g, atol=1e-4 * (1 + g.abs().max().item()), rtol=1e-3)

@@ -457,3 +457,32 @@ def test_explicit_normalizer_gives_the_weighted_sum_over_it(path):
     assert out.terms["ce"].item() == pytest.approx(mean.terms["ce"].item(), rel=1e-6)
     with pytest.raises(ValueError, match="normalizer"):
         verifier_loss(h_d, h_v, w_head, labels, weights, normalizer=0.0, **mix)
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, RuntimeError], ids=["oom", "unsupported"])
+def test_the_bf16_gemm_fallback_lets_out_of_memory_through(error, monkeypatch):
+    """The CUDA branch's bf16 GEMM with fp32 output (``out_dtype``) falls back to fp32 copies of both
+    operands when the kernel is missing (a RuntimeError), but an out-of-memory error propagates: the
+    fallback's fp32 copy of the whole lm_head would only need more memory. The kernel's failure is
+    injected into ``torch.mm`` (CPU has that kernel); the CUDA branch is taken with ``as_cuda``."""
+    from dflash.loss.device import as_cuda
+    from dflash.loss.verifier import _device_mm
+
+    real_mm = torch.mm
+
+    def mm(a, b, *, out_dtype=None, out=None):
+        if out_dtype is not None:
+            raise error("injected")
+        return real_mm(a, b, out=out)
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(16, 4, generator=g).bfloat16()
+    out = torch.empty(8, 4)
+    monkeypatch.setattr(torch, "mm", mm)
+    with as_cuda():
+        if error is torch.OutOfMemoryError:
+            with pytest.raises(torch.OutOfMemoryError, match="injected"):
+                _device_mm(a, b, out)
+        else:
+            _device_mm(a, b, out)
+            torch.testing.assert_close(out, a.float() @ b.float())
