@@ -139,6 +139,19 @@ Header.__doc__ = (
 )
 
 
+@dataclass(frozen=True)
+class HostFields:
+    """A packet's small payload fields on the host: what the receiver checks and the drafter's
+    bookkeeping reads (anchors, the ledger), so none of it reads the device tensor by tensor."""
+
+    seq_lens: Tensor
+    """CPU int64 [S]"""
+    sample_ids: Tensor
+    """CPU int64 [S]"""
+    loss_mask: Tensor
+    """CPU uint8 [T]"""
+
+
 @dataclass
 class Packet:
     index: int
@@ -152,6 +165,8 @@ class Packet:
     peak_mem_bytes: int = 0
     flags: int = 0
     num_skipped_nonfinite: int = 0
+    host: HostFields | None = None
+    """The small payload fields on the host (``host_fields``), once read."""
 
     @property
     def num_seqs(self) -> int:
@@ -328,10 +343,27 @@ def payload_shape(f: PayloadField, h: Header) -> tuple[int, ...]:
     return tuple(sizes[d] for d in f.dims)
 
 
+def host_fields(packet: Packet) -> HostFields:
+    """``packet.host``, read once: one device-to-host copy of seq_lens, sample_ids and loss_mask
+    together (none when they are on the CPU already)."""
+    if packet.host is None:
+        small = (packet.seq_lens, packet.sample_ids, packet.loss_mask)
+        if all(t.device.type == "cpu" for t in small):
+            packet.host = HostFields(*small)
+        elif packet.num_tokens == 0:  # every sample dropped: nothing to read
+            packet.host = HostFields(*(torch.zeros(0, dtype=t.dtype) for t in small))
+        else:
+            s = packet.num_seqs
+            flat = torch.cat([packet.seq_lens, packet.sample_ids, packet.loss_mask.long()]).cpu()
+            packet.host = HostFields(flat[:s], flat[s : 2 * s], flat[2 * s :].to(torch.uint8))
+    return packet.host
+
+
 def validate_payload(
     h: Header, seq_lens: Tensor, sample_ids: Tensor, loss_mask: Tensor, *, sender: str = "peer"
 ) -> None:
-    """Payload consistency: sum(seq_lens) == total_tokens, lengths > 0, ids >= 0, mask in {0, 1}."""
+    """Payload consistency: sum(seq_lens) == total_tokens, lengths > 0, ids >= 0, mask in {0, 1}
+    (host work on the CPU tensors of ``host_fields``)."""
     where = f"packet {h.g} payload from {sender}"
     total = int(seq_lens.sum().item())
     if total != h.total_tokens:
