@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -327,9 +328,10 @@ def payload_buffers(h: Header, device: torch.device) -> list[Tensor]:
 
 def packet_from_payload(h: Header, tensors: list[Tensor]) -> Packet:
     """The packet of DATA header ``h`` and its received payload (wire order)."""
+    payload: dict[str, Any] = {f.name: t for f, t in zip(PAYLOAD, tensors, strict=True)}
     return Packet(
         index=h.g,
-        **{f.name: t for f, t in zip(PAYLOAD, tensors, strict=True)},
+        **payload,
         forward_s=h.forward_us / 1e6,
         peak_mem_bytes=h.peak_mem_bytes,
         flags=h.flags,

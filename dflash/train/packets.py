@@ -7,7 +7,8 @@ from the packet and counted in it (``num_skipped_nonfinite``); the drafter never
 On CUDA the host waits for the device once per packet: for the per-sample finite flags, which
 decide the packet's size (``tests/unit/test_host_syncs.py`` counts it). Everything else is either
 host work on host tensors (the plan, the layout, the dropped samples' indices, the attention masks'
-shape from the samples' lengths) or non-blocking host-to-device copies; a packed row (no padding) is used as it is, never gathered into a copy. The
+shape from the samples' lengths) or non-blocking host-to-device copies (the packet keeps the host copies of its small fields,
+``Packet.host``, so a co-located drafter reads none back); a packed row (no padding) is used as it is, never gathered into a copy. The
 packet's ``forward_s`` is device time between two CUDA events around the forward on the current
 stream (``DeviceClock``), never a device-wide synchronize, which would also wait for this rank's
 pending sends and control receive, i.e. for its drafters.
