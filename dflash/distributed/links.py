@@ -66,6 +66,7 @@ from dflash.distributed.protocol import (
     encode_control,
     encode_header,
     end_header,
+    host_fields,
     packet_from_payload,
     payload_buffers,
     payload_tensors,
@@ -529,8 +530,9 @@ class DrafterLink(Endpoint):
         except ProtocolError as e:
             raise self._fail(e) from None
         packet = packet_from_payload(h, self._recv_payload(t, h))
+        host = host_fields(packet)  # the one read of the payload on the host
         try:
-            validate_payload(h, packet.seq_lens, packet.sample_ids, packet.loss_mask, sender=sender)
+            validate_payload(h, host.seq_lens, host.sample_ids, host.loss_mask, sender=sender)
         except ProtocolError as e:
             raise self._fail(e) from None
         self.last_wait_s = time.perf_counter() - t0

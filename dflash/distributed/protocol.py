@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -139,6 +140,19 @@ Header.__doc__ = (
 )
 
 
+@dataclass(frozen=True)
+class HostFields:
+    """A packet's small payload fields on the host: what the receiver checks and the drafter's
+    bookkeeping reads (anchors, the ledger), so none of it reads the device tensor by tensor."""
+
+    seq_lens: Tensor
+    """CPU int64 [S]"""
+    sample_ids: Tensor
+    """CPU int64 [S]"""
+    loss_mask: Tensor
+    """CPU uint8 [T]"""
+
+
 @dataclass
 class Packet:
     index: int
@@ -152,6 +166,8 @@ class Packet:
     peak_mem_bytes: int = 0
     flags: int = 0
     num_skipped_nonfinite: int = 0
+    host: HostFields | None = None
+    """The small payload fields on the host (``host_fields``), once read."""
 
     @property
     def num_seqs(self) -> int:
@@ -312,9 +328,10 @@ def payload_buffers(h: Header, device: torch.device) -> list[Tensor]:
 
 def packet_from_payload(h: Header, tensors: list[Tensor]) -> Packet:
     """The packet of DATA header ``h`` and its received payload (wire order)."""
+    payload: dict[str, Any] = {f.name: t for f, t in zip(PAYLOAD, tensors, strict=True)}
     return Packet(
         index=h.g,
-        **{f.name: t for f, t in zip(PAYLOAD, tensors, strict=True)},
+        **payload,
         forward_s=h.forward_us / 1e6,
         peak_mem_bytes=h.peak_mem_bytes,
         flags=h.flags,
@@ -328,10 +345,27 @@ def payload_shape(f: PayloadField, h: Header) -> tuple[int, ...]:
     return tuple(sizes[d] for d in f.dims)
 
 
+def host_fields(packet: Packet) -> HostFields:
+    """``packet.host``, read once: one device-to-host copy of seq_lens, sample_ids and loss_mask
+    together (none when they are on the CPU already)."""
+    if packet.host is None:
+        small = (packet.seq_lens, packet.sample_ids, packet.loss_mask)
+        if all(t.device.type == "cpu" for t in small):
+            packet.host = HostFields(*small)
+        elif packet.num_tokens == 0:  # every sample dropped: nothing to read
+            packet.host = HostFields(*(torch.zeros(0, dtype=t.dtype) for t in small))
+        else:
+            s = packet.num_seqs
+            flat = torch.cat([packet.seq_lens, packet.sample_ids, packet.loss_mask.long()]).cpu()
+            packet.host = HostFields(flat[:s], flat[s : 2 * s], flat[2 * s :].to(torch.uint8))
+    return packet.host
+
+
 def validate_payload(
     h: Header, seq_lens: Tensor, sample_ids: Tensor, loss_mask: Tensor, *, sender: str = "peer"
 ) -> None:
-    """Payload consistency: sum(seq_lens) == total_tokens, lengths > 0, ids >= 0, mask in {0, 1}."""
+    """Payload consistency: sum(seq_lens) == total_tokens, lengths > 0, ids >= 0, mask in {0, 1}
+    (host work on the CPU tensors of ``host_fields``)."""
     where = f"packet {h.g} payload from {sender}"
     total = int(seq_lens.sum().item())
     if total != h.total_tokens:

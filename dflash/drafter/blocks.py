@@ -86,7 +86,9 @@ def sample_anchors(
     """Up to ``num_anchors`` eligible anchors per document, uniform without replacement, sorted.
 
     ``max_total`` caps the anchors of a row (all its documents), subsampling uniformly.
-    Returns [B, N] int64 positions, padded with -1 (N = the largest count over rows, >= 1).
+    Returns [B, N] int64 positions, padded with -1 (N = the largest count over rows, >= 1), on the
+    inputs' device. The sampling runs on the host (``generator`` is a CPU generator): given device
+    tensors it reads them back (two host syncs); the trainer passes its host copies (none).
     """
     B, S = loss_mask.shape
     elig = eligible_anchors(loss_mask, doc_ids).cpu()
@@ -142,7 +144,7 @@ def make_blocks(
     mask_token_id: int,
 ) -> Blocks:
     """Noise blocks ``[x_a, MASK x (bs-1)]`` at positions pos(a)+k and their label positions."""
-    B, S = input_ids.shape
+    B, _ = input_ids.shape
     N = anchors.shape[1]
     valid = anchors >= 0
     a = anchors.clamp(min=0)
@@ -150,20 +152,33 @@ def make_blocks(
     block_ids = torch.full((B, N, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
     block_ids[..., 0] = torch.where(valid, input_ids.gather(1, a), mask_token_id)
     block_positions = position_ids.gather(1, a).unsqueeze(-1) + k
+    label_pos, label_valid = label_slots(doc_ids, anchors, block_size)
+    return Blocks(
+        anchors=anchors,
+        block_ids=block_ids.view(B, N * block_size),
+        block_positions=block_positions.view(B, N * block_size),
+        label_pos=label_pos,
+        label_valid=label_valid,
+    )
+
+
+def label_slots(
+    doc_ids: torch.Tensor, anchors: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Blocks.label_pos`` and ``Blocks.label_valid`` [B, N, bs] of the anchors (no token ids needed:
+    what the host computes from its own copies to know the supervised rows before the device does)."""
+    B, S = doc_ids.shape
+    N = anchors.shape[1]
+    valid = anchors >= 0
+    a = anchors.clamp(min=0)
+    k = torch.arange(block_size, device=anchors.device)
     pos = a.unsqueeze(-1) + k  # [B, N, bs]
     inside = pos < S
     pos_c = pos.clamp(max=S - 1)
     same_doc = doc_ids.gather(1, pos_c.view(B, -1)).view(B, N, block_size) == doc_ids.gather(1, a).unsqueeze(
         -1
     )
-    label_valid = valid.unsqueeze(-1) & inside & same_doc & (k >= 1)
-    return Blocks(
-        anchors=anchors,
-        block_ids=block_ids.view(B, N * block_size),
-        block_positions=block_positions.view(B, N * block_size),
-        label_pos=pos_c,
-        label_valid=label_valid,
-    )
+    return pos_c, valid.unsqueeze(-1) & inside & same_doc & (k >= 1)
 
 
 def _allow(q_idx, kv_idx, anchors_flat, q_doc, kv_doc, S: int, block_size: int, window: int | None):

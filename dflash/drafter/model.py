@@ -37,11 +37,16 @@ from dflash.drafter.attention import AttentionMask, attend
 from dflash.drafter.blocks import decode_mask
 
 
+def autocast_on(device_type: str) -> bool:
+    """Autocast is on for ``device_type`` (never for a device without autocast, e.g. meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def gemm_input(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the dtype autocast runs GEMMs in when autocast is on for its device (one copy that
     every GEMM reading ``x`` then shares), else ``x`` itself. fp64 is left alone, as autocast does."""
     kind = x.device.type
-    if not torch.is_autocast_enabled(kind) or x.dtype == torch.float64:
+    if not autocast_on(kind) or x.dtype == torch.float64:
         return x
     return x.to(torch.get_autocast_dtype(kind))
 
@@ -247,7 +252,7 @@ class DFlashDraftModel(nn.Module):
 
         The taps go to ``fc`` as they come when autocast is on (bf16 from the target: no copy at
         all), else in ``fc``'s dtype."""
-        on = torch.is_autocast_enabled(target_hidden.device.type) and target_hidden.dtype != torch.float64
+        on = autocast_on(target_hidden.device.type) and target_hidden.dtype != torch.float64
         taps = target_hidden if on else target_hidden.to(self.fc.weight.dtype)
         return gemm_input(self.hidden_norm(self.fc(gemm_input(taps))))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.config import LossConfig
-from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks
+from dflash.drafter.blocks import build_masks, doc_ids_from_positions, label_slots, make_blocks
 from dflash.drafter.model import DFlashDraftModel
 from dflash.loss.verifier import verifier_loss
 
@@ -68,6 +68,23 @@ def prefix_accept(hits: torch.Tensor) -> torch.Tensor:
     return 1 + torch.cumprod(hits[..., 1:].long(), dim=-1).sum(-1)
 
 
+def supervised_slots(
+    label_pos: torch.Tensor, label_valid: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """[B, N, bs] bool: the slots ``dflash_loss`` supervises (a valid label slot on a loss-mask token)."""
+    B, N, bs = label_pos.shape
+    return label_valid & loss_mask.gather(1, label_pos.view(B, N * bs)).view(B, N, bs).bool()
+
+
+def num_supervised(
+    loss_mask: torch.Tensor, doc_ids: torch.Tensor, anchors: torch.Tensor, block_size: int
+) -> int:
+    """The supervised rows R of ``dflash_loss`` for these [B, S] / [B, N] inputs, counted where they
+    live: the trainer counts on its host copies and passes R as ``num_rows`` (static padding adds
+    none: padding blocks have no anchor and the padded context is another, unsupervised document)."""
+    return int(supervised_slots(*label_slots(doc_ids, anchors, block_size), loss_mask).sum())
+
+
 def pad_to_static(
     aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, s_max: int, n_max: int
 ):
@@ -113,6 +130,7 @@ def dflash_loss(
     static_shape: tuple[int, int] | None = None,
     on_phase: Callable[[str], None] | None = None,
     normalizer: float | None = None,
+    num_rows: int | None = None,
 ) -> ObjectiveOutput:
     """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss.
 
@@ -129,7 +147,9 @@ def dflash_loss(
     drafter forward (``"drafter_forward"``: blocks, mask, layers) and the chunked loss (``"loss"``, its
     gradient included) end, for step timing. ``normalizer``: the loss is ``sum_r w_r l_r /
     normalizer`` (None: this batch's ``sum_r w_r``); the trainer passes 1 and divides the step's
-    gradients once by the global weight sum.
+    gradients once by the global weight sum. ``num_rows``: R when the caller knows it
+    (``num_supervised`` on its host copies): no host sync in the whole call (the count and the
+    labels' range are asserted on the device); None: R is found on the device (host syncs).
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
@@ -149,8 +169,19 @@ def dflash_loss(
         on_phase("drafter_forward")
     need_verifier = loss_cfg.kl > 0 or loss_cfg.verifier_ce > 0 or verifier_metrics
     sup = _supervised_slots(
-        blocks, loss_mask, input_ids, final_hidden if need_verifier else None, loss_cfg.gamma, hidden
+        blocks,
+        loss_mask,
+        input_ids,
+        final_hidden if need_verifier else None,
+        loss_cfg.gamma,
+        hidden,
+        num_rows,
     )
+    if num_rows is not None:
+        vocab = lm_head_weight.shape[0]
+        torch._assert_async(
+            ((sup.labels >= 0) & (sup.labels < vocab)).all(), f"a supervised token id outside [0, V={vocab})"
+        )
     out = verifier_loss(
         hidden.reshape(-1, hidden.shape[-1])[sup.rows],
         sup.verifier_rows,
@@ -165,6 +196,7 @@ def dflash_loss(
         mem_budget_gib=loss_cfg.mem_budget_gib,
         compile=loss_cfg.compile,
         normalizer=normalizer,
+        checked_rows=num_rows is not None and _all_weighted(drafter.block_size, loss_cfg.gamma, hidden.dtype),
     )
     if on_phase is not None:
         on_phase("loss")
@@ -190,20 +222,37 @@ def _supervised_slots(
     final_hidden: torch.Tensor | None,
     gamma: float,
     hidden: torch.Tensor,
+    num_rows: int | None,
 ) -> _Supervised:
+    """The supervised slots; with ``num_rows`` (R known) found without a host sync."""
     B, N, bs = blocks.label_pos.shape
     flat_pos = blocks.label_pos.view(B, N * bs)
-    supervised = blocks.label_valid & loss_mask.gather(1, flat_pos).view(B, N, bs).bool()
-    wdtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    weights = supervised.to(wdtype) * slot_weights(bs, gamma, hidden.device, wdtype)
-    rows = supervised.view(-1).nonzero().squeeze(1)  # indices into [B*N*bs]
+    supervised = supervised_slots(blocks.label_pos, blocks.label_valid, loss_mask)
+    weights = supervised.to(_weight_dtype(hidden.dtype)) * slot_weights(
+        bs, gamma, hidden.device, _weight_dtype(hidden.dtype)
+    )
+    if num_rows is None:
+        rows = supervised.view(-1).nonzero().squeeze(1)  # indices into [B*N*bs]
+    else:
+        torch._assert_async(supervised.sum() == num_rows, "num_rows is not the number of supervised slots")
+        rows = torch.nonzero_static(supervised.view(-1), size=num_rows).squeeze(1)
     labels = input_ids.gather(1, flat_pos).reshape(-1)[rows]
     verifier_rows = None
     if final_hidden is not None:
         prev = (flat_pos - 1).clamp(min=0)
-        row_b = torch.arange(B, device=hidden.device).repeat_interleave(N * bs)[rows]
-        verifier_rows = final_hidden[row_b, prev.reshape(-1)[rows]]
+        verifier_rows = final_hidden[rows // (N * bs), prev.reshape(-1)[rows]]
     return _Supervised(supervised, weights, rows, labels, verifier_rows)
+
+
+def _weight_dtype(hidden_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if hidden_dtype == torch.float64 else torch.float32
+
+
+def _all_weighted(block_size: int, gamma: float, hidden_dtype: torch.dtype) -> bool:
+    """Every supervised slot has a weight > 0 (the decay does not underflow): checked on the host."""
+    return bool(
+        slot_weights(block_size, gamma, torch.device("cpu"), _weight_dtype(hidden_dtype))[1:].gt(0).all()
+    )
 
 
 @torch.no_grad()
@@ -220,7 +269,7 @@ def _objective_output(
     if out.stats.verifier_hit is not None:
         hit_v.view(-1)[sup.rows] = out.stats.verifier_hit
     real = anchors >= 0
-    tau_data, tau_ver = prefix_accept(hit)[real].double(), prefix_accept(hit_v)[real].double()
+    tau_data, tau_ver = prefix_accept(hit).double(), prefix_accept(hit_v).double()
     term_sums = torch.zeros(3, dtype=torch.float64, device=anchors.device)
     for i, name in enumerate(TERMS):
         if name in out.terms:
@@ -233,10 +282,10 @@ def _objective_output(
         slot_count=sup.supervised.sum(dim=(0, 1)).double(),
         slot_hit=hit.sum(dim=(0, 1)).double(),
         slot_hit_verifier=hit_v.sum(dim=(0, 1)).double(),
-        tau_sum=tau_data.sum(),
-        tau_verifier_sum=tau_ver.sum(),
-        inv_tau_sum=(1.0 / tau_data).sum(),
-        inv_tau_verifier_sum=(1.0 / tau_ver).sum(),
+        tau_sum=torch.where(real, tau_data, 0.0).sum(),
+        tau_verifier_sum=torch.where(real, tau_ver, 0.0).sum(),
+        inv_tau_sum=torch.where(real, 1.0 / tau_data, 0.0).sum(),
+        inv_tau_verifier_sum=torch.where(real, 1.0 / tau_ver, 0.0).sum(),
         num_blocks=real.sum().double(),
         term_sums=term_sums,
         num_rows=int(sup.rows.numel()),

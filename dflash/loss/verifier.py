@@ -60,6 +60,7 @@ computes each ``exp`` once).
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -173,6 +174,8 @@ class _Cfg:
     normalizer: float | None = None
     """The loss is ``sum_r w_r l_r / normalizer``; None: ``sum_r w_r`` (the weighted mean)."""
     keep_workspace: bool = True
+    checked_rows: bool = False
+    """The caller vouches for every row (``verifier_loss(checked_rows=True)``)."""
     result: dict = field(default_factory=dict)
 
 
@@ -194,8 +197,14 @@ class _Rows:
         return int(self.keep.numel())
 
 
-def _kept_rows(h_d: Tensor, h_v: Tensor | None, labels: Tensor, weights: Tensor, cdt: torch.dtype) -> _Rows:
-    keep = torch.nonzero(weights > 0).view(-1)
+def _kept_rows(
+    h_d: Tensor, h_v: Tensor | None, labels: Tensor, weights: Tensor, cdt: torch.dtype, every_row: bool
+) -> _Rows:
+    """The rows with weight > 0 (``every_row``: all of them, as the caller vouches: no host sync)."""
+    if every_row:
+        keep = torch.arange(h_d.shape[0], device=h_d.device)
+    else:
+        keep = torch.nonzero(weights > 0).view(-1)
     if keep.numel() == h_d.shape[0]:
         return _Rows(keep, False, h_d, h_v, labels, weights.to(cdt))
     return _Rows(
@@ -413,14 +422,21 @@ def _stats_in_row_order(rows: _Rows, out: _RowStats, labels: Tensor, r_all: int)
 # the autograd Function
 
 
+def _no_autocast(device: torch.device) -> AbstractContextManager[object]:
+    """Autocast off for ``device`` (nothing to turn off where autocast does not exist: meta)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return nullcontext()
+
+
 def _forward_impl(
     h_d: Tensor, h_v: Tensor | None, w: Tensor, labels: Tensor, weights: Tensor, cfg: _Cfg
 ) -> tuple[Tensor, Tensor | None]:
     """Loss and ``dh`` (``[R, H]``, None without grad); fills ``cfg.result``."""
     # autocast would recast the GEMMs to bf16 outputs: the precision here is explicit instead
-    with torch.autocast(device_type=h_d.device.type, enabled=False):
+    with _no_autocast(h_d.device):
         cdt = torch.float64 if torch.float64 in (h_d.dtype, w.dtype) else torch.float32
-        rows = _kept_rows(h_d, h_v, labels, weights, cdt)
+        rows = _kept_rows(h_d, h_v, labels, weights, cdt, every_row=cfg.checked_rows)
         out = _RowStats.empty(rows.n, h_v is not None, cdt, h_d.device)
         w_sum = rows.weights.sum()
         normalizer = (
@@ -585,6 +601,7 @@ def _checked_settings(
     terms: dict,
     tuning: dict,
     keep_workspace: bool,
+    checked_rows: bool,
 ) -> _Cfg:
     """Every argument of :func:`verifier_loss` checked (ValueError naming it), as the call's settings."""
     _check_tensors(h_d, h_v, w, labels, weights)
@@ -596,7 +613,8 @@ def _checked_settings(
     if h_v is None and (kl > 0 or vce > 0):
         raise ValueError(f"verifier_hidden is required when kl ({kl}) or verifier_ce ({vce}) is > 0")
     vocab = w.shape[0]
-    _check_values(labels, weights, vocab)
+    if not checked_rows:
+        _check_values(labels, weights, vocab)
     wide = torch.float64 in (h_d.dtype, w.dtype)
     return _Cfg(
         ce=ce,
@@ -609,6 +627,7 @@ def _checked_settings(
         compile=bool(tuning["compile"]),
         normalizer=None if normalizer is None else float(normalizer),
         keep_workspace=bool(keep_workspace),
+        checked_rows=bool(checked_rows),
     )
 
 
@@ -629,6 +648,7 @@ def verifier_loss(
     normalizer: float | None = None,
     row_block: int | None = None,
     keep_workspace: bool = True,
+    checked_rows: bool = False,
 ) -> VerifierLossOutput:
     """Weighted ce / kl / verifier_ce loss of the drafter logits against the data and the verifier.
 
@@ -655,6 +675,9 @@ def verifier_loss(
         row_block: rows per elementwise block (tuning; default 128 on CPU, 256 on CUDA).
         keep_workspace: on CPU keep the chunk buffers for the next call (their first-touch page
             faults are paid once); :func:`release_workspace` frees them (CUDA: the allocator does).
+        checked_rows: the caller vouches that every row has a finite weight > 0 and a label in
+            ``[0, V)`` (``dflash_loss``, which builds the weights and asserts the labels on the
+            device): the value checks and the search for weight-0 rows, both host syncs, are skipped.
 
     Returns:
         :class:`VerifierLossOutput`: ``loss`` (scalar, fp32 or fp64; 0 with a zero gradient when
@@ -676,6 +699,7 @@ def verifier_loss(
         dict(ce=ce, kl=kl, verifier_ce=verifier_ce, temperature=temperature, chunk_size=chunk_size),
         dict(mem_budget_gib=mem_budget_gib, compile=compile, normalizer=normalizer, row_block=row_block),
         keep_workspace,
+        checked_rows,
     )
     labels, vh = labels.to(torch.int64), verifier_hidden.detach() if verifier_hidden is not None else None
     if cfg.need_grad:

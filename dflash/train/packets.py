@@ -7,7 +7,8 @@ from the packet and counted in it (``num_skipped_nonfinite``); the drafter never
 On CUDA the host waits for the device once per packet: for the per-sample finite flags, which
 decide the packet's size (``tests/unit/test_host_syncs.py`` counts it). Everything else is either
 host work on host tensors (the plan, the layout, the dropped samples' indices, the attention masks'
-shape from the samples' lengths) or non-blocking host-to-device copies; a packed row (no padding) is used as it is, never gathered into a copy. The
+shape from the samples' lengths) or non-blocking host-to-device copies (the packet keeps the host copies of its small fields,
+``Packet.host``, so a co-located drafter reads none back); a packed row (no padding) is used as it is, never gathered into a copy. The
 packet's ``forward_s`` is device time between two CUDA events around the forward on the current
 stream (``DeviceClock``), never a device-wide synchronize, which would also wait for this rank's
 pending sends and control receive, i.e. for its drafters.
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.config import Config
-from dflash.distributed.protocol import Packet
+from dflash.distributed.protocol import HostFields, Packet
 from dflash.metrics import DeviceClock, peak_memory_gib, reset_peak_memory
 from dflash.targets.forward import build_batch, target_forward
 from dflash.train.setup import RunSetup
@@ -106,18 +107,22 @@ class PacketMaker:
             lens = lens[finite]
             sample_idx = [i for i, ok in zip(sample_idx, finite.tolist(), strict=True) if ok]
             log.warning("packet %d: dropped %d sample(s) with non-finite hidden states", g, skipped)
+        host = HostFields(
+            lens, ds.sample_ids[torch.tensor(sample_idx, dtype=torch.long)], loss_mask.to(torch.uint8)
+        )
         return Packet(
             index=g,
             input_ids=self._put(input_ids),
-            loss_mask=self._put(loss_mask.to(torch.uint8)),
-            seq_lens=self._put(lens),
-            sample_ids=self._put(ds.sample_ids[torch.tensor(sample_idx, dtype=torch.long)]),
+            loss_mask=self._put(host.loss_mask),
+            seq_lens=self._put(host.seq_lens),
+            sample_ids=self._put(host.sample_ids),
             aux_hidden=aux.contiguous(),
             final_hidden=final.contiguous(),
             forward_s=forward_s,
             peak_mem_bytes=int(peak_memory_gib(self.device) * 2**30),
             flags=flags,
             num_skipped_nonfinite=skipped,
+            host=host,  # a co-located drafter reads these, not the device tensors
         )
 
     def _real_tokens(self, x: Tensor, keep: Tensor) -> Tensor:

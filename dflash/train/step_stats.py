@@ -60,31 +60,43 @@ what ``drafter.num_anchors`` per document offers before ``drafter.max_anchors_pe
 
 @dataclass
 class StepSums:
-    """Sums of one step on one drafter (before the all-reduce)."""
+    """Sums of one step on one drafter (before the all-reduce).
+
+    The objective sums and the non-finite loss count accumulate on ``device`` (no host sync per
+    packet); the host counters are host floats; ``flat()`` joins them once per step."""
 
     block_size: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     objective: dict[str, torch.Tensor] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
+    nonfinite_loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    """0-dim float64 on ``device``: packets whose loss was not finite (``counters`` after ``load``)."""
 
     def __post_init__(self) -> None:
         self.objective = {
-            k: torch.zeros(n or self.block_size, dtype=torch.float64) for k, n in OBJECTIVE_SUMS.items()
+            k: torch.zeros(n or self.block_size, dtype=torch.float64, device=self.device)
+            for k, n in OBJECTIVE_SUMS.items()
         }
         self.counters = dict.fromkeys(COUNTERS, 0.0)
+        self.nonfinite_loss = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def add(self, out: ObjectiveOutput) -> None:
         for k in OBJECTIVE_SUMS:
-            self.objective[k] += getattr(out, k).detach().double().cpu().reshape(-1)
+            self.objective[k] += getattr(out, k).detach().double().reshape(-1)
+
+    def count_nonfinite(self, loss: torch.Tensor) -> None:
+        """Count ``loss`` if it is not finite (on the device: the step's reduction reads it)."""
+        self.nonfinite_loss += (~torch.isfinite(loss.detach())).double()
 
     def flat(self) -> torch.Tensor:
-        """float64 [all objective sums..., counters...] (the all-reduce payload)."""
-        return torch.cat(
-            [self.objective[k] for k in OBJECTIVE_SUMS]
-            + [torch.tensor([self.counters[k] for k in COUNTERS], dtype=torch.float64)]
-        )
+        """float64 [all objective sums..., counters...] on ``device`` (the all-reduce payload)."""
+        counters = torch.tensor([self.counters[k] for k in COUNTERS], dtype=torch.float64).to(self.device)
+        counters[COUNTERS.index("nonfinite_loss")] += self.nonfinite_loss
+        return torch.cat([self.objective[k] for k in OBJECTIVE_SUMS] + [counters])
 
     def load(self, flat: torch.Tensor) -> None:
-        """Replace the sums by an all-reduced ``flat()``."""
+        """Replace the sums by an all-reduced ``flat()`` (on the host)."""
+        self.nonfinite_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         offset = 0
         for k in OBJECTIVE_SUMS:
             n = self.objective[k].numel()

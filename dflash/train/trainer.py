@@ -10,6 +10,7 @@ exactly what the uninterrupted run sampled.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -34,11 +35,11 @@ from dflash.distributed.collectives import (
 from dflash.distributed.drafter_parallel import drafter_parallel
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
-from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet
+from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
 from dflash.drafter.blocks import doc_ids_from_positions, offered_anchors, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
-from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss
+from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss, num_supervised
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
 from dflash.eval.loading import target_embed_and_head
 from dflash.metrics import (
@@ -87,11 +88,13 @@ EMPTY_STEPS_LIMIT = 3
 """Optimizer steps in a row without a supervised slot that stop the run (it would train on nothing)."""
 
 
-def packet_positions(seq_lens: torch.Tensor) -> torch.Tensor:
-    """[S] sequence lengths -> [T] RoPE positions restarting at 0 for every packed sequence."""
+def packet_positions(seq_lens: torch.Tensor, total: int) -> torch.Tensor:
+    """[S] sequence lengths summing to ``total`` (T) -> [T] RoPE positions restarting at 0 for
+    every packed sequence (T from the header: no host sync on a device tensor)."""
     starts = torch.cumsum(seq_lens, 0) - seq_lens
-    total = int(seq_lens.sum())
-    return torch.arange(total, device=seq_lens.device) - torch.repeat_interleave(starts, seq_lens)
+    return torch.arange(total, device=seq_lens.device) - torch.repeat_interleave(
+        starts, seq_lens, output_size=total
+    )
 
 
 def anchor_generator(seed: int, packet: int) -> torch.Generator:
@@ -113,9 +116,9 @@ class _StepLocal:
     trained: list[int] = field(default_factory=list)
     """Per packet: g, its number of samples, their source ids (the ledger's raw material)."""
     shapes: list[PacketShape] = field(default_factory=list)
-    anchors_offered: torch.Tensor | int = 0
+    anchors_offered: int = 0
     """The anchors ``drafter.num_anchors`` offers in these packets before ``max_anchors_per_packet``
-    (a device scalar once a packet is trained: no host sync per packet)."""
+    (counted on the host copies)."""
 
 
 @dataclass
@@ -339,23 +342,35 @@ class DrafterTrainer:
 
     # ---------------------------------------------------------------- one step
     def _forward_packet(self, packet: Packet, local: _StepLocal) -> ObjectiveOutput:
-        """The objective of one packet; its offered anchors (before the per-packet cap) go to ``local``."""
+        """The objective of one packet; its offered anchors (before the per-packet cap) and its
+        shape as trained go to ``local``.
+
+        Host syncs: none beyond ``host_fields`` (one copy, already made by a ``DrafterLink``). The
+        anchors are drawn on the host from its copies (CPU generator), and what the host then knows
+        (positions, anchors, the supervised row count R) goes to the device without a read back."""
+        host = host_fields(packet)
+        host_pos = packet_positions(host.seq_lens, packet.num_tokens).unsqueeze(0)
+        host_docs = doc_ids_from_positions(host_pos)
+        host_mask = host.loss_mask.unsqueeze(0)
+        cfg = self.cfg.drafter
+        local.anchors_offered += int(offered_anchors(host_mask, host_docs, cfg.num_anchors))
+        host_anchors = sample_anchors(
+            host_mask,
+            host_docs,
+            cfg.num_anchors,
+            anchor_generator(self.cfg.train.seed, packet.index),
+            cfg.max_anchors_per_packet,
+        )
+        num_rows = num_supervised(host_mask, host_docs, host_anchors, self.setup.arch.block_size)
+        local.shapes.append(self._packet_shape(packet, int((host_anchors >= 0).sum()), num_rows))
         ids = packet.input_ids.to(self.device).unsqueeze(0)
         mask = packet.loss_mask.to(self.device).unsqueeze(0)
-        pos = packet_positions(packet.seq_lens.to(self.device)).unsqueeze(0)
-        docs = doc_ids_from_positions(pos)
-        local.anchors_offered = local.anchors_offered + offered_anchors(
-            mask, docs, self.cfg.drafter.num_anchors
-        )
-        anchors = sample_anchors(
-            mask,
-            docs,
-            self.cfg.drafter.num_anchors,
-            anchor_generator(self.cfg.train.seed, packet.index),
-            self.cfg.drafter.max_anchors_per_packet,
-        )
-        with torch.autocast(
-            self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype != torch.float32
+        pos = host_pos.to(self.device, non_blocking=True)
+        anchors = host_anchors.to(self.device, non_blocking=True)
+        with (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype != torch.float32
+            else contextlib.nullcontext()
         ):
             return dflash_loss(
                 self.model,
@@ -372,6 +387,7 @@ class DrafterTrainer:
                 static_shape=self.static_shape,
                 on_phase=self.phases.mark,
                 normalizer=1.0,
+                num_rows=num_rows,
             )
 
     def _next_packet(self, step: int, i: int, packets: list[int]) -> None:
@@ -403,12 +419,11 @@ class DrafterTrainer:
         packets = self.topology.packets_of_step(step, self.ctx.rank)
         n_targets = max(self.topology.num_targets, 1)
         local = _StepLocal(
-            sums=StepSums(self.setup.arch.block_size),
+            sums=StepSums(self.setup.arch.block_size, self.device),
             target_fwd=torch.zeros(n_targets, dtype=torch.float64),
             target_mem=torch.zeros(n_targets, dtype=torch.float64),
             target_packets=torch.zeros(n_targets, dtype=torch.float64),
         )
-        c = local.sums.counters
         self.phases.start()
         for i, g in enumerate(packets):
             packet = self.source.recv(g)
@@ -425,12 +440,10 @@ class DrafterTrainer:
             loss = out.loss
             if faults.nan_loss(self.cfg.fault, step + 1):
                 loss = loss * float("nan")
-            if not torch.isfinite(loss):
-                c["nonfinite_loss"] += 1.0
+            local.sums.count_nonfinite(loss)
             self.parallel.backward(loss)
             self.phases.mark("backward")
             local.sums.add(out)
-            local.shapes.append(self._packet_shape(packet, out))
         return local
 
     def _count_packet(self, packet: Packet, local: _StepLocal) -> None:
@@ -444,7 +457,7 @@ class DrafterTrainer:
         local.target_mem[slot] = max(float(local.target_mem[slot]), packet.peak_mem_bytes / 2**30)
         c["stop"] += float(bool(packet.flags & FLAG_STOP_REQUESTED))
         c["nonfinite_samples"] += packet.num_skipped_nonfinite
-        ids = packet.sample_ids.tolist()
+        ids = host_fields(packet).sample_ids.tolist()
         local.trained += [packet.index, len(ids), *ids]
         c["tokens"] += packet.num_tokens
         c["seqs"] += packet.num_seqs
@@ -591,13 +604,13 @@ class DrafterTrainer:
         """Step ``step`` (1-based) is a row of W&B / metrics.jsonl (every drafter agrees)."""
         return step % self.cfg.train.log_every == 0 or step == self.setup.num_steps
 
-    def _packet_shape(self, packet: Packet, out: ObjectiveOutput) -> PacketShape:
+    def _packet_shape(self, packet: Packet, num_anchors: int, loss_rows: int) -> PacketShape:
         """The packet as trained (its documents, real blocks and loss rows), for the cost model."""
         return PacketShape(
             tokens=packet.num_tokens,
             num_seqs=packet.num_seqs,
-            num_anchors=int(out.num_blocks),
-            loss_rows=out.num_rows,
+            num_anchors=num_anchors,
+            loss_rows=loss_rows,
             drafter_context_tokens=self.static_shape[0] if self.static_shape else None,
             drafter_blocks=self.static_shape[1] if self.static_shape else None,
         )

@@ -164,3 +164,106 @@ def test_counter_sees_every_kind_of_sync():
         "blocking host-to-device copy",
     ]
     assert all("test_host_syncs.py" in s.where for s in syncs.events)
+
+
+# ---------------------------------------------------------------- the drafter side
+
+
+class _Delivered:
+    """The packets as a ``DrafterLink`` hands them over: its payload on the device, nothing read
+    yet (``host`` unset). The real link cannot run on the meta device; its own reads are the header
+    (``decode_header``, one copy of 16 ints, before any payload is posted) and ``host_fields``."""
+
+    last_wait_s = 0.0
+
+    def __init__(self, packets: dict[int, object]) -> None:
+        self.packets = packets
+
+    def recv(self, g: int):
+        return self.packets[g]
+
+    def ack(self, g: int) -> None:
+        pass
+
+    def prefetch(self, g: int) -> None:
+        pass
+
+
+def _meta_trainer(base_setup, meta_target, source):
+    """A ``DrafterTrainer`` of the fast run on the meta device, made without its process group:
+    its real model, embedding and lm_head (meta), packet source ``source``, one drafter."""
+    from types import SimpleNamespace
+
+    from dflash.distributed.drafter_parallel import Replicated
+    from dflash.drafter.model import DFlashDraftModel
+    from dflash.eval.loading import target_embed_and_head
+    from dflash.metrics import PhaseTimer
+    from dflash.train.trainer import DrafterTrainer
+
+    trainer = DrafterTrainer.__new__(DrafterTrainer)
+    trainer.cfg, trainer.setup, trainer.topology = base_setup.cfg, base_setup, base_setup.topology
+    trainer.ctx = SimpleNamespace(rank=base_setup.topology.drafter_ranks[0])
+    trainer.device, trainer.source = META, source
+    model = DFlashDraftModel(base_setup.arch)
+    model.reset_parameters(seed=0)
+    trainer.model = model.to(META)
+    trainer.parallel = Replicated(trainer.model, trainer.ctx, 1)
+    trainer.embed, trainer.head = (t.detach() for t in target_embed_and_head(meta_target))
+    trainer.attention, trainer.static_shape, trainer.autocast_dtype = "sdpa", None, torch.float32
+    trainer.phases = PhaseTimer(META, sync=False)
+    return trainer
+
+
+def _host_flat(packet) -> torch.Tensor:
+    """What ``host_fields`` reads back from the device: [seq_lens, sample_ids, loss_mask] as int64."""
+    h = packet.host
+    return torch.cat([h.seq_lens, h.sample_ids, h.loss_mask.long()])
+
+
+def test_drafter_packets_cost_one_host_sync(base_setup, meta_target):
+    """Every packet of a drafter step, through ``DrafterTrainer._accumulate`` (``_count_packet``,
+    ``_forward_packet``: anchors, blocks, masks, the drafter, the chunked verifier loss on its CUDA
+    branches, the backward, ``StepSums``): one host sync per packet, ``host_fields``' copy of the
+    small payload fields, which also feeds ``validate_payload`` (host work).
+
+    Why one: the anchors are drawn on the host (a CPU generator) from the host copies, so the host
+    also knows the positions, the anchors and the supervised row count R, and hands them to the
+    device (non-blocking copies; ``nonzero_static`` with R); the loss's checks are asserted on the
+    device (``torch._assert_async``); the step's sums and the non-finite loss count stay on the
+    device until the step's all-reduce. With the link's header read that is 2 per packet on a
+    drafter rank (goal: <= 2); a co-located rank's packets carry their host copies: 0 on the
+    drafter side (the target's own 1 is ``test_one_host_sync_per_packet``). Per step, after the
+    packets: the all-reduces' reads in ``_reduce`` and the gradient norm (not counted here).
+    """
+    import dataclasses
+
+    from dflash.loss.device import as_cuda
+    from dflash.train.packets import LocalPackets, PacketMaker
+
+    colocated = LocalPackets(PacketMaker(base_setup.cfg, base_setup, meta_target, META, own_peak=False))
+    trainer = _meta_trainer(base_setup, meta_target, None)
+    steps = range(3)
+    per_step = [trainer.topology.packets_of_step(step, trainer.ctx.rank) for step in steps]
+    with HostSyncs():  # the target's work (test_one_host_sync_per_packet)
+        made = {g: colocated.recv(g) for packets in per_step for g in packets}
+    trainer.source = _Delivered({g: dataclasses.replace(p, host=None) for g, p in made.items()})
+    for step, packets in zip(steps, per_step, strict=True):
+        reads = iter([_host_flat(made[g]) for g in packets])
+        with as_cuda(), HostSyncs(fill=lambda shape, dtype, reads=reads: next(reads).to(dtype)) as syncs:
+            local = trainer._accumulate(step)
+        assert [(s.kind, s.op) for s in syncs.events] == [("device-to-host copy", "_to_copy.default")] * len(
+            packets
+        ), syncs.events
+        assert all("protocol.py" in s.where and "host_fields" in s.where for s in syncs.events), syncs.events
+        assert local.sums.objective["loss_sum"].device == META and local.sums.nonfinite_loss.device == META
+        ids = [x for g in packets for x in made[g].host.sample_ids.tolist()]
+        assert local.trained == [
+            x for g in packets for x in [g, made[g].num_seqs, *made[g].host.sample_ids.tolist()]
+        ]
+        assert len(ids) > 1 and local.anchors_offered > 0
+        assert len(local.shapes) == len(packets) and all(s.loss_rows > 0 for s in local.shapes)
+
+    trainer.source = _Delivered(made)  # co-located: the packets carry the target's host copies
+    with as_cuda(), HostSyncs() as syncs:
+        trainer._accumulate(0)
+    assert syncs.events == [], syncs.events

@@ -122,7 +122,7 @@ def _stub_forward(sim: NcclSim, dtype: torch.dtype, hidden: int, taps: int):
     """Stands for ``target_forward``: ``FORWARD_S`` of compute, random hidden states and, on a
     replica's rank, two all-reduces over its group (a sharded forward's rowwise layers)."""
 
-    def forward(model, input_ids, attention_mask, layer_ids, position_ids=None):
+    def forward(model, input_ids, attention_mask, layer_ids, position_ids=None, seq_lens=None):
         time.sleep(FORWARD_S)
         b, t = input_ids.shape
         if model.tp_group is not None:
