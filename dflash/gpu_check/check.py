@@ -19,6 +19,7 @@ from dflash.distributed.launch import torchrun_command
 from dflash.gpu_check.figures import loss_figures, metrics_rows, pytest_counts, step_figures
 from dflash.gpu_check.inputs import Inputs, write_chat_data, write_target_dir
 from dflash.gpu_check.planner import (
+    colocated_anchor_cap,
     find_gpu_spec,
     planner_figures,
     probe_planner_activations,
@@ -45,6 +46,8 @@ class Check:
         self.gpu: str | None = None
         self.spec: Any = None
         self.inputs: Inputs | None = None
+        self.anchor_cap: int | None = None
+        """The co-located and split parts' drafter.max_anchors_per_packet (None: the experiment's)."""
         self.setup_info: dict[str, Any] = {}
         self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="dflash-gpu-check-")).resolve()
         self.work.mkdir(parents=True, exist_ok=True)
@@ -192,6 +195,7 @@ class Check:
             "logging.progress_bar=false",
             "eval.every=0",
             *self.profile.overrides,
+            *([f"drafter.max_anchors_per_packet={self.anchor_cap}"] if self.anchor_cap is not None else []),
         ]
 
     def setup(self) -> Inputs:
@@ -207,7 +211,12 @@ class Check:
         vocab_used = write_chat_data(
             data_path, target_dir, num_samples, self.profile.prompt_tokens, self.profile.response_tokens
         )
-        d = probe_cfg.drafter
+        inputs = Inputs(target_dir, data_path, num_samples, shape, vocab_used)
+        shipped = probe_cfg.drafter.max_anchors_per_packet
+        if not self.dry and self.spec is not None:
+            cap, shipped = colocated_anchor_cap(self.base_overrides(inputs), self.spec)
+            self.anchor_cap = cap if cap != shipped else None
+        d = training_config(self.base_overrides(inputs)).drafter
         self.setup_info = {
             "seconds": round(time.perf_counter() - t0, 1),
             "target_dir": str(target_dir),
@@ -221,10 +230,11 @@ class Check:
                 "block_size": d.block_size,
                 "num_anchors": d.num_anchors,
                 "max_anchors_per_packet": d.max_anchors_per_packet,
+                "experiment_max_anchors_per_packet": shipped,
             },
             "target_dtype": probe_cfg.target.dtype,
         }
-        return Inputs(target_dir, data_path, num_samples, shape, vocab_used)
+        return inputs
 
     def part_target_probe(self, inputs: Inputs) -> dict[str, Any]:
         """The target probe on one packet of part colocated's config (in this process in a dry run, else
@@ -284,6 +294,12 @@ class Check:
             "recompiles": (proc.stdout + proc.stderr).count("Recompiling function"),
             "recompile_limit_hit": "torch._dynamo hit config." in proc.stdout + proc.stderr,
         }
+        if self.anchor_cap is not None:
+            shipped = self.setup_info["drafter"]["experiment_max_anchors_per_packet"]
+            res["anchors"] = (
+                f"drafter.max_anchors_per_packet={self.anchor_cap}: the experiment's {shipped} does not fit "
+                f"a co-located {self.gpu} with checkpointing (planner)"
+            )
         if rows:
             try:
                 res.update(step_figures(rows, self.profile.warmup_steps, packets_per_step=1))

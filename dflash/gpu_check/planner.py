@@ -122,3 +122,20 @@ def probe_planner_activations(overrides: list[str], tokens: int, docs: int, num_
         target.meta, packet, num_taps, attention=kind, max_in_flight=0, dtypes=run_dtypes(cfg)
     )
     return round(mem["activations"], 3)
+
+
+def colocated_anchor_cap(overrides: list[str], spec: GpuSpec) -> tuple[int, int]:
+    """``(cap the check trains at, the experiment's own cap)``: the experiment's
+    ``drafter.max_anchors_per_packet``, or the largest one at which the co-located rank fits this
+    GPU (``spec``, minus ``plan.reserved_gib``) with activation checkpointing, when that is less: the
+    check runs the shipped experiment on one GPU whatever its memory (the co-located Qwen3-8B at the
+    recipe's 8,192 anchors fits an H200, not an H100)."""
+    from dflash.plan.fit import largest_anchors
+    from dflash.plan.inputs import resolve_inputs
+    from dflash.plan.memory import DrafterSettings
+
+    cfg = training_config([*overrides, "topology=colocated"])
+    shipped = cfg.drafter.max_anchors_per_packet
+    capacity = spec.hbm_gb * 1e9 / 2**30 - cfg.plan.reserved_gib
+    fits = largest_anchors(cfg, resolve_inputs(cfg), capacity, "colocated", DrafterSettings(checkpoint=True))
+    return (fits if shipped is None else min(shipped, fits)), (shipped or fits)

@@ -98,7 +98,7 @@ def _part_lines(part: str, r: dict[str, Any]) -> tuple[str, list[str]]:
     if part in ("colocated", "split", "tp"):
         if r.get("status") == "skipped":
             return r.get("note", ""), []
-        more = []
+        more = [r["anchors"]] if "anchors" in r else []
         probe = r.get("target_probe")
         if probe and "headless" in probe:
             h, f = probe["headless"], probe["full"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from dflash.config import Config, GpuSpec, TargetShape
 from dflash.plan.costs import PacketCosts, packet_costs, target_rank_flop, tp_bytes_per_token
-from dflash.plan.fit import CheckpointDecision, decide_checkpointing, num_drafters, role_memory
+from dflash.plan.fit import CheckpointDecision, decide_checkpointing, drafter_role, num_drafters, role_memory
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs
 from dflash.plan.memory import GIB, DrafterSettings, drafter_num_params, target_memory
 from dflash.plan.throughput import RoleTimes, Split, best_split, colocated, disaggregated, role_times
@@ -170,7 +170,9 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         hidden_dtype_bytes=inputs.dtypes.target_bytes,
     )
     capacity = gpu.hbm_gb * 1e9 / GIB - p.reserved_gib
-    decision = decide_checkpointing(cfg, inputs, capacity, world_size=world)
+    # one GPU runs the co-located mode whatever the topology says (the plan's one-GPU table)
+    role = "colocated" if world == 1 else drafter_role(cfg)
+    decision = decide_checkpointing(cfg, inputs, capacity, world_size=world, role=role)
     settings = DrafterSettings(decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world))
     memory = role_memory(cfg, inputs, settings)
     fits = {role: sum(memory[role].values()) <= capacity for role in ROLES}

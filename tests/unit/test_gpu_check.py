@@ -14,7 +14,7 @@ import pytest
 
 from dflash.gpu_check.check import Check
 from dflash.gpu_check.figures import loss_figures, pytest_counts, step_figures
-from dflash.gpu_check.planner import find_gpu_spec
+from dflash.gpu_check.planner import colocated_anchor_cap, find_gpu_spec
 from dflash.gpu_check.procs import run_proc
 from dflash.gpu_check.table import render
 
@@ -230,3 +230,16 @@ def test_a_part_past_its_budget_is_killed_with_its_children(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"process {grandchild} survived the budget")
+
+
+def test_the_colocated_part_trains_at_the_largest_cap_that_fits_the_gpu():
+    """The shipped Qwen3-8B experiment (8,192 anchors per packet) fits a co-located H200 with
+    checkpointing, not an H100: on an H100 the check trains at the planner's largest cap instead of
+    running out of memory, and says so."""
+    caps = {}
+    for gpu in ("h100", "h200"):
+        _, spec = find_gpu_spec(None, gpu)
+        caps[gpu] = colocated_anchor_cap(["experiment=qwen3_8b_8gpu", "data.path=embedded"], spec)
+    assert caps["h200"] == (8192, 8192)
+    cap, shipped = caps["h100"]
+    assert shipped == 8192 and 4096 <= cap < 8192 and cap % 64 == 0

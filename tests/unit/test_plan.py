@@ -463,3 +463,18 @@ def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_trai
     assert not run(_compose([*base, f"drafter.max_anchors_per_packet={anchors + 64}"]))["fits"]["drafter"]
     assert out["fits_with"]["colocated"].startswith("drafter.max_anchors_per_packet=")
     capsys.readouterr()
+
+
+def test_one_gpu_decides_checkpointing_for_the_colocated_rank_without_topology_colocated():
+    """plan.world_size=1 plans the co-located mode: auto checkpointing is decided for that rank
+    (Qwen3-8B at 2,048 anchors: the drafter alone fits an H100 without it, the co-located rank not)."""
+    args = ["experiment=qwen3_8b_8gpu", "plan.gpu=h100", "drafter.max_anchors_per_packet=2048"]
+
+    def plan(*more: str):
+        cfg = _config([*args, *more])
+        return make_plan(cfg, resolve_inputs(cfg))
+
+    one, colocated = plan("plan.world_size=1"), plan("plan.world_size=1", "topology=colocated")
+    eight = plan("plan.world_size=8")
+    assert one.checkpointing.checkpoint and colocated.checkpointing.checkpoint
+    assert not eight.checkpointing.checkpoint
