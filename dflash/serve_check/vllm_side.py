@@ -6,7 +6,7 @@ of the regeneration test): offline; one OpenMP thread (``OMP_NUM_THREADS=1``: vL
 one core, a second one only contends); ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with
 ``distributed_executor_backend="uni"``, so the model runs in the engine's own process (the offline
 ``LLM``'s engine in the caller) instead of a further worker process, each of which costs an import of
-vLLM and torch (tens of seconds on 2 busy cores); the KV cache sized by ``VLLM_CPU_KVCACHE_SPACE``; and
+vLLM and torch; the KV cache sized by ``VLLM_CPU_KVCACHE_SPACE``; and
 the model-info cache (``VLLM_CACHE_ROOT``) under the check's work dir, so a second check skips vLLM's
 model inspection subprocesses.
 """

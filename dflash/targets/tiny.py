@@ -11,7 +11,7 @@ repeated tokens, and the drafter's acceptance figures mean something.
 The build is deterministic (same files, seed and step count; one CPU thread, since the thread count
 changes the float sums and so the weights), keyed on the whole spec and guarded by a file lock, so
 every rank may call ``ensure_tiny_target`` at once and only one builds. The default spec trains
-400 steps of 4 x 128 tokens: about 75 s of one CPU core.
+400 steps of 4 x 128 tokens on one CPU thread.
 
 The build only ever writes a directory the project owns: :func:`tiny_target_path` builds into
 ``target.path`` only when it is a new (or empty) directory under ``paths.cache_dir`` or an earlier

@@ -15,7 +15,7 @@ from faultkit import figure, losses, resumed_step
 from runner import launch
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # five launches: about a minute
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # five launches
 
 COMMON = ["topology.num_targets=1", "topology.num_drafters=2", "train.max_steps=6", "train.save_every=3"]
 

@@ -118,8 +118,8 @@ def test_compiled_layers_equal_eager_forward_and_backward(checkpointed):
     layer): the same output and parameter gradients as eager, also with per-layer activation
     checkpointing wrapped around the compiled layers (backward runs the compiled forward again), one
     graph per layer without a graph break, and the parameter names unchanged. Decoding with a cache
-    takes the eager path. Slow: about 30 s of Inductor compilation for the first case (the second
-    finds its graphs in Inductor's cache)."""
+    takes the eager path. Slow: Inductor compiles every layer for the first case (the second finds
+    its graphs in Inductor's cache)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
