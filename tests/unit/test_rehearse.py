@@ -195,9 +195,8 @@ def test_the_estimate_agrees_with_the_rehearsal_at_small_shapes(overrides, roles
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", ["qwen3_8b_8gpu", "qwen3_6_27b_8gpu"])
 def test_shipped_experiments_estimate_within_5_percent_of_the_rehearsal(experiment):
-    """Every role of the shipped experiment at its anchor cap and at half of it, at real size.
-    About 10 s (Qwen3-8B) and 30 s (Qwen3.6-27B, whose hybrid target's linear attention loops over
-    chunks) of CPU on fake tensors."""
+    """Every role of the shipped experiment at its anchor cap and at half of it, at real size, on
+    fake tensors (Qwen3.6-27B's hybrid target's linear attention loops over chunks: the slower one)."""
     cfg, inputs = _inputs([f"experiment={experiment}"])
     cap = cfg.drafter.max_anchors_per_packet
     assert cap is not None

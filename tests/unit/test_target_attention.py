@@ -77,7 +77,7 @@ def test_a_packed_hybrid_row_is_left_to_transformers():
 def test_flex_attention_on_cpu_equals_each_document_alone():
     """transformers' flex_attention (what auto runs on CUDA), compiled by inductor on CPU: packed and
     padded batches equal each document through SDPA alone; a second packet of other lengths reuses
-    the compiled kernels. About 40 s on 2 cores (the compilation)."""
+    the compiled kernels (slow: it compiles them)."""
     flex, sdpa = make("qwen3", "flex_attention"), make("qwen3", "sdpa")
     for lengths in (DOCS, [40, 3, 21]):
         seqs = seqs_of(lengths)
