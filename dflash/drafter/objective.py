@@ -168,20 +168,10 @@ def dflash_loss(
     if on_phase is not None:
         on_phase("drafter_forward")
     need_verifier = loss_cfg.kl > 0 or loss_cfg.verifier_ce > 0 or verifier_metrics
-    sup = _supervised_slots(
-        blocks,
-        loss_mask,
-        input_ids,
-        final_hidden if need_verifier else None,
-        loss_cfg.gamma,
-        hidden,
-        num_rows,
-    )
+    verifier_hidden = final_hidden if need_verifier else None
+    sup = _supervised_slots(blocks, loss_mask, input_ids, verifier_hidden, loss_cfg.gamma, hidden, num_rows)
     if num_rows is not None:
-        vocab = lm_head_weight.shape[0]
-        torch._assert_async(
-            ((sup.labels >= 0) & (sup.labels < vocab)).all(), f"a supervised token id outside [0, V={vocab})"
-        )
+        _assert_labels_in_vocab(sup.labels, lm_head_weight.shape[0])
     out = verifier_loss(
         hidden.reshape(-1, hidden.shape[-1])[sup.rows],
         sup.verifier_rows,
@@ -242,6 +232,14 @@ def _supervised_slots(
         prev = (flat_pos - 1).clamp(min=0)
         verifier_rows = final_hidden[rows // (N * bs), prev.reshape(-1)[rows]]
     return _Supervised(supervised, weights, rows, labels, verifier_rows)
+
+
+def _assert_labels_in_vocab(labels: torch.Tensor, vocab: int) -> None:
+    """Every supervised label is a token id in [0, vocab), asserted on the device (no host sync;
+    ``verifier_loss`` checks it on the host when it is not told the rows are checked)."""
+    torch._assert_async(
+        ((labels >= 0) & (labels < vocab)).all(), f"a supervised token id outside [0, V={vocab})"
+    )
 
 
 def _weight_dtype(hidden_dtype: torch.dtype) -> torch.dtype:

@@ -23,7 +23,9 @@ def _flash_available() -> bool:
     return is_flash_attn_2_available()
 
 
-def _compare(attn: str, dtype: torch.dtype, model_type: str = "qwen3", **overrides) -> None:
+def _assert_equals_each_document_alone(
+    attn: str, dtype: torch.dtype, model_type: str = "qwen3", **overrides
+) -> None:
     kernel = make(model_type, attn, dtype, "cuda", **overrides)
     reference = make(model_type, "sdpa", dtype, "cuda", **overrides)
     for lengths in (DOCS, [40, 3, 21]):  # a second packet of other lengths: new masks, same kernels
@@ -45,14 +47,16 @@ def test_auto_resolves_to_a_document_masked_kernel_on_cuda():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
 def test_flex_attention_equals_each_document_alone(model_type, dtype):
-    _compare("flex_attention", dtype, model_type)
+    _assert_equals_each_document_alone("flex_attention", dtype, model_type)
 
 
 def test_flex_attention_moe_equals_each_document_alone():
-    _compare("flex_attention", torch.float32, "qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    _assert_equals_each_document_alone(
+        "flex_attention", torch.float32, "qwen3_moe", num_experts=4, num_experts_per_tok=2
+    )
 
 
 @pytest.mark.skipif(not _flash_available(), reason="flash-attn is not installed")
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
 def test_flash_attention_2_equals_each_document_alone(model_type):
-    _compare("flash_attention_2", torch.bfloat16, model_type)
+    _assert_equals_each_document_alone("flash_attention_2", torch.bfloat16, model_type)

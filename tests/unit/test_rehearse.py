@@ -18,9 +18,16 @@ from dflash.config import register_configs
 from dflash.config.cli import compose_config
 from dflash.plan.app import plan_config, run
 from dflash.plan.fake import LiveBytes, RealSmall
-from dflash.plan.fit import anchor_cap_note, decide_checkpointing, largest_anchors, need_gib, with_anchor_cap
+from dflash.plan.fit import (
+    anchor_cap_note,
+    decide_checkpointing,
+    largest_anchors,
+    need_gib,
+    role_memory,
+    with_anchor_cap,
+)
 from dflash.plan.inputs import resolve_inputs
-from dflash.plan.memory import DrafterSettings, memory_per_role
+from dflash.plan.memory import DrafterSettings
 from dflash.plan.rehearse import ROLES, measured_items, rehearse, rehearse_drafter
 
 SMALL = [
@@ -73,20 +80,6 @@ def _inputs(overrides: list[str]):
     return cfg, resolve_inputs(cfg)
 
 
-def _estimate(cfg, inputs, settings: DrafterSettings) -> dict[str, dict[str, float]]:
-    return memory_per_role(
-        inputs.target.meta,
-        inputs.arch,
-        inputs.packet,
-        target_attention=inputs.target_attention,
-        max_in_flight=cfg.topology.max_in_flight,
-        loss_chunk_rows=inputs.loss_chunk_rows,
-        verifier_logits=inputs.verifier_logits,
-        dtypes=inputs.dtypes,
-        settings=settings,
-    )
-
-
 def _agreement(
     cfg, inputs, roles, settings: DrafterSettings, caps: list[int] | None = None
 ) -> dict[tuple, tuple]:
@@ -94,7 +87,7 @@ def _agreement(
     out = {}
     for (role, cap), m in rehearse(cfg, inputs, roles, settings=settings, anchor_caps=caps).items():
         c_cfg, c_inputs = with_anchor_cap(cfg, inputs, cap) if cap is not None else (cfg, inputs)
-        estimate = _estimate(c_cfg, c_inputs, settings)[role]
+        estimate = role_memory(c_cfg, c_inputs, settings)[role]
         est = sum(estimate.values())
         items = measured_items(role, m.by_term)
         print(f"{role} (cap {cap}): measured {m.peak_gib:.3f} GiB, estimated {est:.3f} ({m.seconds:.1f} s)")
