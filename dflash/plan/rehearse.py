@@ -60,7 +60,7 @@ from dflash.distributed.protocol import (
 from dflash.distributed.sharding import clip_grad_norm_, drafter_mesh, shard_drafter
 from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
 from dflash.drafter.model import DFlashDraftModel
-from dflash.drafter.objective import dflash_loss
+from dflash.drafter.objective import dflash_loss, num_supervised
 from dflash.drafter.optim import build_optimizer
 from dflash.eval.loading import target_embed_and_head
 from dflash.loss.device import as_cuda
@@ -408,6 +408,7 @@ def drafter_step(state: DrafterState, packet: Packet, cfg: Config, live: LiveByt
     generator = torch.Generator().manual_seed(seed)
     doc_ids = doc_ids_from_positions(positions)
     anchors = sample_anchors(mask, doc_ids, d.num_anchors, generator, d.max_anchors_per_packet)
+    num_rows = num_supervised(mask, doc_ids, anchors, state.model.block_size)  # as the trainer: no host sync
     cap = d.max_anchors_per_packet
     static = (cfg.data.token_budget, cap) if attention == "flex" and cap is not None else None
     dtype = torch_dtype(d.dtype, device)
@@ -428,6 +429,7 @@ def drafter_step(state: DrafterState, packet: Packet, cfg: Config, live: LiveByt
             static_shape=static,
             on_phase=lambda phase: live.set_term(PHASE_TERMS[phase]),
             normalizer=1.0,
+            num_rows=num_rows,
         )
     params = list(state.model.parameters())
     with live.term("backward"):
