@@ -3,6 +3,9 @@
 Every YAML group in ``conf/`` is validated against the dataclasses below at compose time (a typo
 or a wrong type fails before anything runs). The checks that need several fields at once are in
 :mod:`dflash.config.checks` (``validate``). Each field's documentation lives beside its type.
+
+Long because it is the one place every config field is declared and documented (one dataclass per
+group); it holds no logic beyond the field metadata and ``to_config``.
 """
 
 from __future__ import annotations

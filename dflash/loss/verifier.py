@@ -55,6 +55,9 @@ tests only).
 Call this outside any ``torch.compile`` region; ``compile=True`` compiles only the per-row-block
 math (Inductor; meant for GPUs: on CPU it needs a C++ compiler, and the eager CPU path already
 computes each ``exp`` once).
+
+One module for one algorithm: the chunk loop, its forward/backward autograd function, the argument
+checks and the GEMM helpers all serve :func:`verifier_loss` (the per-block math is in ``kernels``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ back-propagated, and at the step boundary the gradients (all-reduced over the dr
 are divided by the global weight sum, so the loss is the global token mean whatever the packing.
 Anchors come from a generator seeded with (train.seed, packet index): a resumed run samples
 exactly what the uninterrupted run sampled.
+
+One module because one class owns the drafter rank's loop and its state (model, optimizer, schedule,
+sums, links, checkpoints); the pieces that stand alone live beside it (``step_stats``,
+``checkpoint``, ``periodic_eval``, ``summary``, ``dflash.distributed.drafter_parallel``).
 """
 
 from __future__ import annotations
