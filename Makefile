@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 # The torch of pyproject.toml; `pip install torch==2.13.0` takes the CPU wheel on the CI machines and
 # the CUDA build from PyPI on a GPU host (docker/Dockerfile installs the same version).
 TORCH_SPEC ?= torch==2.13.0
+# pytest-xdist workers of `make test` (tests/conftest.py hands each a test module at a time, longest first)
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast lint serve-check bench-loss gpu-check clean
 
@@ -20,10 +22,10 @@ demo: $(BIN)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/torchrun --standalone --nproc_per_node 3 -m dflash.train
 
 test: $(BIN)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n $(TEST_WORKERS)
 
 test-fast: $(BIN)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m "not slow and not multiproc and not faults"
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n $(TEST_WORKERS) -m "not slow and not multiproc and not faults"
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check dflash tests scripts

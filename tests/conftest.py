@@ -12,6 +12,42 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # `make test`: the cores shared among the workers
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
+
+SHARED_GROUP = "tests/faults"
+"""The tests that share session fixtures (the reference runs, the background hung run): one worker."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest work first, so that under pytest-xdist no worker is left with a long tail: the fault
+    scenarios (they build the session's tiny target), then the slow tests that need no tiny target
+    (they run while it is built), then the other slow tests, then the rest; in file order within each."""
+
+    def rank(item: pytest.Item) -> int:
+        if item.nodeid.startswith(SHARED_GROUP + "/"):
+            return 0
+        if item.get_closest_marker("slow") is None:
+            return 3
+        return 2 if "session_cache" in getattr(item, "fixturenames", ()) else 1
+
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (`make test`); plain pytest runs without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Work units for pytest-xdist: a test module each (its module fixtures are built once), all of
+    ``tests/faults`` one unit; handed out in collection order (longest first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesInOrder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SHARED_GROUP if nodeid.startswith(SHARED_GROUP + "/") else super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return ModulesInOrder(config, log)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +70,10 @@ def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if reuse:
         Path(reuse).mkdir(parents=True, exist_ok=True)
         return Path(reuse)
+    if "PYTEST_XDIST_WORKER" in os.environ:  # one cache for all workers (its builds are file-locked)
+        shared = tmp_path_factory.getbasetemp().parent / "dflash_cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("dflash_cache")
 
 

@@ -49,19 +49,26 @@ def _entry(rank: int, world: int, tmp: str, peer_fate: str, victim: int) -> None
             drafter = DrafterLink(topo, 1, spec, 20.0, groups=ctx.drafter_links())
             drafter.prefetch(0)
             drafter.prefetch(1)  # deferred until packet 0's payload is posted
-        survivor_done = Path(tmp, f"rank{1 - victim}.json")
+        Path(tmp, f"posted{rank}").touch()
         if rank == victim:
+            _wait_for(Path(tmp, f"posted{1 - victim}"))  # the survivor's work is pending before it fails
+            Path(tmp, "failing").touch()
             if peer_fate == "dies":
                 os._exit(0)
-            while not survivor_done.exists():  # stuck: alive, never answering, until the survivor is done
-                time.sleep(0.05)
+            _wait_for(Path(tmp, f"rank{1 - victim}.json"))  # stuck: silent until the survivor is done
             return {}
-        time.sleep(1.0)  # the victim is gone (or stuck) by now
+        _wait_for(Path(tmp, "failing"))
+        time.sleep(0.5)  # the victim's process has exited (or it is stuck) by now
         t0 = time.monotonic()
         destroy(ctx, failed=True)
         return {"destroy_s": time.monotonic() - t0}
 
     finish_rank(rank, tmp, body)
+
+
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.02)
 
 
 def _packet(packet_cls, g: int):

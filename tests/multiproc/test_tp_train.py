@@ -65,7 +65,9 @@ def test_tp_replicas_train_the_losses_of_single_rank_targets(tmp_path, run_cache
         done[rank] = int(found[1])
     assert done[0] == done[1] >= STEPS // 2 and done[2] == done[3] >= STEPS // 2, done
     assert "tensor parallel over 2 ranks" in tp.rank_log(1)
-    assert "2 target replicas x 2 ranks + 1 drafter" in tp.rank_log(4)
+    # the balance line prices splits in replicas of 2 ranks (which split is best depends on the timings)
+    drafter_log = tp.rank_log(4)
+    assert re.search(r"balance .*\d target replicas? x 2 ranks \+ \d drafters?", drafter_log), drafter_log
 
     resumed = launch(tmp_path / "tp", COMMON, run_cache, nproc=3)  # the same run on 2 single-rank targets
     assert resumed.returncode == 0, resumed.output[-4000:]
