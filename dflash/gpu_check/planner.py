@@ -130,12 +130,12 @@ def colocated_anchor_cap(overrides: list[str], spec: GpuSpec) -> tuple[int, int]
     GPU (``spec``, minus ``plan.reserved_gib``) with activation checkpointing, when that is less: the
     check runs the shipped experiment on one GPU whatever its memory (the co-located Qwen3-8B at the
     recipe's 8,192 anchors fits an H200, not an H100)."""
-    from dflash.plan.fit import largest_anchors
+    from dflash.plan.fit import gpu_capacity_gib, largest_anchors
     from dflash.plan.inputs import resolve_inputs
     from dflash.plan.memory import DrafterSettings
 
     cfg = training_config([*overrides, "topology=colocated"])
     shipped = cfg.drafter.max_anchors_per_packet
-    capacity = spec.hbm_gb * 1e9 / 2**30 - cfg.plan.reserved_gib
+    capacity = gpu_capacity_gib(spec, cfg.plan.reserved_gib)
     fits = largest_anchors(cfg, resolve_inputs(cfg), capacity, "colocated", DrafterSettings(checkpoint=True))
     return (fits if shipped is None else min(shipped, fits)), (shipped or fits)

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.config import Config
+from dflash.config import Config, GpuSpec
 from dflash.plan.inputs import PlanInputs, typical_packet
-from dflash.plan.memory import DrafterSettings, memory_per_role
+from dflash.plan.memory import GIB, DrafterSettings, memory_per_role
 
-GIB = 2**30
 DRAFTER_ROLES = ("drafter", "colocated")
 
 
@@ -155,6 +154,11 @@ def anchor_caps(cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size
     }
     offered = with_anchor_cap(cfg, inputs, 1 << 30)[1].packet.num_anchors
     return AnchorCaps(capacity_gib, offered, ranks, caps)
+
+
+def gpu_capacity_gib(gpu: GpuSpec, reserved_gib: float) -> float:
+    """What tensors may use on a GPU of the table (``gpu.hbm_gb``, decimal GB): GiB minus ``reserved_gib``."""
+    return gpu.hbm_gb * 1e9 / GIB - reserved_gib
 
 
 def device_capacity_gib(device: torch.device, reserved_gib: float) -> float:

@@ -7,9 +7,16 @@ from dataclasses import dataclass
 
 from dflash.config import Config, GpuSpec, TargetShape
 from dflash.plan.costs import PacketCosts, packet_costs, target_rank_flop, tp_bytes_per_token
-from dflash.plan.fit import CheckpointDecision, decide_checkpointing, drafter_role, num_drafters, role_memory
+from dflash.plan.fit import (
+    CheckpointDecision,
+    decide_checkpointing,
+    drafter_role,
+    gpu_capacity_gib,
+    num_drafters,
+    role_memory,
+)
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs
-from dflash.plan.memory import GIB, DrafterSettings, drafter_num_params, target_memory
+from dflash.plan.memory import DrafterSettings, drafter_num_params, target_memory
 from dflash.plan.throughput import RoleTimes, Split, best_split, colocated, disaggregated, role_times
 from dflash.targets.tp import TpLayout, tp_layout, tp_problems
 
@@ -169,7 +176,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         verifier_metrics=VERIFIER_METRICS,
         hidden_dtype_bytes=inputs.dtypes.target_bytes,
     )
-    capacity = gpu.hbm_gb * 1e9 / GIB - p.reserved_gib
+    capacity = gpu_capacity_gib(gpu, p.reserved_gib)
     # one GPU runs the co-located mode whatever the topology says (the plan's one-GPU table)
     role = "colocated" if world == 1 else drafter_role(cfg)
     decision = decide_checkpointing(cfg, inputs, capacity, world_size=world, role=role)

@@ -67,13 +67,12 @@ from dflash.loss.device import as_cuda
 from dflash.plan.fake import Allocation, LiveBytes, Peak, RealSmall, uncounted_by
 from dflash.plan.fit import with_anchor_cap
 from dflash.plan.inputs import PlanInputs, local_config_dir, plan_device
-from dflash.plan.memory import PLAIN, DrafterSettings
+from dflash.plan.memory import GIB, PLAIN, DrafterSettings
 from dflash.targets.forward import build_batch, gather_tokens, target_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-GIB = 2**30
 ROLES = ("target", "drafter", "colocated")
 LIMITS = (
     "not measured: CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces, allocator rounding and "
