@@ -7,13 +7,18 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # pytest-xdist workers of `make test` (tests/conftest.py hands each a test module at a time, longest first)
 TEST_WORKERS ?= 2
+# `make test-latest`: the newest versions pyproject.toml allows, in their own venv; TRY names more to
+# install on top, beyond those ranges (e.g. TRY=transformers==5.26.0: the next release, tried first)
+LATEST_VENV ?= .venv-latest
+TRY ?=
 
-.PHONY: setup demo test test-fast lint serve-check bench-loss gpu-check clean
+.PHONY: setup demo test test-extended test-fast test-latest lock lint serve-check bench-loss gpu-check clean
 
-$(BIN)/.installed: pyproject.toml
+# The versions the suite passed with (constraints.txt); pyproject.toml keeps the ranges.
+$(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 setup: $(BIN)/.installed
@@ -22,7 +27,27 @@ demo: $(BIN)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/torchrun --standalone --nproc_per_node 3 -m dflash.train
 
 test: $(BIN)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n $(TEST_WORKERS)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n $(TEST_WORKERS) -m "not extended"
+
+# The longest checks (pytest marker `extended`), which CI runs after `make test`.
+test-extended: $(BIN)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n $(TEST_WORKERS) -m extended
+
+# The suite on the newest allowed versions (a fresh venv each time); `make lock` then records them.
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PY) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(LATEST_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+	$(if $(TRY),$(LATEST_VENV)/bin/pip install -q $(TRY))
+	$(LATEST_VENV)/bin/pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|wandb|hydra-core) "
+	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/pytest -q -n $(TEST_WORKERS)   # extended tests included
+
+lock:
+	test -x $(LATEST_VENV)/bin/pip || { echo "make lock records $(LATEST_VENV): run make test-latest first"; exit 2; }
+	{ sed -n '/^#/p' constraints.txt; $(LATEST_VENV)/bin/pip freeze --exclude-editable \
+	    | grep -v '^#' | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 test-fast: $(BIN)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n $(TEST_WORKERS) -m "not slow and not multiproc and not faults"
@@ -48,4 +73,4 @@ gpu-check: $(BIN)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
-	rm -rf $(VENV) outputs .cache
+	rm -rf $(VENV) $(LATEST_VENV) outputs .cache

@@ -1,4 +1,4 @@
-"""Shared fixtures: offline environment and a tiny target built once per session."""
+"""Shared fixtures: offline environment and the tiny targets, put in place once per session."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ SHARED_GROUP = "tests/faults"
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Longest work first, so that under pytest-xdist no worker is left with a long tail: the fault
-    scenarios (they build the session's tiny target), then the slow tests that need no tiny target
-    (they run while it is built), then the other slow tests, then the rest; in file order within each."""
+    scenarios (one work unit), then the slow tests that need no session cache, then the other slow
+    tests, then the rest; in file order within each."""
 
     def rank(item: pytest.Item) -> int:
         if item.nodeid.startswith(SHARED_GROUP + "/"):
@@ -63,7 +63,7 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's DFLASH_CACHE_DIR: the tiny target is built (trained) here once, and every
+    """The session's DFLASH_CACHE_DIR: the tiny target is put here once (the shipped build), and every
     fixture and torchrun job of the session finds it. ``DFLASH_TEST_CACHE_DIR`` names a directory
     to reuse across sessions instead (every artefact in it is keyed on what it was built from)."""
     reuse = os.environ.get("DFLASH_TEST_CACHE_DIR")
@@ -102,8 +102,9 @@ def tiny_hybrid_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(session_cache: Path) -> Path:
-    """The default tiny target + tokenizer (conf/target/tiny.yaml), built once for the session where
-    the training config looks for it (``${paths.cache_dir}/tiny_target_v1``)."""
+    """The default tiny target + tokenizer (conf/target/tiny.yaml): the shipped build
+    (dflash/targets/prebuilt), copied once for the session where the training config looks for it
+    (``${paths.cache_dir}/tiny_target_v1``)."""
     from dflash.config import TinyTargetConfig
     from dflash.targets.tiny import ensure_tiny_target
 
@@ -132,6 +133,6 @@ def run_cache(session_cache: Path, tiny_target_dir: Path) -> Path:
 
     setup = prepare_fast(session_cache)
     assert Path(setup.target_path) == tiny_target_dir, (
-        "conf/target/tiny.yaml differs from TinyTargetConfig(): prepare trained a second tiny target"
+        "conf/target/tiny.yaml differs from TinyTargetConfig(): prepare built a second tiny target"
     )
     return session_cache

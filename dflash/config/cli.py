@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from dflash.config import EXIT_USER_ERROR, UserError
 from dflash.config.checks import check_known_keys, free_form_overrides, override_key_problems
 from dflash.config.secrets import config_secret_problems, install_log_redaction, redact
+from dflash.versions import warn_untested_versions
 
 log = logging.getLogger("dflash")
 
@@ -261,6 +262,8 @@ def run_app(config_name: str, schema: type, task: Task) -> None:
         started = True
         sys.stderr = real_stderr
         install_log_redaction()
+        if rank == 0:
+            warn_untested_versions()
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
             _check_config(dcfg, schema)

@@ -169,7 +169,8 @@ class TopologyConfig:
 @dataclass
 class TinyTargetConfig:
     """A small target built locally from a config, trained for a fixed number of steps on stdlib
-    code (``dflash.targets.tiny``) and saved with save_pretrained; the whole spec is its cache key."""
+    code (``dflash.targets.tiny``) and saved with save_pretrained; the whole spec is its cache key.
+    The default spec's build ships with the package (the same weights on every CPU) and is copied."""
 
     model_type: str = field(default="qwen3", metadata=CONTRACT)
     num_layers: int = field(default=6, metadata=CONTRACT)

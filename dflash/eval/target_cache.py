@@ -16,11 +16,22 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
 
-LinearStates = list[tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[bool]]]
+LinearStates = list[
+    tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[bool], torch.Tensor | None]
+]
+"""Per linear-attention layer: conv states, recurrent states, has-previous flags, and the layer's own
+token count where transformers keeps one (``cumulative_length_linear``, 5.25 on)."""
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
+
+
+def _token_count(layer: object) -> torch.Tensor | None:
+    """The tokens a linear-attention cache layer has seen, where transformers counts them (5.25 on:
+    ``get_seq_length`` of a hybrid cache reads it, so it must be restored with the states)."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    return count if isinstance(count, torch.Tensor) else None
 
 
 class TargetCache:
@@ -53,8 +64,11 @@ class TargetCache:
         return bool(self.linear)
 
     def seq_length(self) -> int:
-        """Positions held by the attention layers."""
-        return self.cache.get_seq_length()
+        """Positions held by the attention layers (transformers 5.25 answers ``get_seq_length()`` from
+        layer 0, a linear-attention layer's own count on a hybrid target)."""
+        if self.attention:
+            return int(self.attention[0].get_seq_length())
+        return int(self.cache.get_seq_length())
 
     def mark(self, length: int) -> None:
         """Remember the state at ``length`` positions, before a verify forward appends a block."""
@@ -63,6 +77,7 @@ class TargetCache:
                 [_clone(layer.conv_states[i]) for i in range(layer.number_of_states)],
                 [_clone(layer.recurrent_states[i]) for i in range(layer.number_of_states)],
                 [layer.has_previous_state[i] for i in range(layer.number_of_states)],
+                _clone(_token_count(layer)),
             )
             for layer in self.linear
         ]
@@ -88,7 +103,7 @@ class TargetCache:
         if length < start:
             raise ValueError(f"cannot rewind to {length}: the mark is at {start}")
         self._crop(start)
-        for layer, (conv, recurrent, has_previous) in zip(self.linear, states, strict=True):
+        for layer, (conv, recurrent, has_previous, count) in zip(self.linear, states, strict=True):
             for i in range(layer.number_of_states):
                 for live, saved in ((layer.conv_states, conv[i]), (layer.recurrent_states, recurrent[i])):
                     current = live[i]
@@ -97,4 +112,7 @@ class TargetCache:
                     else:
                         current.copy_(saved)  # in place: keeps the cache's static addresses
                 layer.has_previous_state[i] = has_previous[i]
+            live_count = _token_count(layer)
+            if live_count is not None and count is not None:
+                live_count.copy_(count)  # the position the next forward starts from
         return length - start

@@ -325,6 +325,12 @@ def load_target(
         raise ValueError(problems[0])
     model_type = str(config.get_text_config(decoder=True).model_type)
     attn = target_attention(cfg, device.type, model_type, pack=False if decoding else None)
+    if attn == "flex_attention" and device.type == "cpu":
+        log.warning(
+            "target.attn_implementation=flex_attention on CPU: torch 2.13's compiled CPU flex kernel gives "
+            "wrong outputs on AVX2 code paths (tests/unit/test_target_attention.py); set "
+            "target.attn_implementation=auto (SDPA on CPU)"
+        )
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=attn)
     sharding: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if tp_size > 1:

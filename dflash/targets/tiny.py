@@ -8,10 +8,14 @@ saved with ``save_pretrained`` so that the real ``from_pretrained`` path runs. I
 to the embedded prompts (cut from the same files) are therefore code that often ends its turn, not
 repeated tokens, and the drafter's acceptance figures mean something.
 
-The build is deterministic (same files, seed and step count; one CPU thread, since the thread count
-changes the float sums and so the weights), keyed on the whole spec and guarded by a file lock, so
-every rank may call ``ensure_tiny_target`` at once and only one builds. The default spec trains
-400 steps of 4 x 128 tokens on one CPU thread.
+The build is keyed on the whole spec and guarded by a file lock, so every rank may call
+``ensure_tiny_target`` at once and only one builds. The default spec (conf/target/tiny.yaml: 400
+steps of 4 x 128 tokens) is not trained where it runs: its build ships with the package
+(``prebuilt/``, made once by ``scripts/build_tiny_prebuilt.py``) and is copied into place, checked
+against the digests it was shipped with. Training on the machine would give every CPU its own
+target (its float sums differ from the first step: AVX2 and AVX-512 kernels, thread counts), and so
+its own corpus, loss curve and demo figures; the shipped one is the same everywhere. Any other spec
+is trained here (one CPU thread, deterministic on one machine).
 
 The build only ever writes a directory the project owns: :func:`tiny_target_path` builds into
 ``target.path`` only when it is a new (or empty) directory under ``paths.cache_dir`` or an earlier
@@ -50,6 +54,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB = 2048
 BUILD_VERSION = 2  # 2: trained weights
 _DONE = "dflash_tiny_done.json"
+PREBUILT_DIR = Path(__file__).with_name("prebuilt")
+"""The shipped build of the default spec: its files and ``dflash_tiny_done.json`` (spec, version,
+digests, and how it was made)."""
 _MAX_ANSWER_LINES = 12
 _WARMUP_FRACTION = 0.1
 
@@ -250,6 +257,46 @@ def tiny_target_path(target: TargetConfig, path: str, cache_dir: str | os.PathLi
     return path
 
 
+def prebuilt_marker(want: dict[str, Any]) -> dict[str, Any] | None:
+    """The marker of the shipped build when it was made for ``want`` (spec key and version), else None."""
+    try:
+        marker = json.loads((PREBUILT_DIR / _DONE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or {k: marker.get(k) for k in want} != want:
+        return None
+    return marker
+
+
+def _install_prebuilt(tmp: Path, marker: dict[str, Any]) -> None:
+    """Check every shipped file against its digest, then copy the build into ``tmp``."""
+    import shutil
+
+    problems = digest_problems(PREBUILT_DIR, marker["files"])
+    if problems:
+        raise RuntimeError(
+            f"the shipped tiny target in {PREBUILT_DIR} is damaged ({'; '.join(problems)}): reinstall dflash"
+        )
+    for name in marker["files"]:
+        shutil.copyfile(PREBUILT_DIR / name, tmp / name)
+    (tmp / _DONE).write_text(json.dumps(marker, indent=1))
+
+
+def build_tiny_target(out: Path, spec: TinyTargetConfig) -> dict[str, Any]:
+    """Train the tiny target of ``spec`` and its tokenizer into the empty directory ``out``; returns
+    the marker written there (spec key, version, final training loss, file digests)."""
+    tok = build_tokenizer(out)
+    vocab = len(tok) + spec.extra_vocab
+    model = build_model(spec, vocab, tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
+    losses = train(model, tok, spec) if spec.train_steps > 0 else []
+    model.save_pretrained(out)
+    final_loss = sum(losses[-50:]) / max(len(losses[-50:]), 1)
+    files = digest_files(out, sorted(p.name for p in out.iterdir() if p.is_file()))
+    marker = {"spec": spec_key(spec), "version": BUILD_VERSION, "final_loss": final_loss, "files": files}
+    (out / _DONE).write_text(json.dumps(marker, indent=1))
+    return marker
+
+
 def _reusable(out: Path, want: dict[str, Any]) -> bool:
     """Whether ``out`` holds a complete, undamaged build of ``want`` (a damaged one is logged)."""
     done = out / _DONE
@@ -272,6 +319,7 @@ def ensure_tiny_target(path: str | os.PathLike, spec: TinyTargetConfig) -> Path:
     """Build the tiny target + tokenizer at ``path`` unless a complete, undamaged build with
     ``spec`` is there (every file is checked against the sizes and sha256 its marker recorded).
 
+    The default spec is copied from the shipped build (:data:`PREBUILT_DIR`), any other is trained.
     Only writes a directory it owns: a new or empty one, or an earlier build (its marker is there).
     A directory holding other files is someone's model: it is returned unchanged (to be loaded as
     it is) with a warning, never written. The build is made in a temp sibling and put in place
@@ -288,14 +336,12 @@ def ensure_tiny_target(path: str | os.PathLike, spec: TinyTargetConfig) -> Path:
         if _reusable(out, want):
             return out
         t0 = time.perf_counter()
+        shipped = prebuilt_marker(want)
         with atomic_directory(out) as tmp:
-            tok = build_tokenizer(tmp)
-            vocab = len(tok) + spec.extra_vocab
-            model = build_model(spec, vocab, tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
-            losses = train(model, tok, spec) if spec.train_steps > 0 else []
-            model.save_pretrained(tmp)
-            final_loss = sum(losses[-50:]) / max(len(losses[-50:]), 1)
-            files = digest_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
-            (tmp / _DONE).write_text(json.dumps({**want, "final_loss": final_loss, "files": files}, indent=1))
-        log.info("tiny target built at %s in %.0f s", out, time.perf_counter() - t0)
+            if shipped is not None:
+                _install_prebuilt(tmp, shipped)
+            else:
+                build_tiny_target(tmp, spec)
+        how = "copied the shipped build" if shipped is not None else "trained"
+        log.info("tiny target at %s: %s in %.0f s", out, how, time.perf_counter() - t0)
     return out

@@ -5,8 +5,12 @@ weights are DTensors sharded with the model's own transformers plans: ``base_mod
 (attention heads and MLP width column/row-wise, the embedding by vocabulary rows, the lm_head by
 columns) and, for mixture-of-experts targets that have one, ``base_model_ep_plan`` (each rank holds
 ``num_experts / k`` whole experts, runs them on the tokens routed to them and the replica sums the
-outputs: transformers' ``all_reduce`` expert implementation). A model whose experts have no EP plan
-(or whose expert count k does not divide) splits every expert's FFN width instead (``moe_tp_experts``).
+outputs: transformers' ``all_reduce`` expert implementation). A model whose expert count k does not
+divide splits every expert's FFN width instead (``moe_tp_experts``): with the TP plan's own rules where
+transformers ships them (5.24), else with :data:`EXPERT_WIDTH_RULES` where the experts are the fused
+``gate_up_proj`` / ``down_proj`` pair those rules split and transformers still has the style (5.25
+dropped the rules from the Qwen3-MoE plans but keeps the style until 5.28); otherwise the shape is
+refused naming the fix (a k that divides the experts), never replicated in silence.
 Rowwise layers and the expert sum end in an all-reduce, so every rank of a replica sees the same
 full residual stream: the tap outputs and the final norm output are plain replicated tensors, and
 any rank can send a packet.
@@ -61,6 +65,17 @@ SHARDING_STYLES = (
 )
 """Plan styles that split a weight over the replica (``replicated_*`` styles keep it whole)."""
 
+EXPERT_WIDTH_RULES = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+"""TP rules that split every expert's FFN width k ways (what transformers 5.24's Qwen3-MoE and
+Qwen3.5-MoE plans held): gate_up column-wise in its two packed halves, down row-wise, and the
+experts' partial outputs summed over the replica."""
+FUSED_EXPERT_PARAMS = frozenset({"layers.*.mlp.experts.gate_up_proj", "layers.*.mlp.experts.down_proj"})
+"""The expert weights of an EP plan that :data:`EXPERT_WIDTH_RULES` fit (no biases, no other tensors)."""
+
 
 @dataclass(frozen=True)
 class TpLayout:
@@ -98,6 +113,14 @@ def _plan_parts(plan: dict[str, str]) -> set[str]:
     return parts
 
 
+def causal_lm_class(model_type: str) -> Any:
+    """transformers' ``*ForCausalLM`` class of ``model_type`` (None when it has none)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
+
+
 def model_plans(model_type: str) -> tuple[dict[str, str], dict[str, str], bool]:
     """``(base_model_tp_plan, base_model_ep_plan, lm_head split)`` transformers ships for ``model_type``.
 
@@ -106,7 +129,6 @@ def model_plans(model_type: str) -> tuple[dict[str, str], dict[str, str], bool]:
     """
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in CONFIG_MAPPING:
         raise ValueError(
@@ -117,17 +139,29 @@ def model_plans(model_type: str) -> tuple[dict[str, str], dict[str, str], bool]:
     ep_plan = dict(getattr(config_cls, "base_model_ep_plan", None) or {})
     if tp_plan:
         tp_plan = {"embed_tokens": "embedding_rowwise", **tp_plan}
-    head_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
-    head_plan = getattr(head_cls, "_tp_plan", None) or {}
+    head_plan = getattr(causal_lm_class(model_type), "_tp_plan", None) or {}
     return tp_plan, ep_plan, head_plan.get("lm_head") in SHARDING_STYLES
+
+
+def own_expert_width_rules(model_type: str) -> dict[str, str]:
+    """:data:`EXPERT_WIDTH_RULES` when ``model_type``'s TP plan has no expert-width split of its own
+    but its experts are the fused pair those rules split and transformers still registers the
+    ``moe_tp_experts`` style; else ``{}`` (the plan splits them itself, or nothing can)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    tp_plan, ep_plan, _ = model_plans(model_type)
+    if "experts" in _plan_parts(tp_plan) or "moe_tp_experts" not in ALL_PARALLEL_STYLES:
+        return {}
+    weights = {k for k in ep_plan if k != "layers.*.mlp.experts"}
+    return dict(EXPERT_WIDTH_RULES) if weights == FUSED_EXPERT_PARAMS else {}
 
 
 def tp_layout(model_type: str | None, num_experts: int, tp_size: int) -> TpLayout:
     """How a ``tp_size``-rank replica shards a ``model_type`` target with ``num_experts`` experts.
 
     Experts: expert parallelism when transformers has an EP plan for the model and ``tp_size``
-    divides ``num_experts``, else the TP plan's ``moe_tp_experts`` (every expert's width split),
-    else replicated. ``model_type=None`` (a planner shape without one) is taken as a dense model
+    divides ``num_experts``, else every expert's width split (the TP plan's ``moe_tp_experts`` rules,
+    or :func:`own_expert_width_rules`), else replicated (which :func:`tp_problems` refuses). ``model_type=None`` (a planner shape without one) is taken as a dense model
     whose plan splits attention, MLP, embedding and lm_head (every dense model transformers plans).
     Raises ``ValueError`` when ``tp_size > 1`` and transformers has no plan for the model.
     """
@@ -148,7 +182,7 @@ def tp_layout(model_type: str | None, num_experts: int, tp_size: int) -> TpLayou
         parts.discard("mlp")  # every layer of the MoE targets dflash knows is sparse
         if ep_plan and num_experts % tp_size == 0:
             experts = "ep"
-        elif "experts" in _plan_parts(tp_plan):
+        elif "experts" in _plan_parts(tp_plan) or own_expert_width_rules(model_type):
             experts = "tp"
         else:
             experts = "replicated"
@@ -260,6 +294,14 @@ def distributed_config(text_config: Any, tp_size: int) -> Any:
         return DistributedConfig(
             tp_size=layout.tp_size, ep_size=layout.tp_size, ep_implementation="all_reduce"
         )
+    if layout.experts == "tp":
+        model_type = str(text_config.model_type)
+        own = own_expert_width_rules(model_type)
+        if own:  # merged by from_pretrained over the causal LM's plan, whose keys name the base model
+            prefix = causal_lm_class(model_type).base_model_prefix
+            return DistributedConfig(
+                tp_size=layout.tp_size, tp_plan={f"{prefix}.{k}": v for k, v in own.items()}
+            )
     return DistributedConfig(tp_size=layout.tp_size)
 
 

@@ -11,7 +11,7 @@ import pytest
 from runner import FAST, env_for, prepare_fast
 from testpaths import REPO
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.extended]
 
 
 def test_bench_pipeline_prints_a_line_per_split_and_the_ratios(run_cache):

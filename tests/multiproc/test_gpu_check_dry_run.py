@@ -14,7 +14,7 @@ import pytest
 from runner import env_for
 from testpaths import REPO
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.extended]
 
 
 def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cache):

@@ -15,6 +15,7 @@ ROWS, VOCAB = 512, 4096  # naive: several [512 x 4096] fp32 tensors (8 MB each);
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bench_loss_cases_agree_with_the_naive_loss_and_use_less_memory():
     cmd = [
         sys.executable,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,16 +145,20 @@ def test_a_half_truncated_embedded_corpus_is_rebuilt(tiny_target_dir, tmp_path, 
     assert "damaged" not in caplog.text
 
 
-def test_nan_weights_in_the_cached_tiny_target_are_rebuilt(tmp_path, caplog):
-    spec = TinyTargetConfig(
-        num_layers=2,
+def small_tiny_spec(num_layers: int, train_steps: int) -> TinyTargetConfig:
+    return TinyTargetConfig(
+        num_layers=num_layers,
         hidden_size=32,
         intermediate_size=64,
         num_heads=2,
         num_kv_heads=1,
         head_dim=16,
-        train_steps=0,
+        train_steps=train_steps,
     )
+
+
+def test_nan_weights_in_the_cached_tiny_target_are_rebuilt(tmp_path, caplog):
+    spec = small_tiny_spec(num_layers=2, train_steps=0)
     out = ensure_tiny_target(tmp_path / "tiny", spec)
     weights = out / "model.safetensors"
     clean = weights.read_bytes()
@@ -189,3 +195,37 @@ def test_digests_name_every_damaged_file_and_sample_huge_ones(tmp_path, monkeypa
         fh.seek(big.stat().st_size - 10)
         fh.write(b"\0" if fh.read(1) != b"\0" else b"\1")
     assert "sha256 mismatch" in digest_problems(tmp_path, {"big": d})[0]
+
+
+def test_the_default_tiny_target_is_the_shipped_build(tmp_path, monkeypatch):
+    """The default spec is copied from dflash/targets/prebuilt (the same weights on every CPU), never
+    trained where it runs; a damaged shipped file is named, and nothing is put in place."""
+    from dflash.targets import tiny
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the default spec was trained instead of copied")
+
+    monkeypatch.setattr(tiny, "build_tiny_target", no_training)
+    out = ensure_tiny_target(tmp_path / "tiny", TinyTargetConfig())
+    shipped = json.loads((tiny.PREBUILT_DIR / "dflash_tiny_done.json").read_text())
+    assert shipped["spec"] == tiny.spec_key(TinyTargetConfig()) and shipped["version"] == tiny.BUILD_VERSION
+    for name in shipped["files"]:
+        assert (out / name).read_bytes() == (tiny.PREBUILT_DIR / name).read_bytes(), name
+    assert digest_problems(out, shipped["files"]) == []
+    damaged = tmp_path / "prebuilt"
+    shutil.copytree(tiny.PREBUILT_DIR, damaged)
+    (damaged / "config.json").write_text("{}")
+    monkeypatch.setattr(tiny, "PREBUILT_DIR", damaged)
+    with pytest.raises(RuntimeError, match=r"prebuilt/config.json: \d+ bytes.*reinstall dflash"):
+        ensure_tiny_target(tmp_path / "again", TinyTargetConfig())
+    assert not (tmp_path / "again").exists()
+
+
+def test_another_spec_is_trained_here(tmp_path):
+    out = ensure_tiny_target(tmp_path / "tiny", small_tiny_spec(num_layers=1, train_steps=3))
+    marker = json.loads((out / "dflash_tiny_done.json").read_text())
+    assert (
+        marker["spec"]["train_steps"] == 3
+        and math.isfinite(marker["final_loss"])
+        and marker["final_loss"] > 0
+    )

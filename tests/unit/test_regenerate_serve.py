@@ -217,6 +217,7 @@ def check_regeneration_survives_a_restart(
     assert meta["complete"] and meta["endpoints"] == [url] and meta["counts"]["skipped"] == done_first
 
 
+@pytest.mark.extended
 def test_transformers_serve_regeneration_equals_greedy_and_survives_a_server_restart(
     tiny_target_dir, tmp_path
 ):

@@ -186,6 +186,7 @@ def test_the_estimate_agrees_with_the_rehearsal_at_small_shapes(overrides, roles
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("experiment", ["qwen3_8b_8gpu", "qwen3_6_27b_8gpu"])
 def test_shipped_experiments_estimate_within_5_percent_of_the_rehearsal(experiment):
     """Every role of the shipped experiment at its anchor cap and at half of it, at real size, on

@@ -19,13 +19,39 @@ def test_layouts_follow_the_transformers_plans():
     assert llama.parts == {"attention", "mlp", "embedding", "lm_head"} and llama.experts == "none"
     moe = tp_layout("qwen3_moe", 128, 4)
     assert moe.parts == {"attention", "experts", "embedding", "lm_head"} and moe.ep_size == 4
-    # 5 experts cannot go whole to 2 ranks: every expert's FFN width is split (moe_tp_experts)
+    # 5 experts cannot go whole to 2 ranks: every expert's FFN width is split (moe_tp_experts; with
+    # transformers 5.25's plans, which no longer hold those rules, dflash's own EXPERT_WIDTH_RULES)
     assert tp_layout("qwen3_moe", 5, 2).experts == "tp" and tp_layout("qwen3_moe", 5, 2).ep_size == 1
     oss = tp_layout("gpt_oss", 128, 4)  # its plan splits experts and embedding only
     assert oss.experts == "ep" and not oss.split("attention") and oss.split("embedding")
     hybrid = tp_layout("qwen3_5_moe_text", 256, 2)
     assert {"linear_attention", "shared_expert", "experts", "attention"} <= hybrid.parts
     assert not tp_layout("qwen3", 0, 1).split("attention")  # one rank splits nothing
+
+
+def test_expert_width_split_is_our_own_plan_where_transformers_dropped_it(monkeypatch):
+    """transformers 5.25's Qwen3-MoE plans split experts only whole (EP): a count k does not divide is
+    split by width with dflash's own rules, passed to from_pretrained under the base model's prefix;
+    once transformers drops the style itself (5.28), the shape is refused naming the fix."""
+    import transformers.distributed.tensor_parallel as hf_tp
+
+    from dflash.targets.tp import EXPERT_WIDTH_RULES, model_plans, own_expert_width_rules
+
+    tp_plan, _, _ = model_plans("qwen3_moe")
+    ships_rules = "moe_tp_experts" in tp_plan.values()  # transformers 5.24
+    assert own_expert_width_rules("qwen3_moe") == ({} if ships_rules else EXPERT_WIDTH_RULES)
+    assert own_expert_width_rules("gpt_oss") == {}  # biased experts: no rule of ours fits them
+    config = build_model(_moe_spec(num_experts=5), 300, 1, 0).config
+    dist = distributed_config(config, 2)
+    assert dist.tp_size == 2 and (dist.ep_size or 1) == 1
+    if ships_rules:
+        return
+    assert dist.tp_plan == {f"model.{k}": v for k, v in EXPERT_WIDTH_RULES.items()}
+    styles = {k: v for k, v in hf_tp.ALL_PARALLEL_STYLES.items() if k != "moe_tp_experts"}
+    monkeypatch.setattr(hf_tp, "ALL_PARALLEL_STYLES", styles)
+    assert tp_layout("qwen3_moe", 5, 2).experts == "replicated"
+    with pytest.raises(ValueError, match="use a divisor of 5"):
+        distributed_config(config, 2)
 
 
 def test_shapes_a_replica_cannot_split_are_refused_naming_the_field():
