@@ -167,7 +167,7 @@ def report_task(dcfg: DictConfig, _hydra_dir: Path) -> int:
 
 
 def main() -> None:
-    from dflash.config.cli import run_app
+    from dflash.cli import run_app
 
     if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
         sys.argv[1] = f"run_dir={sys.argv[1]}"  # python -m dflash.report <run dir>

@@ -34,9 +34,10 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.drafter.arch import DrafterArch
-from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks, sample_anchors
+from dflash.drafter.blocks import build_masks, make_blocks, sample_anchors
 from dflash.drafter.export import export_drafter
 from dflash.drafter.model import DFlashDraftModel
+from dflash.targets.packing import doc_ids_from_positions
 
 BS, WINDOW, MASK_ID, TAPS = 4, 6, 119, [1, 3, 5]
 LAYOUTS = {

@@ -128,8 +128,8 @@ def prepare_fast(cache_dir: Path, overrides: list[str] | None = None) -> RunSetu
     ``DFLASH_CACHE_DIR=cache_dir``: it builds the caches the ranks then only load."""
     import pytest
 
+    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
-    from dflash.config.cli import compose_config
     from dflash.train.setup import prepare
 
     register_configs()

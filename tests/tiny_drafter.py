@@ -7,8 +7,9 @@ import torch
 
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.attention import AttentionMask
-from dflash.drafter.blocks import build_masks, doc_ids_from_positions, sample_anchors
+from dflash.drafter.blocks import build_masks, sample_anchors
 from dflash.drafter.model import DFlashDraftModel
+from dflash.targets.packing import doc_ids_from_positions
 
 BS = 4
 MASK_ID = 119

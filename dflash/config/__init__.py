@@ -1,6 +1,6 @@
 """The run's configuration: typed schemas (``schema``), cross-field checks (``checks``), secrets
-(``secrets``), the one resolver of devices, dtypes and paths (``resolve``) and the entry point every
-command-line app shares (``cli``).
+(``secrets``), topology modes (``modes``) and the one resolver of devices, dtypes and paths
+(``resolve``). The entry point every command-line app shares is ``dflash.cli``.
 
 The schema's names are re-exported here (``from dflash.config import Config``); the other modules
 are imported by name (``from dflash.config.checks import validate``).

@@ -10,7 +10,6 @@ does not know (``+key=...`` would otherwise be ignored silently).
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from typing import Any
 
@@ -24,6 +23,7 @@ from dflash.config import (
     DrafterConfig,
     UserError,
 )
+from dflash.config.modes import topology_problems
 from dflash.config.resolve import device_kind, drafter_attention
 
 
@@ -36,63 +36,14 @@ class _Problems(list[str]):
 
 
 def _topology_problems(cfg: Config, world_size: int, p: _Problems) -> None:
-    """The rank layout: co-located, drafter nodes, or N targets + M drafters for the launch."""
-    t = cfg.topology
-    if t.colocated:
-        p.need(
-            t.num_targets == 0,
-            f"topology.colocated=true runs the target on every rank: set topology.num_targets=0 (got {t.num_targets})",
-        )
-        p.need(
-            t.num_drafters is None or t.num_drafters == world_size,
-            f"topology.colocated=true makes every rank a drafter: set topology.num_drafters=null "
-            f"(got {t.num_drafters}, WORLD_SIZE={world_size})",
-        )
-    elif t.drafter_nodes is not None:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        nodes = world_size // max(per_node, 1)
-        p.need(
-            t.num_drafters is None,
-            f"topology.drafter_nodes={t.drafter_nodes} sets the number of drafters: set topology.num_drafters=null",
-        )
-        p.need(
-            1 <= t.drafter_nodes < nodes and world_size % per_node == 0,
-            f"topology.drafter_nodes={t.drafter_nodes} needs at least one node of targets before it, but the launch "
-            f"has {nodes} node(s) of LOCAL_WORLD_SIZE={per_node} (WORLD_SIZE={world_size}); set "
-            f"topology.drafter_nodes between 1 and {max(nodes - 1, 1)} on a multi-node launch, or "
-            f"topology.drafter_nodes=null",
-        )
-    else:
-        p.need(
-            t.num_targets >= 1,
-            f"topology.num_targets={t.num_targets}: need at least 1 target; set topology.num_targets=1 or more, "
-            f"or topology=colocated (target and drafter on every rank)",
-        )
-        k = max(t.target_tp, 1)
-        target_ranks = t.num_targets * k
-        drafters = t.num_drafters if t.num_drafters is not None else world_size - target_ranks
-        if t.num_drafters is not None:
-            p.need(drafters >= 1, f"topology.num_drafters={t.num_drafters}: need at least 1 drafter")
-        ranks = target_ranks + drafters
-        if world_size != ranks or drafters < 1:
-            fix = f"launch with torchrun --nproc_per_node {max(ranks, target_ranks + 1)}"
-            fit = (world_size - (t.num_drafters or 1)) // k
-            if world_size > 1 and fit >= 1:
-                fix += f", or set topology.num_targets={fit} for this launch"
-            targets = f"topology.num_targets={t.num_targets}" + (
-                f" x topology.target_tp={k}" if k > 1 else ""
-            )
-            p.append(
-                f"{targets} + topology.num_drafters={t.num_drafters} = {ranks} ranks but "
-                f"the launch has WORLD_SIZE={world_size}; {fix}, or topology=colocated (any world size)"
-            )
-    from dflash.targets.tp import tp_config_problems  # no heavy import: transformers only for target.shape
-
-    p.extend(tp_config_problems(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size))
-    p.need(t.max_in_flight >= 1, f"topology.max_in_flight={t.max_in_flight}: must be >= 1")
+    """The rank layout (the topology mode's rules, ``dflash.config.modes``) and what the whole target
+    on one rank excludes."""
+    p.extend(topology_problems(cfg.topology, world_size))
+    k = cfg.topology.target_tp
     p.need(
-        t.init_timeout_s > 0 and t.step_timeout_s > 0,
-        "topology.init_timeout_s and topology.step_timeout_s must be > 0",
+        k <= 1 or cfg.eval.every <= 0,
+        f"eval.every={cfg.eval.every} with topology.target_tp={k}: the periodic eval runs the whole target "
+        "on the drafter leader; set eval.every=0 and evaluate the export where the target fits",
     )
 
 
@@ -339,6 +290,22 @@ def unknown_keys(node: dict, schema: type, prefix: str = "") -> list[str]:
     return out
 
 
+def known_keys_only(node: dict, schema: type) -> dict:
+    """``node`` without the keys the schema does not know (a config written by an earlier version
+    of dflash, read back: a field it had and this version dropped or renamed)."""
+    hints = typing.get_type_hints(schema)
+    out = {}
+    for key, value in node.items():
+        if key not in hints:
+            continue
+        hint = hints[key]
+        subs = [
+            t for t in (hint, *typing.get_args(hint)) if isinstance(t, type) and dataclasses.is_dataclass(t)
+        ]
+        out[key] = known_keys_only(value, subs[0]) if subs and isinstance(value, dict) else value
+    return out
+
+
 def check_known_keys(dcfg: DictConfig, schema: type) -> None:
     """Raise ``UserError`` naming every key the schema does not know (with the closest known key)."""
     node = OmegaConf.to_container(dcfg, resolve=False)
@@ -380,6 +347,10 @@ def _walk_key(key: str, schema: type) -> tuple[str, int]:
     return "field", len(parts)
 
 
+RENAMED = {"topology.colocated": "topology.mode=colocated (or the group topology=colocated)"}
+"""Keys of earlier versions -> what replaced them (named when a command line still uses one)."""
+
+
 def override_key_problems(args: list[str], schema: type) -> list[str]:
     """Command-line overrides ``a.b=value`` whose dotted key the schema does not have, each with the
     closest known key. Hydra's own message for one advises ``+a.b=value``, which adds a key the
@@ -394,6 +365,9 @@ def override_key_problems(args: list[str], schema: type) -> list[str]:
             continue
         where, depth = _walk_key(key, schema)
         if where != "unknown":
+            continue
+        if key in RENAMED:
+            out.append(f"{key} (renamed: use {RENAMED[key]})")
             continue
         parts = key.split(".")
         cls: Any = schema

@@ -136,17 +136,19 @@ class TopologyConfig:
     # Which rank makes a packet does not change what is trained: only how many packets an optimizer
     # step takes (num_drafters x optim.grad_accum_steps) is part of the resume contract.
     num_targets: int = field(default=2, metadata=FREE)
-    """Target replicas (frozen target copies) on ranks 0..N*target_tp-1; 0 with colocated."""
+    """Target replicas (frozen target copies) on ranks 0..N*target_tp-1; 0 with mode=colocated."""
     num_drafters: int | None = field(default=1, metadata=derived("topology.packets_per_step"))
     """Drafter ranks N*k..N*k+M-1 (k = target_tp), training data-parallel; the first is the leader
-    (checkpoints, W&B). None = every rank the targets leave (WORLD_SIZE - num_targets x target_tp)."""
+    (checkpoints, W&B). None = every rank the targets leave (WORLD_SIZE - num_targets x target_tp;
+    every rank when co-located)."""
     drafter_nodes: int | None = field(default=None, metadata=FREE)
     """Several nodes: the last ``drafter_nodes`` nodes hold only drafters (their gradient all-reduce
     stays on NVLink), the nodes before them only targets. Sets num_drafters = drafter_nodes x
     LOCAL_WORLD_SIZE and num_targets = the rest (in replicas of target_tp); leave num_drafters=null."""
-    colocated: bool = field(default=False, metadata=FREE)
-    """Every rank holds the target and a drafter replica and makes its own packets (no send/recv):
-    one GPU, small hosts. Needs num_targets=0; num_drafters=null (the world) or WORLD_SIZE."""
+    mode: str = field(default="split", metadata=FREE)
+    """How the ranks split (``dflash.config.modes``): ``split`` (num_targets target replicas send
+    packets to the drafters) or ``colocated`` (every rank holds the target and a drafter replica and
+    makes its own packets, no send/recv: one GPU, small hosts; num_targets=0, num_drafters=null)."""
     backend: Backend = field(default=Backend.auto, metadata=FREE)
     """auto (nccl when CUDA is available, else gloo), nccl or gloo."""
     device: Device = field(default=Device.auto, metadata=FREE)
@@ -163,7 +165,7 @@ class TopologyConfig:
     target_tp consecutive ranks (tensor parallel; experts split by expert where transformers can),
     so the world is num_targets x target_tp + num_drafters; the replica's first rank sends its
     packets. On several nodes it must divide the GPUs of a node (a replica never spans nodes).
-    Not with colocated or eval.every > 0 (both run the whole target on one rank)."""
+    Not with mode=colocated or eval.every > 0 (both run the whole target on one rank)."""
 
 
 @dataclass

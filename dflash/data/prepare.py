@@ -21,8 +21,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from dflash.cli import run_app, value_errors_are_user_errors
 from dflash.config import FREE, Config, planned_world_size, to_config
-from dflash.config.cli import run_app, value_errors_are_user_errors
 
 
 @dataclass

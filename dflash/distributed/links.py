@@ -39,7 +39,8 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -112,6 +113,33 @@ def short_error(err: BaseException) -> str:
     first = text.splitlines()[0] if text else type(err).__name__
     first = re.sub(r"^\[[^\]]*\]\s*", "", first)
     return first.split(". This is typically")[0].rstrip(".") or type(err).__name__
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """A failed or timed-out collective (gloo's transport errors, NCCL's ``DistBackendError``), as
+    opposed to an error of the model itself."""
+    text = str(err).lower()
+    return isinstance(err, dist.DistError) or "gloo" in text or "nccl" in text or "timed out" in text
+
+
+@contextmanager
+def replica_peer_errors(me: str, replica: list[str]) -> Iterator[None]:
+    """Inside the block (a forward of a target sharded over a tensor-parallel replica), a failed
+    collective is a :class:`PeerError` naming ``me`` and the ranks of the replica, as any dead or
+    stuck peer is named: a rank of a replica that dies makes the others' next all-reduce fail (gloo
+    at once, "Connection reset by peer"; NCCL when its watchdog times the collective out). With two
+    ranks the other one is named as the dead or stuck rank."""
+    others = [r for r in replica if r != me]
+    culprit = f"{others[0]} is" if len(others) == 1 else "a rank of this replica is"
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, PeerError) or not is_collective_failure(e):
+            raise
+        raise PeerError(
+            f"{me}: the tensor-parallel all-reduce of the target forward among [{', '.join(replica)}] failed "
+            f"({short_error(e)}); {culprit} dead or stuck"
+        ) from e
 
 
 def is_timeout(err: BaseException) -> bool:

@@ -4,9 +4,10 @@ World = N target replicas of k ranks each (``target_tp``, 1 by default) + M draf
 are 0..N*k-1: replica r is ranks [r*k, (r+1)*k) (consecutive, so a replica stays inside a node when
 k divides the GPUs of a node), and its first rank r*k, the replica's *sender*, is the one that sends
 its packets; the other k-1 ranks run the same forwards (the tensor-parallel shards) and send nothing.
-Drafters are ranks N*k..N*k+M-1; the drafter leader is rank N*k. Co-located (``colocated=True``):
-N = 0 and every rank is a drafter that also holds the target and produces its own packets (producer
-of g = consumer of g); the leader is rank 0. Packets are numbered globally g = 0, 1, 2, ...: packet
+Drafters are ranks N*k..N*k+M-1; the drafter leader is rank N*k. Co-located (``mode=colocated``,
+a mode whose drafters make their own packets): N = 0 and every rank is a drafter that also holds the
+target (producer of g = consumer of g); the leader is rank 0. The mode's record
+(``dflash.config.modes``) gives the layout. Packets are numbered globally g = 0, 1, 2, ...: packet
 g is produced by replica g mod N (sent by rank (g mod N)*k) and consumed by drafter g mod M.
 Optimizer step s of every drafter consumes ``accum`` packets, so step s covers packets
 [s*M*accum, (s+1)*M*accum). Every rank computes the same schedule, so no receive ever needs an
@@ -20,10 +21,10 @@ Seen from one link (sender t -> drafter d), consecutive packets are ``lcm(N, M)`
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from dflash.config import TopologyConfig
+from dflash.config.modes import MODES, layout_of
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class Topology:
     num_drafters: int
     world_size: int
     grad_accum_steps: int = 1
-    colocated: bool = False
+    mode: str = "split"
+    """``topology.mode`` (``dflash.config.modes``): ``split`` or ``colocated``."""
     target_tp: int = 1
     """Ranks per target replica (tensor parallel); ``num_targets`` counts replicas."""
 
@@ -45,35 +47,36 @@ class Topology:
         local_world_size: int | None = None,
     ) -> Topology:
         """The topology of a launch of ``world_size`` ranks, ``local_world_size`` per node (torchrun's
-        LOCAL_WORLD_SIZE): ``num_drafters`` None takes the rest of the world; ``drafter_nodes`` gives
-        the last nodes to the drafters (and the nodes before them to ``target_tp``-rank replicas)."""
-        k = cfg.target_tp
-        if cfg.drafter_nodes is not None:
-            per_node = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            drafters = cfg.drafter_nodes * per_node
-            replicas = (world_size - drafters) // max(k, 1)
-            return cls(replicas, drafters, world_size, grad_accum_steps, cfg.colocated, k)
-        drafters = cfg.num_drafters if cfg.num_drafters is not None else world_size - cfg.num_targets * k
-        return cls(cfg.num_targets, drafters, world_size, grad_accum_steps, cfg.colocated, k)
+        LOCAL_WORLD_SIZE): the layout the config's mode gives (``dflash.config.modes``)."""
+        layout = layout_of(cfg, world_size, local_world_size)
+        return cls(
+            layout.num_targets,
+            layout.num_drafters,
+            world_size,
+            grad_accum_steps,
+            str(cfg.mode),
+            layout.target_tp,
+        )
 
     def __post_init__(self) -> None:
-        if self.colocated and self.num_targets != 0:
+        if self.mode not in MODES:
+            raise ValueError(f"topology.mode={self.mode}: not a mode; choose one of {sorted(MODES)}")
+        if self.self_produced != (self.num_targets == 0):
             raise ValueError(
-                f"topology.colocated=true runs the target on every rank, so topology.num_targets must be 0 "
-                f"(got {self.num_targets}); set topology.num_targets=0"
-            )
-        if not self.colocated and self.num_targets < 1:
-            raise ValueError(
-                f"topology.num_targets={self.num_targets}: need at least 1 target rank "
-                f"(or topology=colocated: target and drafter on every rank)"
+                f"topology.mode={self.mode} with topology.num_targets={self.num_targets}: "
+                + (
+                    "a self-producing mode has no target ranks; set topology.num_targets=0"
+                    if self.self_produced
+                    else "need at least 1 target rank (or topology=colocated: target and drafter on every rank)"
+                )
             )
         if self.num_drafters < 1:
             raise ValueError(f"topology.num_drafters={self.num_drafters}: need at least 1 drafter rank")
         if self.grad_accum_steps < 1:
             raise ValueError(f"optim.grad_accum_steps={self.grad_accum_steps}: must be >= 1")
-        if self.target_tp < 1 or (self.colocated and self.target_tp != 1):
+        if self.target_tp < 1 or (self.self_produced and self.target_tp != 1):
             raise ValueError(
-                f"topology.target_tp={self.target_tp}: must be >= 1, and 1 with topology.colocated=true"
+                f"topology.target_tp={self.target_tp}: must be >= 1, and 1 with topology.mode={self.mode}"
             )
         need = self.num_target_ranks + self.num_drafters
         if self.world_size != need:
@@ -86,6 +89,11 @@ class Topology:
                 f"WORLD_SIZE={self.world_size}; launch with torchrun --nproc_per_node {need} or set "
                 f"topology.num_targets={(self.world_size - self.num_drafters) // k}"
             )
+
+    @property
+    def self_produced(self) -> bool:
+        """Every drafter makes its own packets with a target of its own (``TopologyMode.self_produced``)."""
+        return MODES[self.mode].self_produced
 
     @property
     def num_target_ranks(self) -> int:
@@ -140,8 +148,9 @@ class Topology:
         return f"target replica {self.replica_of(rank)}, TP rank {rank % self.target_tp} (rank {rank})"
 
     def producer_of(self, g: int) -> int:
-        """Rank that sends packet g: a replica's sender, or the consuming rank itself when co-located."""
-        if self.colocated:
+        """Rank that makes packet g: a replica's sender, or the consuming rank itself when drafters
+        make their own packets (co-located)."""
+        if self.self_produced:
             return self.consumer_of(g)
         return self.producer_replica(g) * self.target_tp
 

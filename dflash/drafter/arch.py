@@ -17,7 +17,7 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from dflash.config import DRAFTER_LAYER_TYPES, FULL_ATTENTION, SLIDING_ATTENTION, Config, DrafterConfig
 
 if TYPE_CHECKING:
-    from dflash.targets.loader import TargetMeta
+    from dflash.targets.families import TargetMeta
 
 
 @dataclass

@@ -55,11 +55,6 @@ from dflash.drafter.attention import AttentionMask
 from dflash.loss.device import uncounted
 
 
-def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S] position ids restarting at 0 per document -> [B, S] document index (0, 1, ...)."""
-    return torch.cumsum((position_ids == 0).long(), dim=1) - 1
-
-
 def eligible_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """[B, S] bool: loss_mask[p] and loss_mask[p+1] and doc[p] == doc[p+1] (last position never)."""
     m = loss_mask.bool()

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from dflash.config import LossConfig
-from dflash.drafter.blocks import build_masks, doc_ids_from_positions, label_slots, make_blocks
+from dflash.drafter.blocks import build_masks, label_slots, make_blocks
 from dflash.drafter.model import DFlashDraftModel
 from dflash.loss.verifier import verifier_loss
+from dflash.targets.packing import doc_ids_from_positions
 
 TERMS = ("ce", "kl", "verifier_ce")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from dflash.config.cli import run_app
+from dflash.cli import run_app
 from dflash.eval.app import eval_task
 from dflash.eval.config import EvalAppConfig, register_eval_schema
 from dflash.eval.suites import suite_overrides

@@ -106,7 +106,7 @@ def _run_suite(
     cfg: EvalAppConfig, setup: EvalSetup, suite: Suite, rank: int, world: int
 ) -> list[BenchmarkReport]:
     """This rank's share of every benchmark, gathered; the reports on rank 0 ([] elsewhere)."""
-    from dflash.config.cli import value_errors_are_user_errors
+    from dflash.cli import value_errors_are_user_errors
     from dflash.metrics import progress_bar
 
     dec = _decoder(cfg, setup, suite_template_kwargs(dict(cfg.data.chat_template_kwargs)))
@@ -223,7 +223,7 @@ def eval_task(dcfg: Any, run_dir: Path) -> int:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from dflash.config.cli import value_errors_are_user_errors
+    from dflash.cli import value_errors_are_user_errors
 
     obj = OmegaConf.to_object(dcfg)
     assert isinstance(obj, EvalAppConfig), type(obj)

@@ -23,8 +23,6 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.eval.suites import suite_problems
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
     from dflash.eval.config import EvalAppConfig
 
 log = logging.getLogger(__name__)
@@ -203,19 +201,6 @@ def eos_ids_of(tokenizer: Any, target: torch.nn.Module | None) -> set[int]:
     return ids
 
 
-def target_embed_and_head(target: PreTrainedModel) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The loaded target's own embedding and lm_head weights [V, H] (shared, no copy): the same
-    tensors ``load_embed_and_head`` reads from the checkpoint, without a second copy on the device."""
-    try:
-        emb, out = target.get_input_embeddings(), target.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None, None
-    w_e, w_h = getattr(emb, "weight", None), getattr(out, "weight", None)
-    if not isinstance(w_e, torch.Tensor) or not isinstance(w_h, torch.Tensor) or w_e.shape != w_h.shape:
-        return None, None
-    return w_e.detach(), w_h.detach()
-
-
 def _drafter_dir(cfg: EvalAppConfig) -> Path:
     """The exported drafter directory of ``drafter_path`` (ValueError when it is not one)."""
     drafter_dir = Path(resolve_path(cfg.drafter_path))
@@ -299,12 +284,13 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
 
     from dflash.data.sources import Source
     from dflash.drafter.export import load_exported
-    from dflash.plan.memory import weights_problem
+    from dflash.plan.memory import drafter_weights_problem
     from dflash.targets.loader import (
         device_capacity,
         load_embed_and_head,
         load_target,
         read_target_meta,
+        target_embed_and_head,
         target_size_problems,
     )
     from dflash.targets.tiny import tiny_target_path
@@ -323,8 +309,8 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
     meta = read_target_meta(
         target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
-    drafter_size = weights_problem(  # built in fp32, then cast
-        "drafter", f"drafter_path={drafter_dir}/config.json", arch, 4, *device_capacity(device)
+    drafter_size = drafter_weights_problem(  # built in fp32, then cast
+        f"drafter_path={drafter_dir}/config.json", arch, 4, *device_capacity(device)
     )
     raise_problems(
         drafter_problems(arch, exported_cfg, meta, cfg)

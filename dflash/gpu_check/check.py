@@ -28,7 +28,7 @@ from dflash.gpu_check.planner import (
 from dflash.gpu_check.probe import probe_target
 from dflash.gpu_check.procs import Proc, child_env, run_proc
 from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO, TRAIN_PARTS
-from dflash.gpu_check.table import header, render
+from dflash.gpu_check.table import render
 from dflash.gpu_check.targets import judged_targets
 
 
@@ -414,12 +414,34 @@ class Check:
             print(f"  part {part}: {res['status']} ({res['part_s']} s)", file=sys.stderr, flush=True)
             self.write(done=False)
 
+    def header(self) -> str:
+        """Where the check runs, the budgets of its steps and the work dir."""
+        d = self.device
+        if self.dry:
+            where = f"CPU dry run (tiny sizes, fp32; fractions of the {self.gpu} peak are meaningless here)"
+        else:
+            spec = (
+                f"{self.gpu}: {self.spec.bf16_tflops:g} dense bf16 TFLOP/s"
+                if self.spec
+                else "no conf/gpu spec (--gpu)"
+            )
+            where = f"{d.get('name')} x{d.get('count')} ({spec}), torch {d.get('torch')}, CUDA {d.get('cuda_version')}"
+        budgets = ", ".join(f"{s} {self.profile.budgets[s]:g}" for s in self.plan)
+        skipped = [p for p in self.parts if p in ("split", "tp") and not self.gpus_for(p)]
+        return (
+            f"dflash GPU check: {where}\n"
+            f"budgets (s): {budgets}; total {self.total_s:g} "
+            + ("(parts side by side)" if self.concurrent else "(unused time passes to the next part)")
+            + "".join(f"; part {p} skipped: {self.device.get('count', 0)} GPU" for p in skipped)
+            + f"\nwork dir: {self.work}"
+        )
+
     def main(self) -> int:
         """Every part (side by side in a dry run), then the table and the JSON line; the exit code:
         0 when every part passed or was skipped, else 1."""
         self.detect_device()
         self.plan_budget()
-        print(header(self), flush=True)
+        print(self.header(), flush=True)
         self.t0 = time.perf_counter()  # the budgets start with the first part
         if self.concurrent:
             with ThreadPoolExecutor(max_workers=len(self.parts)) as pool:
@@ -429,6 +451,6 @@ class Check:
                 self.run_part(part)
         self.results = {p: self.results[p] for p in self.parts}
         out = self.write(done=True)
-        print(render(self, out), flush=True)
+        print(render(out), flush=True)
         print(json.dumps(out), flush=True)
         return 0 if out["passed"] else 1

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 def training_config(overrides: list[str]) -> Config:
     """The training config of ``overrides`` (``hydra.*`` ones dropped), typed."""
+    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
-    from dflash.config.cli import compose_config
 
     register_configs()
     return to_config(compose_config("config", [o for o in overrides if not o.startswith("hydra.")]))
@@ -43,10 +43,11 @@ def planner_figures(
     the measured seconds per packet, and the memory per role it predicts. With a tensor-parallel
     replica (``topology.target_tp`` > 1) the target's figures are one rank's: its share of the
     FLOPs (``target_rank_flop``; the all-reduces are not counted) and its memory (``target_rank``)."""
+    from dflash.config.modes import mode_of
     from dflash.plan.costs import packet_costs, target_rank_flop
     from dflash.plan.inputs import VERIFIER_METRICS, attention_kinds, resolve_inputs
     from dflash.plan.planner import make_plan
-    from dflash.targets.tp import tp_layout
+    from dflash.targets.tp import shape_layout
 
     cfg = training_config([*overrides, *([f"plan.gpu={gpu}"] if gpu else [])])
     inputs = resolve_inputs(cfg)
@@ -76,7 +77,7 @@ def planner_figures(
     k = cfg.topology.target_tp
     target_flop = costs.target_flop
     if k > 1:
-        layout = tp_layout(inputs.target.meta.model_type, inputs.target.meta.num_experts, k)
+        layout = shape_layout(inputs.target.meta, k)
         target_flop = target_rank_flop(costs.target_flop_by_part, layout)
     out: dict[str, Any] = {
         "gpu_spec": cfg.plan.gpu,
@@ -98,7 +99,7 @@ def planner_figures(
     # roles in turn; 1 target + 1 drafter is bound by the slower role.
     t_plan = target_flop / (cfg.plan.mfu_target * peak * 1e12)
     d_plan = costs.drafter_flop / (cfg.plan.mfu_drafter * peak * 1e12)
-    per_packet = t_plan + d_plan if cfg.topology.colocated else max(t_plan, d_plan)
+    per_packet = t_plan + d_plan if mode_of(cfg.topology).self_produced else max(t_plan, d_plan)
     out["planner_s_per_packet"] = {
         "target": round_sig(t_plan),
         "drafter": round_sig(d_plan),

@@ -1,41 +1,15 @@
-"""The check's table: the header printed before the parts run, and the table of results and targets."""
+"""The check's table of results and targets (the header printed before the parts run is ``Check.header``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from dflash.gpu_check.check import Check
+from typing import Any
 
 
 def _f(x: Any, fmt: str = "{:.3g}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def header(chk: Check) -> str:
-    """Where the check runs, the budgets of its steps and the work dir."""
-    d = chk.device
-    if chk.dry:
-        where = f"CPU dry run (tiny sizes, fp32; fractions of the {chk.gpu} peak are meaningless here)"
-    else:
-        spec = (
-            f"{chk.gpu}: {chk.spec.bf16_tflops:g} dense bf16 TFLOP/s"
-            if chk.spec
-            else "no conf/gpu spec (--gpu)"
-        )
-        where = f"{d.get('name')} x{d.get('count')} ({spec}), torch {d.get('torch')}, CUDA {d.get('cuda_version')}"
-    budgets = ", ".join(f"{s} {chk.profile.budgets[s]:g}" for s in chk.plan)
-    skipped = [p for p in chk.parts if p in ("split", "tp") and not chk.gpus_for(p)]
-    return (
-        f"dflash GPU check: {where}\n"
-        f"budgets (s): {budgets}; total {chk.total_s:g} "
-        + ("(parts side by side)" if chk.concurrent else "(unused time passes to the next part)")
-        + "".join(f"; part {p} skipped: {chk.device.get('count', 0)} GPU" for p in skipped)
-        + f"\nwork dir: {chk.work}"
-    )
-
-
-def render(chk: Check, out: dict[str, Any]) -> str:
+def render(out: dict[str, Any]) -> str:
     """The table of ``out`` (the summary): a row per part with its figures (and the tail of a failed
     one), the targets, and the verdict."""
     bar = "-" * 100
@@ -58,7 +32,7 @@ def render(chk: Check, out: dict[str, Any]) -> str:
         lines.append(f"  {name:<24}{_f(t['value']):>10}  goal {t['goal']:<42} {met}")
     lines.append(bar)
     verdict = "PASSED" if out["passed"] else "FAILED"
-    lines.append(f"gpu check {verdict} in {out['wall_s']:g} s" + (" (dry run)" if chk.dry else ""))
+    lines.append(f"gpu check {verdict} in {out['wall_s']:g} s" + (" (dry run)" if out["dry_run"] else ""))
     return "\n".join(lines)
 
 

@@ -103,6 +103,6 @@ def plan_task(dcfg: DictConfig, _run_dir: Path) -> int:
 
 
 def main() -> None:
-    from dflash.config.cli import run_app
+    from dflash.cli import run_app
 
     run_app("plan_app", Config, plan_task)

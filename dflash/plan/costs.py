@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from dflash.config import LossConfig, TargetShape
+from dflash.targets.families import flop_by_part, tp_traffic_per_token
 from dflash.targets.tp import TpLayout
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class PacketCosts:
     target_attention_flop: float
     """The part of ``target_flop`` spent in attention scores and weighted sums."""
     target_flop_by_part: dict[str, float]
-    """``target_flop`` by part of the decoder layers (:func:`target_flop_by_part`; ``attention``
+    """``target_flop`` by part of the decoder layers (:func:`dflash.targets.families.flop_by_part`; ``attention``
     includes ``attention_scores``), for the time of a tensor-parallel replica."""
     drafter_layers_flop: float
     """``fc`` and the decoder layers, forward + backward."""
@@ -142,78 +143,29 @@ class PacketCosts:
         return self.drafter_layers_flop + self.drafter_loss_total
 
 
-def target_flop_by_part(target: TargetShape, keys_per_query: float) -> dict[str, float]:
-    """FLOPs of one token through all decoder layers, by part (the parts of
-    :data:`dflash.targets.tp.PART_PREFIXES`, ``attention`` including its scores, plus ``router``)."""
-    h, f = target.hidden_size, target.intermediate_size
-    gate = 2 if target.attn_output_gate else 1
-    nh, nkv, hd = target.num_heads, target.num_kv_heads, target.head_dim
-    full_proj = 2 * h * (gate * nh * hd + 2 * nkv * hd) + 2 * nh * hd * h
-    full_attn = 4 * nh * hd * keys_per_query
-    nk, nv = target.linear_num_key_heads, target.linear_num_value_heads
-    dk, dv = nk * target.linear_key_head_dim, nv * target.linear_value_head_dim
-    linear = (
-        2 * h * (2 * dk + 2 * dv + 2 * nv)
-        + 2 * dv * h
-        + 2 * target.linear_conv_kernel_dim * (2 * dk + dv)
-        + 6 * nv * target.linear_key_head_dim * target.linear_value_head_dim
-    )
-    num_full = target.num_layers - target.num_linear_layers
-    layers = target.num_layers
-    parts = {
-        "attention": num_full * (full_proj + full_attn),
-        "attention_scores": num_full * full_attn,
-        "linear_attention": target.num_linear_layers * linear,
-        "mlp": 0.0 if target.num_experts else layers * 6 * h * f,
-        "experts": layers * target.num_experts_per_tok * 6 * h * target.moe_intermediate_size,
-        "router": layers * 2 * h * target.num_experts,
-        "shared_expert": layers * (6 * h * target.shared_expert_intermediate_size + 2 * h)
-        if target.shared_expert_intermediate_size
-        else 0.0,
-    }
-    return {k: float(v) for k, v in parts.items()}
-
-
 def target_layer_flop_per_token(target: TargetShape, keys_per_query: float) -> tuple[float, float]:
     """``(all layers, their attention part)`` FLOPs of one token through the target's decoder layers."""
-    parts = target_flop_by_part(target, keys_per_query)
+    parts = flop_by_part(target, keys_per_query)
     total = sum(v for k, v in parts.items() if k != "attention_scores")
     return total, parts["attention_scores"]
 
 
 def tp_bytes_per_token(target: TargetShape, layout: TpLayout, dtype_bytes: int) -> dict[str, float]:
     """Bytes one rank of a ``layout.tp_size``-rank replica sends per token to replicate the residual
-    stream, by kind (module docstring): ``all_reduce`` (all layers and the embedding) and ``gather``
-    (split linear-attention projections)."""
+    stream, by kind (module docstring): ``all_reduce`` (every split part that ends with one, and the
+    embedding) and ``gather`` (split linear-attention projections)."""
     k = layout.tp_size
     if k <= 1:
         return {"all_reduce": 0.0, "gather": 0.0}
-    h = target.hidden_size
-    num_full = target.num_layers - target.num_linear_layers
-    per_layer_blocks = (
-        int(layout.split("mlp") and not target.num_experts)
-        + int(layout.split("experts") and target.num_experts > 0)
-        + int(layout.split("shared_expert") and target.shared_expert_intermediate_size > 0)
-    )
-    reduces = (
-        num_full * int(layout.split("attention"))
-        + target.num_layers * per_layer_blocks
-        + int(layout.split("embedding"))
-    )
-    nv = target.linear_num_value_heads
-    dk = target.linear_num_key_heads * target.linear_key_head_dim
-    dv = nv * target.linear_value_head_dim
-    gathered = (
-        target.num_linear_layers * (2 * dk + 2 * dv + 2 * nv + h) if layout.split("linear_attention") else 0
-    )
+    reduces, gathered = tp_traffic_per_token(target, layout.split)
     return {
-        "all_reduce": 2 * (k - 1) / k * reduces * h * dtype_bytes,
+        "all_reduce": 2 * (k - 1) / k * reduces * target.hidden_size * dtype_bytes,
         "gather": (k - 1) / k * gathered * dtype_bytes,
     }
 
 
 def target_rank_flop(target_flop_by_part: dict[str, float], layout: TpLayout) -> float:
-    """FLOPs one rank of the replica computes, from :func:`target_flop_by_part` times tokens."""
+    """FLOPs one rank of the replica computes, from ``PacketCosts.target_flop_by_part``."""
     k = layout.tp_size
     total = 0.0
     for part, flop in target_flop_by_part.items():
@@ -271,7 +223,7 @@ def packet_costs(
         raise ValueError(
             f"drafter hidden size {drafter.hidden_size} != target hidden size {target.hidden_size}"
         )
-    per_part = target_flop_by_part(target, target_keys_per_query(packet, target_attention))
+    per_part = flop_by_part(target, target_keys_per_query(packet, target_attention))
     t_tokens = packet.target_tokens or packet.tokens
     by_part = {k: v * t_tokens for k, v in per_part.items()}
     target_flop = sum(v for k, v in by_part.items() if k != "attention_scores")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.config import Config, GpuSpec
+from dflash.config.modes import layout_of, mode_of
 from dflash.plan.inputs import PlanInputs, typical_packet
 from dflash.plan.memory import GIB, DrafterSettings, memory_per_role
 
@@ -22,17 +23,16 @@ DRAFTER_ROLES = ("drafter", "colocated")
 
 
 def num_drafters(cfg: Config, world_size: int) -> int:
-    """Drafter ranks of ``cfg`` on ``world_size`` GPUs (every rank when co-located)."""
-    t = cfg.topology
-    if t.colocated:
-        return world_size
-    configured = t.num_drafters if t.num_drafters is not None else world_size - t.num_targets
-    return max(1, min(configured, world_size))
+    """Drafter ranks of ``cfg`` on ``world_size`` GPUs of one host (the mode's layout; every rank
+    when co-located)."""
+    layout = layout_of(cfg.topology, world_size, world_size)
+    return max(1, min(layout.num_drafters, world_size))
 
 
 def drafter_role(cfg: Config) -> str:
-    """The role whose memory the drafter's levers decide: ``colocated`` or ``drafter``."""
-    return "colocated" if cfg.topology.colocated else "drafter"
+    """The role whose memory the drafter's levers decide: ``colocated`` (a drafter that makes its
+    own packets holds the target too) or ``drafter``."""
+    return "colocated" if mode_of(cfg.topology).self_produced else "drafter"
 
 
 def need_gib(cfg: Config, inputs: PlanInputs, role: str, settings: DrafterSettings) -> float:

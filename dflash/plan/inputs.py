@@ -25,7 +25,8 @@ from dflash.drafter.arch import DrafterArch, build_arch
 from dflash.loss.verifier import default_chunk_size
 from dflash.plan.costs import AttentionKind, PacketShape
 from dflash.plan.memory import RunDtypes
-from dflash.targets.loader import TargetMeta, read_target_meta, resolve_layer_ids
+from dflash.targets.families import TargetMeta
+from dflash.targets.loader import read_target_meta, resolve_layer_ids
 
 GPU_DIR = Path(__file__).resolve().parents[2] / "conf" / "gpu"
 DEFAULT_MEAN_SAMPLE_TOKENS = 1024

@@ -49,12 +49,12 @@ forward and the drafter step's transient (activations and loss workspace).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dflash.config import TargetShape
 from dflash.plan.costs import AttentionKind, PacketShape
+from dflash.targets.families import described_fields, params_by_part, weights_message, working_bytes_per_token
 from dflash.targets.tp import TpLayout
 
 if TYPE_CHECKING:
@@ -65,8 +65,6 @@ ADAM_BYTES_PER_PARAM = 4 + 4 + 8
 """fp32 weights, fp32 gradients, fp32 AdamW first and second moments."""
 CUDA_ROW_BLOCK = 256
 """Rows of the loss's elementwise scratch on CUDA (``dflash.loss.verifier``)."""
-DELTA_CHUNK = 64
-"""Chunk length of transformers' torch Gated DeltaNet fallback."""
 SHARD_MODES = ("none", "optimizer", "full")
 
 
@@ -98,49 +96,9 @@ PLAIN = DrafterSettings()
 """No checkpointing, no sharding."""
 
 
-def target_params_by_part(target: TargetShape) -> dict[str, int]:
-    """Parameters of the target ``*ForCausalLM`` by part (matrices only; norms and biases are
-    negligible): the decoder-layer parts of :func:`dflash.plan.costs.target_flop_by_part` (all
-    experts), ``embedding`` and ``lm_head`` (0 when tied: counted once)."""
-    h, f = target.hidden_size, target.intermediate_size
-    nh, nkv, hd = target.num_heads, target.num_kv_heads, target.head_dim
-    gate = 2 if target.attn_output_gate else 1
-    full = h * (gate * nh * hd + 2 * nkv * hd) + nh * hd * h
-    nk, nv = target.linear_num_key_heads, target.linear_num_value_heads
-    dk, dv = nk * target.linear_key_head_dim, nv * target.linear_value_head_dim
-    linear = h * (2 * dk + 2 * dv + 2 * nv) + dv * h + target.linear_conv_kernel_dim * (2 * dk + dv)
-    layers = target.num_layers
-    shared = target.shared_expert_intermediate_size
-    return {
-        "attention": (layers - target.num_linear_layers) * full,
-        "linear_attention": target.num_linear_layers * linear,
-        "mlp": 0 if target.num_experts else layers * 3 * h * f,
-        "experts": layers * target.num_experts * 3 * h * target.moe_intermediate_size,
-        "router": layers * h * target.num_experts,
-        "shared_expert": layers * (3 * h * shared + h) if shared else 0,
-        "embedding": target.vocab_size * h,
-        "lm_head": 0 if target.tie_word_embeddings else target.vocab_size * h,
-    }
-
-
-def target_num_params(target: TargetShape) -> int:
-    """Parameters of the target ``*ForCausalLM`` (matrices only; norms and biases are negligible)."""
-    return sum(target_params_by_part(target).values())
-
-
-def target_active_params(target: TargetShape) -> int:
-    """Parameters one token runs through: the decoder layers with only ``num_experts_per_tok``
-    experts, and one embedding row (the lm_head never runs on a target rank)."""
-    parts = target_params_by_part(target)
-    experts = (
-        target.num_layers * target.num_experts_per_tok * 3 * target.hidden_size * target.moe_intermediate_size
-    )
-    return sum(v for k, v in parts.items() if k not in ("experts", "embedding", "lm_head")) + experts
-
-
 def target_rank_params(target: TargetShape, layout: TpLayout | None) -> float:
     """Parameters one rank of a ``layout.tp_size``-rank replica holds (``layout=None``: the whole target)."""
-    parts = target_params_by_part(target)
+    parts = params_by_part(target)
     if layout is None:
         return float(sum(parts.values()))
     return sum(v / layout.tp_size if layout.split(k) else float(v) for k, v in parts.items())
@@ -172,38 +130,21 @@ def target_working_bytes(
     a: int,
     layout: TpLayout | None = None,
 ) -> float:
-    """The largest working set of one target layer in a headless forward (bytes; module doc); on a
-    tensor-parallel rank (``layout``) a split part's rows are its share ``1/k``."""
+    """The largest working set of one target layer in a headless forward (bytes; the stages of
+    :func:`dflash.targets.families.working_bytes_per_token`); on a tensor-parallel rank (``layout``)
+    a split part's rows are its share ``1/k``; a dense-attention kernel adds its masks."""
 
     def share(part: str) -> float:
         return 1 / layout.tp_size if layout is not None and layout.split(part) else 1.0
 
-    h = target.hidden_size
-    q = target.num_heads * target.head_dim * share("attention")
-    kv = target.num_kv_heads * target.head_dim * share("attention")
-    g = 2 if target.attn_output_gate else 1
-    if target.num_experts:
-        experts = 3 * target.num_experts_per_tok * target.moe_intermediate_size * share("experts")
-        ffn = (
-            experts + 3 * target.shared_expert_intermediate_size * share("shared_expert") + target.num_experts
-        )
-    else:
-        ffn = 3 * target.intermediate_size * share("mlp")
     tokens = packet.target_tokens or packet.tokens
-    mlp = tokens * (4 * h + ffn) * a
-    attn = tokens * (3 * h + (g + 2) * q + kv) * a
+    stages = {k: tokens * v for k, v in working_bytes_per_token(target, a, share).items()}
     if attention == "dense":
         row = packet.target_row_tokens or packet.tokens
         mask = (tokens // row) * row * row
-        mlp += mask
-        attn += mask * (2 + a)
-    if not target.num_linear_layers:
-        return max(mlp, attn)
-    nv = target.linear_num_value_heads * share("linear_attention")
-    dk = target.linear_num_key_heads * target.linear_key_head_dim * share("linear_attention")
-    dv = nv * target.linear_value_head_dim
-    delta = tokens * (4 * (10 * dv + 3 * nv * DELTA_CHUNK) + (2 * dk + 2 * dv) * a + 3 * h * a)
-    return max(mlp, attn, delta)
+        stages["ffn"] += mask
+        stages["attention"] += mask * (2 + a)
+    return max(stages.values())
 
 
 def target_memory(
@@ -389,63 +330,22 @@ def memory_per_role(
     return {"target": t, "drafter": d, "colocated": colocated_memory(t, d)}
 
 
-_CONFIG_NAMES = {
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-}
-"""TargetShape / DrafterArch field -> its config.json name (the others are the same)."""
-_SHAPE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab_size",
-)
-_MLP = "the MLP (3 x num_hidden_layers x hidden_size x intermediate_size)"
-_EMBEDDINGS = "the embedding and lm_head (vocab_size x hidden_size)"
-
-
-def weights_problem(
-    what: str,
-    source: str,
-    shape: TargetShape | DrafterArch,
-    bytes_per_param: float,
-    capacity_bytes: float,
-    capacity: str,
+def drafter_weights_problem(
+    source: str, drafter: DrafterArch, bytes_per_param: float, capacity_bytes: float, capacity: str
 ) -> str | None:
-    """Why the weights a shape implies cannot fit the device, checked before anything is
-    allocated; None when they fit.
-
-    ``shape`` is a target's (:class:`TargetShape`, counted by :func:`target_num_params`) or a
-    drafter's (a dataclass such as ``DrafterArch``, counted by :func:`drafter_num_params`);
-    ``bytes_per_param`` what one parameter costs there (the dtype's size; a trained drafter
-    :data:`ADAM_BYTES_PER_PARAM`). ``source`` names the file or config the shape came from,
-    ``capacity`` the device memory (``host RAM``, ``free memory of cuda:0``). The message gives the
-    config.json fields the count reads, the implied GiB and the share of its largest part (the MLP,
-    the embeddings, the attention weights)."""
-    flexible: Any = shape  # dataclasses.replace on either kind of shape
-    if isinstance(shape, TargetShape):
-        total = target_num_params(shape)
-        shares = {
-            _MLP: total - target_num_params(dataclasses.replace(shape, intermediate_size=0)),
-            _EMBEDDINGS: total - target_num_params(dataclasses.replace(shape, vocab_size=0)),
-        }
-    else:
-        total = drafter_num_params(shape)
-        shares = {_MLP: total - drafter_num_params(dataclasses.replace(flexible, intermediate_size=0))}
-    need = total * bytes_per_param
-    if need <= capacity_bytes:
-        return None
-    shares["the attention weights"] = total - sum(shares.values())
-    largest = max(shares, key=lambda k: shares[k])
-    fields = ", ".join(
-        f"{_CONFIG_NAMES.get(n, n)}={getattr(shape, n)}" for n in _SHAPE_FIELDS if hasattr(shape, n)
-    )
-    return (
-        f"{source}: {fields} imply {need / GIB:.1f} GiB of {what} weights ({total:.3g} parameters x "
-        f"{bytes_per_param:g} bytes; {shares[largest] * bytes_per_param / GIB:.1f} GiB of it {largest}), more "
-        f"than the {capacity_bytes / GIB:.1f} GiB of {capacity}: nothing was allocated; fix those fields"
+    """Why the drafter's weights (``bytes_per_param`` each: :data:`ADAM_BYTES_PER_PARAM` for a trained
+    drafter) cannot fit the device, checked before anything is allocated; None when they fit."""
+    total = drafter_num_params(drafter)
+    mlp = drafter.num_layers * 3 * drafter.hidden_size * drafter.intermediate_size
+    shares = {"the MLP (3 x num_hidden_layers x hidden_size x intermediate_size)": float(mlp)}
+    shares["the attention weights"] = float(total - mlp)
+    return weights_message(
+        "drafter",
+        source,
+        described_fields(drafter),
+        float(total),
+        shares,
+        bytes_per_param,
+        capacity_bytes,
+        capacity,
     )

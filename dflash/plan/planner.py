@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash.config import Config, GpuSpec, TargetShape
+from dflash.config.modes import mode_of
 from dflash.plan.costs import PacketCosts, packet_costs, target_rank_flop, tp_bytes_per_token
 from dflash.plan.fit import (
     CheckpointDecision,
@@ -18,7 +19,7 @@ from dflash.plan.fit import (
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs
 from dflash.plan.memory import DrafterSettings, drafter_num_params, target_memory
 from dflash.plan.throughput import RoleTimes, Split, best_split, colocated, disaggregated, role_times
-from dflash.targets.tp import TpLayout, tp_layout, tp_problems
+from dflash.targets.tp import TpLayout, shape_layout, tp_shape_problems
 
 ROLES = ("target", "drafter", "colocated")
 FIT_HINTS = {
@@ -91,21 +92,13 @@ class Plan:
 def tp_layouts(target: TargetShape, gpu: GpuSpec, world_size: int) -> dict[int, TpLayout]:
     """The tensor-parallel degrees ``k > 1`` a replica of ``target`` can use: ``k`` divides the GPUs
     of a node (a replica stays inside one), leaves a GPU for a drafter, and the model's transformers
-    plan can split the shape ``k`` ways (:func:`dflash.targets.tp.tp_problems`)."""
+    plan can split the shape ``k`` ways (:func:`dflash.targets.tp.tp_shape_problems`)."""
     out = {}
     for k in range(2, min(gpu.gpus_per_node, world_size - 1) + 1):
         if gpu.gpus_per_node % k:
             continue
-        layout = tp_layout(target.model_type, target.num_experts, k)
-        problems = tp_problems(
-            layout,
-            num_heads=target.num_heads,
-            num_kv_heads=target.num_kv_heads,
-            num_experts=target.num_experts,
-            moe_intermediate_size=target.moe_intermediate_size,
-        )
-        if not problems:
-            out[k] = layout
+        if not tp_shape_problems(target, k):
+            out[k] = shape_layout(target, k)
     return out
 
 
@@ -206,7 +199,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     t = cfg.topology
     configured = (
         co
-        if t.colocated
+        if mode_of(t).self_produced
         else next(
             (
                 s

@@ -58,17 +58,19 @@ from dflash.distributed.protocol import (
     payload_buffers,
 )
 from dflash.distributed.sharding import clip_grad_norm_, drafter_mesh, shard_drafter
-from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
+from dflash.drafter.blocks import sample_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss, num_supervised
 from dflash.drafter.optim import build_optimizer
-from dflash.eval.loading import target_embed_and_head
 from dflash.loss.device import as_cuda
 from dflash.plan.fake import Allocation, LiveBytes, Peak, RealSmall, uncounted_by
 from dflash.plan.fit import with_anchor_cap
 from dflash.plan.inputs import PlanInputs, local_config_dir, plan_device
 from dflash.plan.memory import GIB, PLAIN, DrafterSettings
+from dflash.targets.families import fake_config, family_of
 from dflash.targets.forward import build_batch, gather_tokens, target_forward
+from dflash.targets.loader import target_embed_and_head
+from dflash.targets.packing import doc_ids_from_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -284,51 +286,19 @@ def target_model(cfg: Config, inputs: PlanInputs, dtype: torch.dtype) -> PreTrai
         config = AutoConfig.from_pretrained(directory, trust_remote_code=cfg.target.trust_remote_code)
     else:
         config = hf_config(inputs)
-    attn = cfg.target.attn_implementation if cfg.target.attn_implementation in ("sdpa", "eager") else "sdpa"
+    family = family_of(str(config.get_text_config(decoder=True).model_type))
+    attn = cfg.target.attn_implementation
+    attn = attn if attn in ("sdpa", "eager") else family.rehearsal_attention
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model.eval().requires_grad_(False)
 
 
 def hf_config(inputs: PlanInputs) -> Any:
-    """A transformers config of ``target.shape``: its ``model_type`` (default ``qwen3``, ``qwen3_moe`` with
-    experts), or ``qwen3_5_text`` for a hybrid target (a full-attention layer every ``L / (L - linear)``
-    layers, the Qwen3.5/3.6 layout)."""
+    """A transformers config of ``target.shape`` (its family's, ``dflash.targets.families.fake_config``)."""
     from transformers import AutoConfig
 
-    s = inputs.target.meta
-    common = dict(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_layers,
-        num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        tie_word_embeddings=s.tie_word_embeddings,
-        max_position_embeddings=max(40960, inputs.packet.tokens),
-    )
-    if s.num_experts:
-        common.update(
-            num_experts=s.num_experts,
-            num_experts_per_tok=s.num_experts_per_tok,
-            moe_intermediate_size=s.moe_intermediate_size,
-            shared_expert_intermediate_size=s.shared_expert_intermediate_size,
-        )
-    if not s.num_linear_layers:
-        return AutoConfig.for_model(s.model_type or ("qwen3_moe" if s.num_experts else "qwen3"), **common)
-    every = s.num_layers // (s.num_layers - s.num_linear_layers)
-    return AutoConfig.for_model(
-        "qwen3_5_text",
-        **common,
-        layer_types=[
-            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(s.num_layers)
-        ],
-        linear_num_key_heads=s.linear_num_key_heads,
-        linear_num_value_heads=s.linear_num_value_heads,
-        linear_key_head_dim=s.linear_key_head_dim,
-        linear_value_head_dim=s.linear_value_head_dim,
-        linear_conv_kernel_dim=s.linear_conv_kernel_dim,
-    )
+    model_type, kwargs = fake_config(inputs.target.meta, max(40960, inputs.packet.tokens))
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
 from dflash.plan.fit import LEVERS, AnchorCaps
 from dflash.plan.inputs import attention_kinds, typical_packet
-from dflash.plan.memory import target_active_params, target_num_params
 from dflash.plan.planner import ROLES, Plan, make_plan
 from dflash.plan.throughput import Split, placement
+from dflash.targets.families import active_params, num_params
 
 if TYPE_CHECKING:  # the rehearsal imports torch; the plain planner does not
     from dflash.plan.rehearse import RoleMeasurement
@@ -96,7 +96,7 @@ def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None
         "gpu": gpu,
         "world_size": plan.world_size,
         "mode": plan.mode,
-        # As topology.colocated reads them: no target-only ranks, a drafter replica on every GPU.
+        # As topology=colocated reads them: no target-only ranks, a drafter replica on every GPU.
         "num_targets": 0 if best is co else best.num_targets,
         "num_drafters": plan.world_size if best is co else best.num_drafters,
         "target_tp": best.target_tp,
@@ -137,7 +137,7 @@ def _moe_text(ts: TargetShape) -> str:
     )
     return (
         f"\n           MoE: {ts.num_experts} experts of FFN {ts.moe_intermediate_size}, {ts.num_experts_per_tok} per token"
-        f"{shared}; {human_count(target_num_params(ts))} parameters, {human_count(target_active_params(ts))} "
+        f"{shared}; {human_count(num_params(ts))} parameters, {human_count(active_params(ts))} "
         "active per token in the decoder layers"
     )
 

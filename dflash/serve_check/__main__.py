@@ -10,7 +10,7 @@ when every verdict passed, 1 when one failed (the table says which), 2 for a con
 
 from __future__ import annotations
 
-from dflash.config.cli import run_app
+from dflash.cli import run_app
 from dflash.serve_check.app import serve_check_task
 from dflash.serve_check.config import ServeCheckConfig, register_serve_check_schema
 

@@ -271,7 +271,7 @@ def serve_check_task(dcfg: Any, check_dir: Path) -> int:
     """What ``python -m dflash.serve_check`` does (see the module docstring); 0 when every verdict passed."""
     from omegaconf import OmegaConf
 
-    from dflash.config.cli import value_errors_are_user_errors
+    from dflash.cli import value_errors_are_user_errors
     from dflash.metrics import progress_bar
 
     obj = OmegaConf.to_object(dcfg)

@@ -13,10 +13,11 @@ import logging
 import torch
 
 from dflash.drafter.arch import DrafterArch
-from dflash.eval.loading import eos_ids_of, target_embed_and_head
+from dflash.eval.loading import eos_ids_of
 from dflash.eval.results import EvalReport, evaluate
 from dflash.serve_check.exports import build_drafter
 from dflash.serve_check.runs import TrainedRun
+from dflash.targets.loader import target_embed_and_head
 
 log = logging.getLogger(__name__)
 

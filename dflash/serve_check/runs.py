@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
 from dflash.config import Config, register_configs, to_config
+from dflash.config.checks import known_keys_only
 from dflash.distributed.launch import torchrun_command
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.export import export_drafter
@@ -68,7 +69,7 @@ def compose_training_config(overrides: list[str]) -> DictConfig:
     from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
 
-    from dflash.config.cli import compose_config
+    from dflash.cli import compose_config
 
     register_configs()
     if GlobalHydra.instance().is_initialized():
@@ -96,7 +97,9 @@ def load_run(run_dir: Path) -> TrainedRun:
         raise ValueError(f"run_dir={run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
     register_configs()
     schema = OmegaConf.structured(Config)
-    merged = OmegaConf.merge(schema, OmegaConf.load(run_dir / "config.yaml"))
+    saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    assert isinstance(saved, dict)
+    merged = OmegaConf.merge(schema, known_keys_only(saved, Config))
     assert isinstance(merged, DictConfig)
     cfg = to_config(merged)
     loaded = load_checkpoint(ckpt)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash.drafter.blocks import doc_ids_from_positions
+from dflash.targets.packing import doc_ids_from_positions
 
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """A transformers / flex ``mask_mod``: (batch, head, query, key) indices -> attend."""

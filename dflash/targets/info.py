@@ -16,7 +16,8 @@ from typing import Any
 from dflash.config import DataConfig, TargetConfig
 from dflash.config.resolve import resolve_path
 from dflash.files import file_digest
-from dflash.targets.loader import INDEX_FILE, SINGLE_FILE, TargetMeta, read_target_meta, resolve_file
+from dflash.targets.families import TargetMeta
+from dflash.targets.loader import INDEX_FILE, SINGLE_FILE, read_target_meta, resolve_file
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,16 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from dflash.config import DEFAULT_NUM_TAPS, TargetConfig, TargetShape
+from dflash.config import DEFAULT_NUM_TAPS, TargetConfig
 from dflash.config.resolve import target_attention
 from dflash.metrics import human_count
+from dflash.targets.families import TargetMeta, meta_from_config, target_weights_problem
 from dflash.targets.tp import distributed_config, local_num_bytes, replica_mesh
 
 if TYPE_CHECKING:
@@ -53,31 +53,6 @@ HEAD_NAMES = (
 )
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-@dataclass
-class TargetMeta(TargetShape):
-    """The one record of a target's shape: every ``TargetShape`` field (what the planner's cost
-    model reads), filled from the target's ``config.json`` (``read_target_meta``) or, without one on
-    this machine, from ``target.shape`` (``from_shape``), and what the drafter's arch and the loaders
-    read beyond it. Never read from weights."""
-
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 0
-    text_config: dict = field(default_factory=dict)
-    """The text config as a plain dict (rope parameters, partial_rotary_factor, layer_types, ...);
-    empty for a target known only by ``target.shape``."""
-
-    @classmethod
-    def from_shape(cls, shape: TargetShape) -> TargetMeta:
-        """A target known only by ``target.shape`` (the defaults for the fields it lacks)."""
-        return cls(**{f.name: getattr(shape, f.name) for f in fields(TargetShape)})
-
-    @property
-    def is_hybrid_linear_attention(self) -> bool:
-        """Qwen3.5/3.6-style targets: packed documents leak linear-attention state, so pad instead."""
-        layer_types = self.text_config.get("layer_types") or []
-        return any("linear" in str(t) for t in layer_types)
 
 
 def is_local_dir(path: str) -> bool:
@@ -154,48 +129,20 @@ def read_target_meta(
 
 
 def _meta_of(config) -> TargetMeta:
-    text = config.get_text_config(decoder=True)
-    t = text.to_dict()
-    num_heads = int(text.num_attention_heads)
-    hidden = int(text.hidden_size)
-    intermediate = int(t.get("intermediate_size") or t.get("moe_intermediate_size") or 4 * hidden)
-    num_linear = sum("linear" in str(x) for x in t.get("layer_types") or [])  # Qwen3.5/3.6 hybrids
-    num_experts = int(t.get("num_experts") or t.get("num_local_experts") or 0)
+    return meta_from_config(config.get_text_config(decoder=True).to_dict())
 
-    def linear(key: str) -> int:
-        return int(t.get(key) or 0) if num_linear else 0
 
-    def moe(key: str, fallback: int = 0) -> int:
-        return int(t.get(key) or fallback) if num_experts else 0
-
-    return TargetMeta(
-        model_type=str(text.model_type),
-        num_layers=int(text.num_hidden_layers),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_heads=num_heads,
-        num_kv_heads=int(t.get("num_key_value_heads") or num_heads),
-        head_dim=int(t.get("head_dim") or hidden // num_heads),
-        vocab_size=int(text.vocab_size),
-        tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
-        attn_output_gate=bool(
-            t.get("attn_output_gate", str(text.model_type).startswith(("qwen3_5", "qwen3_next")))
-        ),
-        num_linear_layers=num_linear,
-        linear_num_key_heads=linear("linear_num_key_heads"),
-        linear_num_value_heads=linear("linear_num_value_heads"),
-        linear_key_head_dim=linear("linear_key_head_dim"),
-        linear_value_head_dim=linear("linear_value_head_dim"),
-        linear_conv_kernel_dim=linear("linear_conv_kernel_dim"),
-        num_experts=num_experts,
-        num_experts_per_tok=moe("num_experts_per_tok"),
-        # gpt-oss names the expert width intermediate_size
-        moe_intermediate_size=moe("moe_intermediate_size", intermediate),
-        shared_expert_intermediate_size=moe("shared_expert_intermediate_size"),
-        rms_norm_eps=float(t.get("rms_norm_eps") or 1e-6),
-        max_position_embeddings=int(t.get("max_position_embeddings") or 0),
-        text_config=t,
-    )
+def target_embed_and_head(target: PreTrainedModel) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The loaded target's own embedding and lm_head weights [V, H] (shared, no copy): the same
+    tensors ``load_embed_and_head`` reads from the checkpoint, without a second copy on the device."""
+    try:
+        emb, out = target.get_input_embeddings(), target.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None, None
+    w_e, w_h = getattr(emb, "weight", None), getattr(out, "weight", None)
+    if not isinstance(w_e, torch.Tensor) or not isinstance(w_h, torch.Tensor) or w_e.shape != w_h.shape:
+        return None, None
+    return w_e.detach(), w_h.detach()
 
 
 def device_capacity(device: torch.device) -> tuple[int, str]:
@@ -211,12 +158,10 @@ def target_size_problems(
     meta: TargetMeta, source: str, dtype: torch.dtype, device: torch.device, *, shards: int = 1
 ) -> list[str]:
     """Why the target whose ``config.json`` gave ``meta`` cannot be held on ``device`` in ``dtype``
-    (the planner's weight count, ``dflash.plan.memory``; ``shards``: the ranks of a tensor-parallel
+    (the weight count of ``dflash.targets.families``; ``shards``: the ranks of a tensor-parallel
     replica, each holding its share); checked before anything is allocated."""
-    from dflash.plan.memory import weights_problem
-
     per_param = torch.empty((), dtype=dtype).element_size() / shards
-    problem = weights_problem("target", source, meta, per_param, *device_capacity(device))
+    problem = target_weights_problem(source, meta, per_param, *device_capacity(device))
     return [problem] if problem else []
 
 

@@ -41,6 +41,7 @@ from dflash.config import TargetConfig, TinyTargetConfig
 from dflash.data.chat import render
 from dflash.data.stdlib import code_snippets, stdlib_text_files
 from dflash.files import atomic_directory, digest_files, digest_problems, file_lock
+from dflash.targets.families import FAMILIES, family_of
 
 log = logging.getLogger(__name__)
 
@@ -84,46 +85,27 @@ def build_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB) -> Any:
     return hf
 
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
-"""Mixture-of-experts model types a tiny target can be (``TinyTargetConfig.num_experts`` > 0)."""
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
-"""Qwen3.5/3.6 text models: Gated DeltaNet linear attention with full attention every 4th layer."""
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def model_kwargs(spec: TinyTargetConfig) -> dict[str, Any]:
-    """The config fields of ``spec`` beyond the dense ones: linear-attention heads sized like the
-    attention heads (hybrid types), and the experts (MoE types)."""
-    extra: dict[str, Any] = {}
-    if spec.model_type in HYBRID_MODEL_TYPES:
-        extra.update(
-            linear_num_key_heads=spec.num_kv_heads,
-            linear_num_value_heads=spec.num_heads,
-            linear_key_head_dim=spec.head_dim,
-            linear_value_head_dim=spec.head_dim,
-        )
-    if (spec.model_type in MOE_MODEL_TYPES) != (spec.num_experts > 0):
+    """The config fields of ``spec`` beyond the dense ones: its family's (``dflash.targets.families``:
+    linear-attention heads sized like the attention heads, the experts)."""
+    family = family_of(spec.model_type)
+    if family.moe != (spec.num_experts > 0):
+        moe_types = [t for f in FAMILIES if f.moe for t in f.model_types]
         raise ValueError(
             f"target.tiny.model_type={spec.model_type} with target.tiny.num_experts={spec.num_experts}: "
-            f"MoE types {list(MOE_MODEL_TYPES)} need num_experts > 0, the others 0"
+            f"MoE types {moe_types} need num_experts > 0, the others 0"
         )
-    if spec.num_experts:
-        extra.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok)
-        if spec.model_type == "gpt_oss":  # its intermediate_size is the expert width
-            extra.update(intermediate_size=spec.moe_intermediate_size)
-        else:
-            extra.update(moe_intermediate_size=spec.moe_intermediate_size)
-        if spec.model_type == "qwen3_5_moe_text":
-            extra.update(shared_expert_intermediate_size=spec.moe_intermediate_size)
-    return extra
+    return family.tiny_kwargs(spec)
 
 
 def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Any:
-    """A random-init ``*ForCausalLM`` from ``spec`` (fp32, untied head so greedy text is not an echo).
-
-    ``qwen3_5_text`` is a hybrid target (Qwen3.5/3.6 text model: gated-delta-net linear attention with
-    a full-attention layer every 4th), its linear heads sized like the attention heads; the MoE types
-    (:data:`MOE_MODEL_TYPES`) route every token to ``num_experts_per_tok`` of ``num_experts`` experts."""
+    """A random-init ``*ForCausalLM`` from ``spec`` (fp32, untied head so greedy text is not an echo),
+    with its family's fields (:func:`model_kwargs`): ``qwen3_5_text`` is a hybrid target (Qwen3.5/3.6
+    text model: gated-delta-net linear attention with a full-attention layer every 4th), the MoE types
+    route every token to ``num_experts_per_tok`` of ``num_experts`` experts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs: dict[str, Any] = dict(

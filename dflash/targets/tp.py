@@ -40,18 +40,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash.targets.families import PARTS, family_of
+
 if TYPE_CHECKING:
     import torch
 
-    from dflash.config import Config
+    from dflash.config import TargetShape
 
-PART_PREFIXES = {
-    "attention": ("self_attn.",),
-    "linear_attention": ("linear_attn.",),
-    "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-    "experts": ("mlp.experts",),
-    "shared_expert": ("mlp.shared_expert.",),
-}
+PART_PREFIXES = {name: part.prefixes for name, part in PARTS.items() if part.prefixes}
 """Parts of a decoder layer, named by the module prefixes of transformers' plans (``layers.*.<prefix>``)."""
 
 SHARDING_STYLES = (
@@ -156,18 +152,14 @@ def own_expert_width_rules(model_type: str) -> dict[str, str]:
     return dict(EXPERT_WIDTH_RULES) if weights == FUSED_EXPERT_PARAMS else {}
 
 
-def tp_layout(model_type: str | None, num_experts: int, tp_size: int) -> TpLayout:
+def tp_layout(model_type: str, num_experts: int, tp_size: int) -> TpLayout:
     """How a ``tp_size``-rank replica shards a ``model_type`` target with ``num_experts`` experts.
 
     Experts: expert parallelism when transformers has an EP plan for the model and ``tp_size``
     divides ``num_experts``, else every expert's width split (the TP plan's ``moe_tp_experts`` rules,
-    or :func:`own_expert_width_rules`), else replicated (which :func:`tp_problems` refuses). ``model_type=None`` (a planner shape without one) is taken as a dense model
-    whose plan splits attention, MLP, embedding and lm_head (every dense model transformers plans).
-    Raises ``ValueError`` when ``tp_size > 1`` and transformers has no plan for the model.
+    or :func:`own_expert_width_rules`), else replicated (which :func:`tp_problems` refuses). A
+    planner shape without a model type goes through :func:`shape_layout`. Raises ``ValueError`` when ``tp_size > 1`` and transformers has no plan for the model.
     """
-    if model_type is None:
-        parts = {"attention", "embedding", "lm_head", "experts" if num_experts else "mlp"}
-        return TpLayout(tp_size, frozenset(parts), "tp" if num_experts else "none")
     tp_plan, ep_plan, head_split = model_plans(model_type)
     if tp_size > 1 and not tp_plan and not ep_plan:
         raise ValueError(
@@ -217,48 +209,29 @@ def tp_problems(
     return problems
 
 
-def tp_config_problems(cfg: Config, local_world_size: int, world_size: int | None = None) -> list[str]:
-    """What the config alone shows wrong with ``topology.target_tp`` (no model, no process group):
-    a replica must fit inside a node of ``local_world_size`` ranks (k must divide it, unless the
-    launch of ``world_size`` ranks is one node: then no replica can span two), co-located ranks and
-    the periodic eval hold the whole target, and the planner shape (``target.shape``, when given)
-    must split."""
-    k, t = cfg.topology.target_tp, cfg.topology
-    if k == 1:
+def shape_layout(shape: TargetShape, tp_size: int) -> TpLayout:
+    """:func:`tp_layout` of a target shape: its ``model_type``, else the first model type of the
+    family its shape implies (``dflash.targets.families.family_of``)."""
+    model_type = shape.model_type or family_of(None, shape).model_types[0]
+    return tp_layout(model_type, shape.num_experts, tp_size)
+
+
+def tp_shape_problems(shape: TargetShape, tp_size: int) -> list[str]:
+    """Why a target of ``shape`` cannot be sharded over ``tp_size``-rank replicas (transformers'
+    plans, no model built); empty when it can, or when ``tp_size`` is 1."""
+    if tp_size <= 1:
         return []
-    if k < 1:
-        return [f"topology.target_tp={k}: must be >= 1 (1 = one GPU per target)"]
-    problems = []
-    if t.colocated:
-        problems.append(
-            f"topology.colocated=true with topology.target_tp={k}: a co-located rank runs the whole target "
-            "for its own packets; set topology.target_tp=1, or topology.colocated=false for replicas of k GPUs"
-        )
-    one_node = world_size is not None and world_size <= local_world_size
-    if local_world_size % k and not one_node:
-        problems.append(
-            f"topology.target_tp={k} must divide the ranks of a node (LOCAL_WORLD_SIZE={local_world_size}): "
-            f"a replica never spans nodes; use a divisor of {local_world_size}"
-        )
-    if cfg.eval.every > 0:
-        problems.append(
-            f"eval.every={cfg.eval.every} with topology.target_tp={k}: the periodic eval runs the whole target "
-            "on the drafter leader; set eval.every=0 and evaluate the export where the target fits"
-        )
-    shape = cfg.target.shape
-    if shape is not None:
-        try:
-            layout = tp_layout(shape.model_type, shape.num_experts, k)
-        except ValueError as e:
-            return [*problems, str(e)]
-        problems += tp_problems(
-            layout,
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            num_experts=shape.num_experts,
-            moe_intermediate_size=shape.moe_intermediate_size,
-        )
-    return problems
+    try:
+        layout = shape_layout(shape, tp_size)
+    except ValueError as e:
+        return [str(e)]
+    return tp_problems(
+        layout,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        num_experts=shape.num_experts,
+        moe_intermediate_size=shape.moe_intermediate_size,
+    )
 
 
 def num_experts_of(text_config: Any) -> int:
@@ -347,37 +320,6 @@ def replica_mesh(group: Any, device: torch.device) -> Iterator[None]:
         yield
     finally:
         setattr(mixin, "initialize_distributed_mesh", original)  # noqa: B010
-
-
-def is_collective_failure(err: BaseException) -> bool:
-    """A failed or timed-out collective (gloo's transport errors, NCCL's ``DistBackendError``), as
-    opposed to an error of the model itself."""
-    import torch.distributed as dist
-
-    text = str(err).lower()
-    return isinstance(err, dist.DistError) or "gloo" in text or "nccl" in text or "timed out" in text
-
-
-@contextmanager
-def replica_peer_errors(me: str, replica: list[str]) -> Iterator[None]:
-    """Inside the block (a forward of a sharded target), a failed collective is a
-    :class:`dflash.distributed.links.PeerError` naming ``me`` and the ranks of the replica, as any
-    dead or stuck peer is named: a rank of a replica that dies makes the others' next all-reduce fail
-    (gloo at once, "Connection reset by peer"; NCCL when its watchdog times the collective out).
-    With two ranks the other one is named as the dead or stuck rank."""
-    from dflash.distributed.links import PeerError, short_error
-
-    others = [r for r in replica if r != me]
-    culprit = f"{others[0]} is" if len(others) == 1 else "a rank of this replica is"
-    try:
-        yield
-    except RuntimeError as e:
-        if isinstance(e, PeerError) or not is_collective_failure(e):
-            raise
-        raise PeerError(
-            f"{me}: the tensor-parallel all-reduce of the target forward among [{', '.join(replica)}] failed "
-            f"({short_error(e)}); {culprit} dead or stuck"
-        ) from e
 
 
 def local_num_bytes(model: Any) -> int:

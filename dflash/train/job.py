@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 -m dflash.train experiment=qwen3_8b_7x1 data.path=/data/chat.jsonl
 
 Everything that can be wrong with the config, the data, the run directory or the checkpoint to
-resume is found before the process group starts, and reported once (``dflash.config.cli``).
+resume is found before the process group starts, and reported once (``dflash.cli``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.cli import global_rank, quiet_console, run_app, value_errors_are_user_errors
 from dflash.config import Config, UserError, register_configs, to_config
 from dflash.config.checks import validate
-from dflash.config.cli import global_rank, quiet_console, run_app, value_errors_are_user_errors
 from dflash.distributed.topology import Topology
 from dflash.files import atomic_write
 from dflash.train.checkpoint import LoadedCheckpoint

@@ -30,7 +30,7 @@ import torch
 from dflash.config import Config, UserError
 from dflash.config.resolve import torch_dtype
 from dflash.data.tokenize import load_eval_samples
-from dflash.drafter.blocks import doc_ids_from_positions, eligible_anchors
+from dflash.drafter.blocks import eligible_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.eval.loading import eos_ids_of
@@ -45,6 +45,7 @@ from dflash.eval.suite_run import (
 from dflash.eval.suites import BenchmarkDataMissing, Conversation, load_suite, suite_template_kwargs
 from dflash.targets.forward import target_forward
 from dflash.targets.loader import load_target
+from dflash.targets.packing import doc_ids_from_positions
 from dflash.train.setup import RunSetup
 
 log = logging.getLogger(__name__)

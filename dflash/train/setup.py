@@ -28,9 +28,11 @@ from dflash.distributed.protocol import PacketSpec
 from dflash.distributed.topology import Topology
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.resolve import resolve_drafter
-from dflash.plan.memory import ADAM_BYTES_PER_PARAM, weights_problem
+from dflash.plan.memory import ADAM_BYTES_PER_PARAM, drafter_weights_problem
+from dflash.targets.families import TargetMeta
 from dflash.targets.info import TargetInfo, resolve_target, weights_fingerprint
-from dflash.targets.loader import TargetMeta, device_capacity, target_size_problems
+from dflash.targets.loader import device_capacity, target_size_problems
+from dflash.targets.tp import tp_shape_problems
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,8 @@ def run_contract(
 
 
 def size_problems(cfg: Config, target: TargetInfo, arch: DrafterArch) -> list[str]:
-    """The target's weights (each rank's share of a tensor-parallel replica) and the drafter's
+    """Whether the target splits over ``topology.target_tp`` ranks (transformers' plans), the
+    target's weights (each rank's share of a tensor-parallel replica) and the drafter's
     weights, gradients and AdamW state against this rank's device, before anything is allocated
     (a hostile config.json requesting terabytes is refused on every rank, naming its fields)."""
     kind = device_kind(str(cfg.topology.device))
@@ -114,11 +117,13 @@ def size_problems(cfg: Config, target: TargetInfo, arch: DrafterArch) -> list[st
         else torch.device("cpu")
     )
     source = f"target.path={target.path} (config.json)"
-    problems = target_size_problems(
-        target.meta, source, torch_dtype(cfg.target.dtype, device), device, shards=cfg.topology.target_tp
+    k = cfg.topology.target_tp
+    problems = tp_shape_problems(target.meta, k)
+    problems += target_size_problems(
+        target.meta, source, torch_dtype(cfg.target.dtype, device), device, shards=k
     )
     drafter = "drafter.* (the drafter's shape, from the config and the target)"
-    p = weights_problem("drafter", drafter, arch, ADAM_BYTES_PER_PARAM, *device_capacity(device))
+    p = drafter_weights_problem(drafter, arch, ADAM_BYTES_PER_PARAM, *device_capacity(device))
     return problems + ([p] if p else [])
 
 

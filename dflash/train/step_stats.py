@@ -115,7 +115,7 @@ def step_metrics(
     loss_weights: dict[str, float],
     num_targets: int,
     num_drafters: int,
-    colocated: bool,
+    self_produced: bool,
 ) -> dict[str, float]:
     """Every per-step metric from the all-reduced sums (the same on every drafter)."""
     o, c = s.objective, s.counters
@@ -144,7 +144,7 @@ def step_metrics(
         "perf/tflops/target": c["target_flop"] / max(c["target_s"], 1e-9) / 1e12,
         "perf/tflops/drafter": c["drafter_flop"] / max(c["busy_s"], 1e-9) / 1e12,
     }
-    if colocated:
+    if self_produced:  # co-located: the rank's own target forward, a share of its step
         m["perf/target_frac"] = _ratio(c["target_s"], c["wall_s"])
     else:
         m["perf/target_busy_frac"] = c["target_s"] / (num_targets * step_s)

@@ -157,7 +157,7 @@ def anchors_line(rows: list[dict[str, float]], cap: int | None) -> str | None:
 
 
 def balance_line(
-    rows: list[dict[str, float]], num_targets: int, num_drafters: int, colocated: bool, target_tp: int = 1
+    rows: list[dict[str, float]], num_targets: int, num_drafters: int, self_produced: bool, target_tp: int = 1
 ) -> str | None:
     """Where the time went, from the measured per-packet times of the last half of the logged steps,
     and what the best split of the same number of GPUs would give (``best_split``; ``num_targets``
@@ -180,7 +180,7 @@ def balance_line(
     t_t, t_d = mean("perf/target_s_per_packet"), mean("perf/drafter_s_per_packet")
     if not (t_t > 0 and t_d > 0):
         return None
-    if colocated:
+    if self_produced:  # co-located: each rank runs the target forward, then the drafter
         world = num_drafters
         pct = 100 * t_t / (t_t + t_d)
         line = (

@@ -23,12 +23,11 @@ import signal
 from dflash.config import STOP_SIGNALS, Config
 from dflash.config.resolve import torch_dtype
 from dflash.distributed.collectives import agree_on_start, replica_next_packet
-from dflash.distributed.links import TargetLink
+from dflash.distributed.links import TargetLink, replica_peer_errors
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet
 from dflash.distributed.topology import linked_drafters
 from dflash.targets.loader import load_target
-from dflash.targets.tp import replica_peer_errors
 from dflash.train import faults
 from dflash.train.packets import PacketMaker
 from dflash.train.setup import RunSetup

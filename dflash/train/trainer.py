@@ -27,8 +27,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import PreTrainedModel
 
+from dflash.cli import log_to_files
 from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, plain_dict
-from dflash.config.cli import log_to_files
 from dflash.config.resolve import drafter_attention, resolve_path, torch_dtype
 from dflash.distributed.collectives import (
     agree_on_start,
@@ -40,12 +40,11 @@ from dflash.distributed.drafter_parallel import drafter_parallel
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
-from dflash.drafter.blocks import doc_ids_from_positions, offered_anchors, sample_anchors
+from dflash.drafter.blocks import offered_anchors, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss, num_supervised
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
-from dflash.eval.loading import target_embed_and_head
 from dflash.metrics import (
     MetricLogger,
     NullLogger,
@@ -65,7 +64,8 @@ from dflash.plan.fit import (
     drafter_settings,
 )
 from dflash.plan.inputs import PlanInputs, attention_kinds, resolve_inputs
-from dflash.targets.loader import load_embed_and_head, load_target
+from dflash.targets.loader import load_embed_and_head, load_target, target_embed_and_head
+from dflash.targets.packing import doc_ids_from_positions, packet_positions
 from dflash.train import faults
 from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
 from dflash.train.packets import LocalPackets, PacketMaker, PacketSource
@@ -90,15 +90,6 @@ log = logging.getLogger(__name__)
 
 EMPTY_STEPS_LIMIT = 3
 """Optimizer steps in a row without a supervised slot that stop the run (it would train on nothing)."""
-
-
-def packet_positions(seq_lens: torch.Tensor, total: int) -> torch.Tensor:
-    """[S] sequence lengths summing to ``total`` (T) -> [T] RoPE positions restarting at 0 for
-    every packed sequence (T from the header: no host sync on a device tensor)."""
-    starts = torch.cumsum(seq_lens, 0) - seq_lens
-    return torch.arange(total, device=seq_lens.device) - torch.repeat_interleave(
-        starts, seq_lens, output_size=total
-    )
 
 
 def anchor_generator(seed: int, packet: int) -> torch.Generator:
@@ -202,7 +193,7 @@ class DrafterTrainer:
         """``self.source``: a ``DrafterLink`` from the targets, or (co-located) ``LocalPackets`` over
         this rank's own target, which is returned (else None)."""
         cfg, setup = self.cfg, self.setup
-        if not self.topology.colocated:
+        if not self.topology.self_produced:
             self.source: PacketSource = DrafterLink(
                 self.topology,
                 self.ctx.rank,
@@ -431,7 +422,7 @@ class DrafterTrainer:
         self.phases.start()
         for i, g in enumerate(packets):
             packet = self.source.recv(g)
-            self.phases.mark("target_forward" if self.topology.colocated else "recv_wait")
+            self.phases.mark("target_forward" if self.topology.self_produced else "recv_wait")
             self.source.ack(g)
             self._next_packet(step, i, packets)
             self._count_packet(packet, local)
@@ -455,7 +446,7 @@ class DrafterTrainer:
         c = local.sums.counters
         c["wait_s"] += self.source.last_wait_s
         c["target_s"] += packet.forward_s
-        slot = 0 if self.topology.colocated else self.topology.producer_replica(packet.index)
+        slot = 0 if self.topology.self_produced else self.topology.producer_replica(packet.index)
         local.target_fwd[slot] += packet.forward_s
         local.target_packets[slot] += 1
         local.target_mem[slot] = max(float(local.target_mem[slot]), packet.peak_mem_bytes / 2**30)
@@ -473,7 +464,7 @@ class DrafterTrainer:
         c["stop"] += float(self.stop_requested)
         c["anchors_offered"] = float(local.anchors_offered)
         c["wall_s"] = time.perf_counter() - t0
-        c["busy_s"] = c["wall_s"] - c["wait_s"] - (c["target_s"] if self.topology.colocated else 0.0)
+        c["busy_s"] = c["wall_s"] - c["wait_s"] - (c["target_s"] if self.topology.self_produced else 0.0)
         if self._logged(step + 1):  # the cost model runs for the rows that are logged, not per packet
             for shape in local.shapes:
                 costs = self._costs(shape)
@@ -583,7 +574,7 @@ class DrafterTrainer:
             loss_weights={t: getattr(cfg.loss, t) for t in TERMS},
             num_targets=topo.num_targets,
             num_drafters=topo.num_drafters,
-            colocated=topo.colocated,
+            self_produced=topo.self_produced,
         )
         if cfg.train.time_phases:
             m.update({f"perf/phase/{name}_s": s for name, s in self.phases.seconds.items()})
@@ -593,7 +584,7 @@ class DrafterTrainer:
         m["train/anchors_per_packet"] = float(r.sums.objective["num_blocks"]) / packets_in_step
         m["perf/target_s_per_packet"] = r.sums.counters["target_s"] / packets_in_step
         m["perf/drafter_s_per_packet"] = r.sums.counters["busy_s"] / packets_in_step
-        if not topo.colocated:  # the targets that made a packet of this step (no 0.0 for the others)
+        if not topo.self_produced:  # the targets that made a packet of this step (no 0.0 for the others)
             for t in range(topo.num_targets):
                 if r.target_packets[t] > 0:
                     m[f"perf/target_{t}/forward_s"] = float(r.target_fwd[t])
@@ -679,7 +670,7 @@ class DrafterTrainer:
     def balance(self) -> str | None:
         """The leader's end-of-run line on where the time went (``summary.balance_line``)."""
         t = self.topology
-        return balance_line(self.summary.rows, t.num_targets, t.num_drafters, t.colocated, t.target_tp)
+        return balance_line(self.summary.rows, t.num_targets, t.num_drafters, t.self_produced, t.target_tp)
 
     # ---------------------------------------------------------------- main loop
     def _stopping(self) -> bool:

@@ -20,8 +20,8 @@ import pytest
 from faultkit import figure
 from runner import FAST, launch, no_leftover_processes
 
+from dflash.cli import compose_config
 from dflash.config import EXIT_USER_ERROR, UserError, register_configs
-from dflash.config.cli import compose_config
 
 pytestmark = pytest.mark.faults
 

@@ -39,10 +39,11 @@ from dflash.distributed.sharding import (
     whole_model,
 )
 from dflash.distributed.topology import Topology
-from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
+from dflash.drafter.blocks import sample_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.drafter.optim import build_optimizer
+from dflash.targets.packing import doc_ids_from_positions
 
 WORLD, STEPS, HALF = 2, 10, 5
 LOSS = LossConfig(ce=1.0, kl=0.5, chunk_size=16)
@@ -138,7 +139,7 @@ def _entry(rank: int, world: int, tmp: str, mode: str) -> None:
 
     def body() -> dict:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
-        topo = Topology(num_targets=0, num_drafters=world, world_size=world, colocated=True)
+        topo = Topology(num_targets=0, num_drafters=world, world_size=world, mode="colocated")
         ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo", dist.group.WORLD, topology=topo)
         arch = tiny_arch()
         embed, head = _frozen(arch)
@@ -222,7 +223,7 @@ def _dead_peer_entry(rank: int, world: int, tmp: str) -> None:
         dist.init_process_group(
             "gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world, timeout=timedelta(seconds=10)
         )
-        topo = Topology(num_targets=0, num_drafters=world, world_size=world, colocated=True)
+        topo = Topology(num_targets=0, num_drafters=world, world_size=world, mode="colocated")
         ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo", dist.group.WORLD, topology=topo)
         arch = tiny_arch()
         embed, head = _frozen(arch)

@@ -72,10 +72,9 @@ def _kill_rank_1(rank: int, tmp: str, model, out: dict) -> str:
     """Rank 1 dies at decoder layer 1 of a forward; rank 0's failed all-reduce names its replica."""
     import torch
 
-    from dflash.distributed.links import PeerError
+    from dflash.distributed.links import PeerError, replica_peer_errors
     from dflash.targets.forward import target_forward
     from dflash.targets.loader import decoder_layers
-    from dflash.targets.tp import replica_peer_errors
 
     if rank == 1:
 

@@ -1,75 +1,168 @@
-"""The package layout's one rule: libraries never import the training job or an app.
+"""The package's declared layer order: an import (at module level, inside a function or under
+``TYPE_CHECKING``) goes to a module of the same layer or a lower one, and no modules import each
+other round in a circle.
 
-Library folders are ``targets, drafter, loss, distributed, data, eval, plan``. Their modules, and the
-shared leaves ``metrics.py`` and ``files.py``, import no ``dflash.train`` module, not the shared CLI
-entry (``dflash.config.cli``) and no app module (an ``app.py``, a ``__main__.py``, ``data/prepare.py``);
-the apps inside library folders import no ``dflash.train`` module either. Every import counts,
-including the ones inside functions.
+Layers, bottom first (:data:`LAYERS`): shared leaves, the config, metrics, then the libraries from
+the loss math up to the planner and the eval, the shared app runner (``dflash.cli``), the training
+job, and the apps on top (``report``, the GPU and serve checks, and every ``app.py``,
+``__main__.py`` and ``data/prepare.py`` inside a library folder). A module no layer names fails the
+test: a new package is placed on purpose.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 from testpaths import REPO
 
 PACKAGE = REPO / "dflash"
-LIBRARIES = ("targets", "drafter", "loss", "distributed", "data", "eval", "plan")
-LEAVES = ("metrics.py", "files.py")
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dflash", "dflash.versions", "dflash.files"),
+    ("dflash.config",),
+    ("dflash.metrics",),
+    ("dflash.loss",),
+    ("dflash.data",),
+    ("dflash.targets",),
+    ("dflash.drafter",),
+    ("dflash.distributed",),
+    ("dflash.plan",),
+    ("dflash.eval",),
+    ("dflash.cli",),
+    ("dflash.train",),
+    ("dflash.report", "dflash.gpu_check", "dflash.serve_check"),
+)
+"""Bottom to top. Within a layer imports may go either way, but never round in a circle."""
+APPS = len(LAYERS) - 1
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_app(path: Path) -> bool:
-    rel = path.relative_to(PACKAGE).as_posix()
-    return path.name in ("app.py", "__main__.py") or rel == "data/prepare.py"
+def is_app(name: str) -> bool:
+    """An entry point inside a library folder: it sits with the apps, on top."""
+    return name.endswith((".app", ".__main__")) or name == "dflash.data.prepare"
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """``(line, module)`` of every absolute import in the file (``from x import y`` counts ``x`` and ``x.y``)."""
+def layer_of(name: str) -> int | None:
+    if is_app(name):
+        return APPS
+    best = None
+    for i, group in enumerate(LAYERS):
+        for prefix in group:
+            inside = name == prefix or (name.startswith(prefix + ".") and prefix != "dflash")
+            if inside and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    return None if best is None else best[0]
+
+
+def imports_of(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every absolute import (``from x import y`` counts ``x.y`` and ``x``)."""
     out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module))
             out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
     return out
 
 
-def _apps() -> set[str]:
-    return {_module_name(p) for p in PACKAGE.rglob("*.py") if _is_app(p)}
+def graph_of(sources: dict[str, str]) -> dict[str, set[tuple[int, str]]]:
+    """module -> ``(line, module it imports)`` for the imports of modules in ``sources``."""
+
+    def resolve(target: str) -> str | None:
+        while target and target not in sources:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph: dict[str, set[tuple[int, str]]] = {}
+    for name, source in sources.items():
+        edges = set()
+        for line, target in imports_of(source):
+            found = resolve(target) if target.startswith("dflash") else None
+            if found is not None and found != name:
+                edges.add((line, found))
+        graph[name] = edges
+    return graph
 
 
-def _upward(module: str, importer_is_app: bool, apps: set[str]) -> bool:
-    if module == "dflash.train" or module.startswith("dflash.train."):
-        return True
-    if importer_is_app:
-        return False
-    return module == "dflash.config.cli" or module in apps
+def upward_imports(graph: dict[str, set[tuple[int, str]]]) -> list[str]:
+    bad = []
+    for name, edges in sorted(graph.items()):
+        here = layer_of(name)
+        if here is None:
+            bad.append(f"{name}: in no layer of LAYERS")
+            continue
+        for line, target in sorted(edges):
+            there = layer_of(target)
+            if there is None or there > here:
+                bad.append(f"{name}:{line} imports {target} (layer {there} above {here})")
+    return bad
 
 
-def test_libraries_never_import_the_training_job_or_an_app():
-    apps = _apps()
-    files = [p for lib in LIBRARIES for p in (PACKAGE / lib).rglob("*.py")]
-    files += [PACKAGE / leaf for leaf in LEAVES]
-    assert len(files) > 50, "the walk found too few library modules: is the layout as the docstring says?"
-    bad = [
-        f"{p.relative_to(REPO)}:{line} imports {module}"
-        for p in files
-        for line, module in _imports(p)
-        if _upward(module, _is_app(p), apps)
+def circles(graph: dict[str, set[tuple[int, str]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for _, w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_sources(paths: Iterable[Path], root: Path = REPO) -> dict[str, str]:
+    return {module_name(p, root): p.read_text() for p in paths}
+
+
+def test_imports_follow_the_layer_order_and_never_circle():
+    graph = graph_of(package_sources(PACKAGE.rglob("*.py")))
+    assert len(graph) > 100, "the walk found too few modules: is the layout as the docstring says?"
+    assert upward_imports(graph) == []
+    assert circles(graph) == []
+
+
+def test_the_rules_catch_an_upward_import_and_a_circle():
+    """An import inside a function of a library up to the training job, to an app, and a circle of
+    two libraries of one layer (even through ``TYPE_CHECKING``)."""
+    sources = {
+        "dflash.targets.lazy": "def f():\n    from dflash.train.setup import prepare\n    from dflash.eval import app\n",
+        "dflash.train.setup": "",
+        "dflash.eval.app": "",
+        "dflash.plan.a": "from dflash.plan.b import x\n",
+        "dflash.plan.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dflash.plan.a import y\n",
+    }
+    graph = graph_of(sources)
+    assert upward_imports(graph) == [
+        "dflash.targets.lazy:2 imports dflash.train.setup (layer 11 above 5)",
+        "dflash.targets.lazy:3 imports dflash.eval.app (layer 12 above 5)",
     ]
-    assert not bad, "\n".join(bad)
-
-
-def test_the_rule_catches_an_upward_import(tmp_path):
-    """The walk sees an import inside a function, and an app module imported by a library."""
-    lib = tmp_path / "lazy.py"
-    lib.write_text("def f():\n    from dflash.train.setup import prepare\n    from dflash.eval import app\n")
-    found = [m for _, m in _imports(lib) if _upward(m, False, {"dflash.eval.app"})]
-    assert found == ["dflash.train.setup", "dflash.train.setup.prepare", "dflash.eval.app"]
+    assert circles(graph) == [["dflash.plan.a", "dflash.plan.b"]]
+    assert upward_imports(graph_of({"dflash.newpkg.mod": ""})) == ["dflash.newpkg.mod: in no layer of LAYERS"]

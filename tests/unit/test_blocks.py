@@ -9,11 +9,11 @@ import torch
 from dflash.drafter.blocks import (
     build_mask,
     dense_mask,
-    doc_ids_from_positions,
     eligible_anchors,
     make_blocks,
     sample_anchors,
 )
+from dflash.targets.packing import doc_ids_from_positions
 
 BS = 4
 

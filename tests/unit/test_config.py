@@ -9,6 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 from testpaths import REPO
 
+from dflash.cli import compose_config
 from dflash.config import (
     RESOLVED_CONTRACT_KEYS,
     RESUME_KINDS,
@@ -23,7 +24,6 @@ from dflash.config import (
     to_config,
 )
 from dflash.config.checks import check_known_keys, validate
-from dflash.config.cli import compose_config
 from dflash.distributed.topology import Topology
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

@@ -15,9 +15,9 @@ import torch
 from testpaths import REPO
 from transformers import AutoTokenizer
 
+from dflash.cli import compose_config
 from dflash.config import DataConfig, register_configs, to_config
 from dflash.config.checks import config_problems
-from dflash.config.cli import compose_config
 from dflash.data.cache import build_or_load_dataset
 from dflash.data.sources import Source
 from dflash.data.tokenize import TokenizeSettings, tokenize_records

@@ -13,7 +13,7 @@ import torch
 from ranks import run_module
 from wandb_reader import read_wandb_run
 
-from dflash.config.cli import compose_config
+from dflash.cli import compose_config
 from dflash.drafter.arch import DrafterArch, rope_from_config
 from dflash.drafter.export import export_drafter
 from dflash.drafter.model import DFlashDraftModel

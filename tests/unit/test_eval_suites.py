@@ -30,7 +30,7 @@ from suite_fixtures import (
     save_fixture_datasets,
 )
 
-from dflash.config.cli import compose_config
+from dflash.cli import compose_config
 from dflash.drafter.model import DFlashDraftModel
 from dflash.eval.config import EvalAppConfig, register_eval_schema
 from dflash.eval.loading import eval_config_problems

@@ -205,7 +205,7 @@ def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
     assert t["target_logits_gib"]["value"] == 0.0 and t["target_logits_gib"]["met"] is True
     assert t["colocated_memory_fits"]["met"] is True
     assert out["passed"] is True  # a missed performance target is reported, not a failure
-    table = render(chk, out)
+    table = render(out)
     assert "NOT MET" in table and "vocab-sized tensors 0" in table and "gpu check PASSED" in table
     assert "30/30 steps (steady 6-30)" in table and "compile ~48 s, 0 recompiles" in table
     chk.results["colocated"]["status"] = "failed"

@@ -196,8 +196,8 @@ def _meta_trainer(base_setup, meta_target, source):
 
     from dflash.distributed.drafter_parallel import Replicated
     from dflash.drafter.model import DFlashDraftModel
-    from dflash.eval.loading import target_embed_and_head
     from dflash.metrics import PhaseTimer
+    from dflash.targets.loader import target_embed_and_head
     from dflash.train.trainer import DrafterTrainer
 
     trainer = DrafterTrainer.__new__(DrafterTrainer)

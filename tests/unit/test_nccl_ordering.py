@@ -46,8 +46,8 @@ def base_setup(run_cache: Path):
 
 
 def _config(split: str, time_phases: bool, stop_after: int | None, cache: Path):
+    from dflash.cli import compose_config
     from dflash.config import register_configs, to_config
-    from dflash.config.cli import compose_config
 
     a, b = split.split(":")
     n, _, k = a.partition("x")
@@ -231,7 +231,7 @@ def test_job_under_nccl_ordering(
     assert sim.eager and sim.backend == "nccl"  # the layout NCCL gets: eager init, device_id bound
     # every send and receive travels on a 2-rank group of its link (one communicator, one stream each)
     assert all(len(g.ranks) == 2 for g in sim.p2p_groups), sim.p2p_groups
-    assert len(sim.p2p_groups) == (0 if topo.colocated else 2 * len(links(topo)))
+    assert len(sim.p2p_groups) == (0 if topo.self_produced else 2 * len(links(topo)))
     assert sorted(results) == list(range(topo.world_size))
     assert all(r["code"] == 0 for r in results.values()), results
     steps = min(stop_after or setup.num_steps, setup.num_steps)
@@ -245,7 +245,7 @@ def test_job_under_nccl_ordering(
     assert len(made) >= steps * topo.packets_per_step
     for rank, g, forward_s, wall_s in made:
         assert FORWARD_S <= forward_s <= wall_s, (rank, g, forward_s, wall_s)
-    if not topo.colocated:  # every link got its drafter's STOP (then sent END)
+    if not topo.self_produced:  # every link got its drafter's STOP (then sent END)
         assert all(all(results[t]["stopped"].values()) for t in topo.target_ranks)
         assert [bool(results[t]["stopped"]) for t in topo.target_ranks] == [
             t in topo.sender_ranks for t in topo.target_ranks

@@ -9,9 +9,10 @@ import torch
 
 from dflash.config import LossConfig
 from dflash.drafter.arch import DrafterArch
-from dflash.drafter.blocks import build_masks, doc_ids_from_positions, make_blocks
+from dflash.drafter.blocks import build_masks, make_blocks
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss, prefix_accept
+from dflash.targets.packing import doc_ids_from_positions
 
 BS, V, H = 4, 60, 32
 

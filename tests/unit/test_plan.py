@@ -15,10 +15,10 @@ import torch
 from ranks import Completed, run_module
 from testpaths import REPO
 
+from dflash.cli import compose_config
 from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs
-from dflash.config.cli import compose_config
 from dflash.drafter.arch import DrafterArch, build_arch
-from dflash.drafter.blocks import doc_ids_from_positions, sample_anchors
+from dflash.drafter.blocks import sample_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.plan.app import plan_config, run
@@ -35,6 +35,7 @@ from dflash.plan.planner import make_plan
 from dflash.plan.throughput import RoleTimes, best_split, colocated, disaggregated
 from dflash.targets.forward import build_batch, target_forward
 from dflash.targets.loader import load_embed_and_head, load_target, read_target_meta, resolve_layer_ids
+from dflash.targets.packing import doc_ids_from_positions
 
 TERA = 1e12
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 
+from dflash.cli import compose_config
 from dflash.config import register_configs
-from dflash.config.cli import compose_config
 from dflash.plan.app import plan_config, run
 from dflash.plan.fake import LiveBytes, RealSmall
 from dflash.plan.fit import (

@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from dflash.cli import RUN_ID_KEY, launch_run_id
 from dflash.config import TrainConfig, UserError
-from dflash.config.cli import RUN_ID_KEY, launch_run_id
 from dflash.config.secrets import REDACTED, SecretFilter, config_secret_problems, redact
 from dflash.train.run_dir import RunDirLock, move_aside, resume_checkpoint
 from dflash.train.steplog import StepLog
@@ -186,7 +186,7 @@ def test_summary_lines():
             "perf/step_s": 1.6,
         }
     ] * 4
-    line = balance_line(rows, 7, 1, colocated=False)
+    line = balance_line(rows, 7, 1, self_produced=False)
     assert line == (
         "targets busy 20% (idle 80%), drafters waited 2%: 3 targets + 5 drafters would be ~4.8x faster "
         "(measured 1s per target forward, 1.6s per drafter packet)"
@@ -195,5 +195,5 @@ def test_summary_lines():
     ahead = [
         dict(rows[0], **{"perf/target_busy_frac": b, "perf/step_s": t}) for b, t in ((1.5, 1.0), (1.0, 1.0))
     ]
-    assert balance_line(ahead, 1, 1, colocated=False).startswith("targets busy 100% (idle 0%)")
-    assert "per packet: target forward 1s + drafter 1.6s" in balance_line(rows, 0, 8, colocated=True)
+    assert balance_line(ahead, 1, 1, self_produced=False).startswith("targets busy 100% (idle 0%)")
+    assert "per packet: target forward 1s + drafter 1.6s" in balance_line(rows, 0, 8, self_produced=True)

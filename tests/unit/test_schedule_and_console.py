@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
+from dflash.cli import ConsoleStream
 from dflash.config import OptimConfig
-from dflash.config.cli import ConsoleStream
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler, lr_factor
 from dflash.train.step_stats import StepSums, step_metrics
 from dflash.train.summary import status_line
@@ -92,7 +92,7 @@ def test_a_step_that_trained_on_nothing_reports_nan_not_a_division_by_zero():
         loss_weights={"ce": 1.0},
         num_targets=1,
         num_drafters=1,
-        colocated=False,
+        self_produced=False,
     )
     for key in ("train/loss", "train/tau_hat", "train/tau_hat_arith", "train/acc", "train/acc_slot_1"):
         assert m[key] != m[key], key  # NaN (written as null), never 1e12

@@ -124,7 +124,7 @@ def test_relayout_exports_read_back_with_their_layout_and_the_same_tensors(tmp_p
 
 
 def test_serve_check_config_composes_and_refuses_bad_values():
-    from dflash.config.cli import compose_config
+    from dflash.cli import compose_config
     from dflash.serve_check.app import config_problems
     from dflash.serve_check.config import ServeCheckConfig, register_serve_check_schema
 
@@ -147,7 +147,7 @@ def test_serve_check_config_composes_and_refuses_bad_values():
 def test_default_run_key_follows_the_training_config():
     from hydra import initialize_config_dir
 
-    from dflash.config.cli import CONF_DIR
+    from dflash.cli import CONF_DIR
     from dflash.serve_check.runs import run_key
 
     key = run_key([])

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from dflash.cli import compose_config
 from dflash.config import register_configs, to_config
-from dflash.config.cli import compose_config
 from dflash.drafter.arch import build_arch, resolve_mask_token_id
 from dflash.drafter.export import export_config, warm_start_problems
 from dflash.targets.loader import read_target_meta

@@ -17,7 +17,8 @@ import torch
 
 from dflash.config import TargetConfig
 from dflash.drafter.arch import DrafterArch
-from dflash.plan.memory import ADAM_BYTES_PER_PARAM, GIB, weights_problem
+from dflash.plan.memory import ADAM_BYTES_PER_PARAM, GIB, drafter_weights_problem
+from dflash.targets.families import target_weights_problem
 from dflash.targets.loader import device_capacity, load_target, read_target_meta
 
 
@@ -65,12 +66,8 @@ def test_a_target_whose_config_implies_too_much_memory_is_refused_before_allocat
     """An FFN of 10^9 (1.5 TB of weights) or an 8B-wide target with 10^5 layers (60 TB)."""
     target = small_qwen3(tmp_path / "t", **{**shape, field: value, "layer_types": None})
     cfg = TargetConfig(name="t", path=str(target), random_weights=random_weights)
-    implied = weights_problem(
-        "target",
-        "t",
-        read_target_meta(str(target)),
-        4,
-        *device_capacity(torch.device("cpu")),
+    implied = target_weights_problem(
+        "t", read_target_meta(str(target)), 4, *device_capacity(torch.device("cpu"))
     )
     if implied is None:  # never build a >1 TB model on a host that could
         pytest.skip("this host's RAM holds the hostile target")
@@ -100,12 +97,8 @@ def test_the_weight_check_is_the_planners_count_against_the_device():
         mask_token_id=151669,
     )
     # the public Qwen3-8B drafter shape trains in 3.9 + 3.9 + 7.8 GiB (README: 15.6 GiB of weights, grads, AdamW)
-    assert (
-        weights_problem("drafter", "drafter", arch, ADAM_BYTES_PER_PARAM, 80 * GIB, "an 80 GiB GPU") is None
-    )
-    msg = weights_problem(
-        "drafter", "drafter.num_layers", arch, ADAM_BYTES_PER_PARAM, 8 * GIB, "an 8 GiB GPU"
-    )
+    assert drafter_weights_problem("drafter", arch, ADAM_BYTES_PER_PARAM, 80 * GIB, "an 80 GiB GPU") is None
+    msg = drafter_weights_problem("drafter.num_layers", arch, ADAM_BYTES_PER_PARAM, 8 * GIB, "an 8 GiB GPU")
     assert msg is not None and "num_hidden_layers=5" in msg and "15.6 GiB of drafter weights" in msg
     assert "more than the 8.0 GiB of an 8 GiB GPU" in msg
 

@@ -11,7 +11,7 @@ from dflash.config import TargetShape, TinyTargetConfig
 from dflash.plan.inputs import shape_problems
 from dflash.targets.loader import read_target_meta
 from dflash.targets.tiny import build_model
-from dflash.targets.tp import distributed_config, tp_config_problems, tp_layout, tp_problems
+from dflash.targets.tp import distributed_config, tp_layout, tp_problems, tp_shape_problems
 
 
 def test_layouts_follow_the_transformers_plans():
@@ -75,22 +75,29 @@ def test_shapes_a_replica_cannot_split_are_refused_naming_the_field():
     assert distributed_config(config, 2).ep_size == 2  # 8 experts: expert parallel
 
 
-def test_config_problems_name_target_tp_before_anything_loads():
+def test_config_problems_name_target_tp_before_anything_loads(monkeypatch):
+    from dflash.cli import compose_config
     from dflash.config import register_configs
-    from dflash.config.cli import compose_config
+    from dflash.config.checks import config_problems
     from dflash.plan.app import plan_config
 
     register_configs()
 
-    def problems(*overrides: str, local_world_size: int = 8) -> list[str]:
+    def problems(*overrides: str, local_world_size: int = 8, world: int = 16) -> list[str]:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
         cfg = plan_config(compose_config("plan_app", ["experiment=qwen3_235b_a22b_16gpu", *overrides]))
-        return tp_config_problems(cfg, local_world_size)
+        mine = [p for p in config_problems(cfg, world) if "target_tp" in p]
+        assert cfg.target.shape is not None
+        return mine + tp_shape_problems(cfg.target.shape, cfg.topology.target_tp)
 
     assert problems() == []  # the shipped 3 x TP=4 + 4 drafters
-    bad = problems("topology.target_tp=8", "eval.every=100", local_world_size=4)
+    bad = problems(
+        "topology.target_tp=8", "topology.num_targets=1", "eval.every=100", local_world_size=4, world=12
+    )
     assert len(bad) == 3 and all("topology.target_tp=8" in p for p in bad)
     assert "LOCAL_WORLD_SIZE=4" in bad[0] and "eval.every=100" in bad[1] and "4 key-value heads" in bad[2]
-    assert "topology.colocated=true" in problems("topology.colocated=true")[0]
+    colocated = problems("topology=colocated", "topology.target_tp=4", world=4)
+    assert "topology.mode=colocated with topology.target_tp=4" in colocated[0]
 
 
 def _moe_spec(**kw) -> TinyTargetConfig:

@@ -8,9 +8,9 @@ from datetime import timedelta
 
 import pytest
 
+from dflash.cli import compose_config
 from dflash.config import TopologyConfig, planned_world_size, register_configs, to_config
 from dflash.config.checks import validate
-from dflash.config.cli import compose_config
 from dflash.distributed import process_group
 from dflash.distributed.links import LinkGroups
 from dflash.distributed.process_group import backend_timeout_s, replica_wait_s
@@ -50,7 +50,7 @@ def test_topology_from_config_counts_replicas_of_k_ranks():
     ):
         Topology(2, 1, 3, target_tp=2)
     with pytest.raises(ValueError, match="topology.target_tp=2"):
-        Topology(0, 2, 2, colocated=True, target_tp=2)
+        Topology(0, 2, 2, mode="colocated", target_tp=2)
 
 
 def _cfg(*overrides: str):
@@ -86,7 +86,7 @@ def test_replicas_that_would_span_nodes_or_hold_the_whole_target_are_refused(mon
     assert "eval.every=10 with topology.target_tp=2" in str(err.value) and "set eval.every=0" in str(
         err.value
     )
-    with pytest.raises(ValueError, match="topology.colocated=true with topology.target_tp=2"):
+    with pytest.raises(ValueError, match="topology.mode=colocated with topology.target_tp=2"):
         validate(_cfg("topology=colocated", "topology.target_tp=2"), 2)
 
 
@@ -148,11 +148,11 @@ def test_the_end_summary_advises_splits_in_replicas_of_k_ranks():
             "perf/step_s": 1.0,
         }
     ] * 2
-    line = balance_line(rows, 1, 6, colocated=False, target_tp=2)
+    line = balance_line(rows, 1, 6, self_produced=False, target_tp=2)
     assert line is not None and line.endswith(
         ": 3 target replicas x 2 ranks + 2 drafters would be ~3.0x faster "
         "(measured 1s per target forward, 0.5s per drafter packet)"
     )
-    assert str(balance_line(rows, 2, 1, colocated=False, target_tp=2)).endswith(
+    assert str(balance_line(rows, 2, 1, self_produced=False, target_tp=2)).endswith(
         ": 2 target replicas x 2 ranks + 1 drafter is the best split of 5 ranks"
     )

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.cli import run_app, value_errors_are_user_errors
 from dflash.config import UserError
-from dflash.config.cli import run_app, value_errors_are_user_errors
 from dflash.data.regenerate.config import RegenerateConfig, register_regenerate_schema
 
 register_regenerate_schema()

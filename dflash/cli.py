@@ -44,7 +44,7 @@ from dflash.versions import warn_untested_versions
 
 log = logging.getLogger("dflash")
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 RUN_ID_KEY = "dflash/run_id"
 
 Task = Callable[[DictConfig, Path], int | None]
