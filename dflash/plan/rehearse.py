@@ -47,7 +47,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.overrides import TorchFunctionMode
 
 from dflash.config import Config
-from dflash.config.resolve import drafter_attention, torch_dtype
+from dflash.config.resolve import torch_dtype
 from dflash.distributed.protocol import (
     DTYPE_CODES,
     KIND_DATA,
@@ -58,10 +58,9 @@ from dflash.distributed.protocol import (
     payload_buffers,
 )
 from dflash.distributed.sharding import clip_grad_norm_, drafter_mesh, shard_drafter
-from dflash.drafter.blocks import sample_anchors
 from dflash.drafter.model import DFlashDraftModel
-from dflash.drafter.objective import dflash_loss, num_supervised
 from dflash.drafter.optim import build_optimizer
+from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.loss.device import as_cuda
 from dflash.plan.fake import Allocation, LiveBytes, Peak, RealSmall, uncounted_by
 from dflash.plan.fit import with_anchor_cap
@@ -70,7 +69,6 @@ from dflash.plan.memory import GIB, PLAIN, DrafterSettings
 from dflash.targets.families import fake_config, family_of
 from dflash.targets.forward import build_batch, gather_tokens, target_forward
 from dflash.targets.loader import target_embed_and_head
-from dflash.targets.packing import doc_ids_from_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -366,39 +364,30 @@ def build_drafter(
     return DrafterState(model, optimizer, *embed_head)
 
 
-def drafter_step(state: DrafterState, packet: Packet, cfg: Config, live: LiveBytes, seed: int) -> None:
-    """One optimizer step on one packet as the trainer runs it: anchors, the loss under autocast,
-    backward, the gradient scale, the clip and the AdamW step."""
-    d = cfg.drafter
-    device = torch.device(plan_device(cfg))
-    attention = drafter_attention(d.attention, device.type)
-    positions = torch.cat([torch.arange(int(n)) for n in packet.seq_lens]).unsqueeze(0)
-    ids, mask = packet.input_ids.unsqueeze(0), packet.loss_mask.unsqueeze(0)
-    generator = torch.Generator().manual_seed(seed)
-    doc_ids = doc_ids_from_positions(positions)
-    anchors = sample_anchors(mask, doc_ids, d.num_anchors, generator, d.max_anchors_per_packet)
-    num_rows = num_supervised(mask, doc_ids, anchors, state.model.block_size)  # as the trainer: no host sync
-    cap = d.max_anchors_per_packet
-    static = (cfg.data.token_budget, cap) if attention == "flex" and cap is not None else None
-    dtype = torch_dtype(d.dtype, device)
+def drafter_step(state: DrafterState, packet: Packet, cfg: Config, live: LiveBytes) -> None:
+    """One optimizer step on one packet as the trainer runs it (``dflash.drafter.step``: anchors, the
+    loss under autocast), then backward, the gradient scale, the clip and the AdamW step."""
+    plan = StepPlan.for_training(
+        cfg,
+        state.model.block_size,
+        device=plan_device(cfg),
+        token_budget=cfg.data.token_budget,
+        tensors_on="cpu",
+    )
+    anchors = plan_anchors(plan, packet.seq_lens, packet.loss_mask, 0)
     state.optimizer.zero_grad(set_to_none=False)
-    with live.term("activations"), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        out = dflash_loss(
+    with live.term("activations"):
+        out = objective_step(
             state.model,
-            packet.aux_hidden.unsqueeze(0),
-            packet.final_hidden.unsqueeze(0),
-            ids,
-            mask,
-            anchors,
             state.embed,
             state.head,
-            cfg.loss,
-            position_ids=positions,
-            attention=attention,
-            static_shape=static,
+            packet.aux_hidden,
+            packet.final_hidden,
+            packet.input_ids,
+            packet.loss_mask,
+            anchors,
+            plan,
             on_phase=lambda phase: live.set_term(PHASE_TERMS[phase]),
-            normalizer=1.0,
-            num_rows=num_rows,
         )
     params = list(state.model.parameters())
     with live.term("backward"):
@@ -465,7 +454,7 @@ def rehearse_drafter(
             packet = received_packet(inputs, dtype)
         for cap in caps:
             s.live.reset_peak()
-            drafter_step(state, packet, _capped(cfg, inputs, cap), s.live, seed=0)
+            drafter_step(state, packet, _capped(cfg, inputs, cap), s.live)
             out[cap] = _measure("drafter", s, t0, s.live.peak(top))
     return out
 
@@ -519,7 +508,7 @@ def rehearse_colocated(
         del aux, final
         for cap in caps:
             s.live.reset_peak()
-            drafter_step(state, packet, _capped(cfg, inputs, cap), s.live, seed=0)
+            drafter_step(state, packet, _capped(cfg, inputs, cap), s.live)
             step = s.live.peak(top)
             out[cap] = _measure("colocated", s, t0, forward if forward.bytes > step.bytes else step)
     return out

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 
 from dflash.config import Config, UserError
 from dflash.config.resolve import torch_dtype
 from dflash.data.tokenize import load_eval_samples
-from dflash.drafter.blocks import eligible_anchors
 from dflash.drafter.model import DFlashDraftModel
-from dflash.drafter.objective import dflash_loss
+from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.eval.loading import eos_ids_of
 from dflash.eval.results import evaluate
 from dflash.eval.suite_run import (
@@ -45,7 +43,6 @@ from dflash.eval.suite_run import (
 from dflash.eval.suites import BenchmarkDataMissing, Conversation, load_suite, suite_template_kwargs
 from dflash.targets.forward import target_forward
 from dflash.targets.loader import load_target
-from dflash.targets.packing import doc_ids_from_positions
 from dflash.train.setup import RunSetup
 
 log = logging.getLogger(__name__)
@@ -106,10 +103,7 @@ class PeriodicEval:
         self.suite: dict[str, list[Conversation]] = {
             name: convs[drafter_index::num_drafters] for name, (convs, _) in suite.items()
         }
-        autocast = torch_dtype(cfg.drafter.dtype, device)
-        self.autocast = (
-            torch.autocast(device.type, dtype=autocast) if autocast != torch.float32 else nullcontext()
-        )
+        self.step_plan = StepPlan.for_eval(cfg, setup.arch.block_size, device=device.type)
         log.info(
             "periodic eval: %d of %d held-out prompts on this drafter, every %d steps%s",
             len(self.samples),
@@ -123,27 +117,17 @@ class PeriodicEval:
         self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor, check: Callable[[], None]
     ) -> tuple[float, float, float]:
         """The objective's block-prefix sums (tau_b, 1 / tau_b, blocks) against the verifier argmax,
-        over every eligible anchor of this share's samples."""
+        over every eligible anchor of this share's samples (the training step, ``dflash.drafter.step``)."""
         tau = inv = blocks = 0.0
         for ids, mask in self.samples:
             check()
-            ids, mask = ids.to(self.device).unsqueeze(0), mask.to(self.device).unsqueeze(0)
-            aux, final = target_forward(self.target, ids, None, self.setup.layer_ids)
-            pos = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
-            anchors = eligible_anchors(mask, doc_ids_from_positions(pos))[0].nonzero().view(1, -1)
-            if anchors.numel() == 0:
+            anchors = plan_anchors(self.step_plan, torch.tensor([ids.numel()]), mask, 0)
+            if anchors.num_blocks == 0:
                 continue
-            out = dflash_loss(
-                drafter,
-                aux.clone(),
-                final.clone(),
-                ids,
-                mask,
-                anchors,
-                embed,
-                head,
-                self.cfg.loss,
-                attention="sdpa",
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            aux, final = target_forward(self.target, ids.unsqueeze(0), None, self.setup.layer_ids)
+            out = objective_step(
+                drafter, embed, head, aux[0].clone(), final[0].clone(), ids, mask, anchors, self.step_plan
             )
             tau += float(out.tau_verifier_sum)
             inv += float(out.inv_tau_verifier_sum)
@@ -246,7 +230,7 @@ class PeriodicEval:
         was_training = drafter.training
         drafter.eval()
         try:
-            with self.autocast:
+            with self.step_plan.autocast():
                 held_out = self._held_out_sums(drafter, embed, head, check)
                 suite = self._suite_sums(drafter, embed, head, check)
         except EvalAborted as e:

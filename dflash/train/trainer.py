@@ -14,7 +14,6 @@ sums, links, checkpoints); the pieces that stand alone live beside it (``step_st
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -29,7 +28,7 @@ from transformers import PreTrainedModel
 
 from dflash.cli import log_to_files
 from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, plain_dict
-from dflash.config.resolve import drafter_attention, resolve_path, torch_dtype
+from dflash.config.resolve import resolve_path, torch_dtype
 from dflash.distributed.collectives import (
     agree_on_start,
     all_reduce_max,
@@ -40,11 +39,11 @@ from dflash.distributed.drafter_parallel import drafter_parallel
 from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
-from dflash.drafter.blocks import offered_anchors, sample_anchors
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
-from dflash.drafter.objective import TERMS, ObjectiveOutput, dflash_loss, num_supervised
+from dflash.drafter.objective import TERMS, ObjectiveOutput
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
+from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.metrics import (
     MetricLogger,
     NullLogger,
@@ -65,7 +64,6 @@ from dflash.plan.fit import (
 )
 from dflash.plan.inputs import PlanInputs, attention_kinds, resolve_inputs
 from dflash.targets.loader import load_embed_and_head, load_target, target_embed_and_head
-from dflash.targets.packing import doc_ids_from_positions, packet_positions
 from dflash.train import faults
 from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
 from dflash.train.packets import LocalPackets, PacketMaker, PacketSource
@@ -90,11 +88,6 @@ log = logging.getLogger(__name__)
 
 EMPTY_STEPS_LIMIT = 3
 """Optimizer steps in a row without a supervised slot that stop the run (it would train on nothing)."""
-
-
-def anchor_generator(seed: int, packet: int) -> torch.Generator:
-    """Anchors of packet g depend only on (seed, g): resume samples exactly what a straight run does."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + packet)
 
 
 @dataclass
@@ -152,8 +145,9 @@ class DrafterTrainer:
         self.stop_signal: str | None = None
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
-        self.autocast_dtype = torch_dtype(cfg.drafter.dtype, self.device)
-        self.attention = drafter_attention(cfg.drafter.attention, self.device.type)
+        self.step_plan = StepPlan.for_training(
+            cfg, setup.arch.block_size, device=self.device.type, token_budget=setup.data.token_budget
+        )
         target = self._packet_source()
         self.embed, self.head = self._embed_and_head(target)
         self.model = self._build_model()
@@ -163,11 +157,6 @@ class DrafterTrainer:
         self.state = TrainState(skipped=dict(setup.dataset.skipped))
         if resume is not None:
             self._restore(resume)
-        self.static_shape: tuple[int, int] | None = None
-        if self.attention == "flex":
-            cap = cfg.drafter.max_anchors_per_packet
-            assert cap is not None, "config validation requires drafter.max_anchors_per_packet with flex"
-            self.static_shape = (setup.data.token_budget, cap)
         self.evaluator = None
         if cfg.eval.every > 0:
             self.evaluator = PeriodicEval(
@@ -184,7 +173,7 @@ class DrafterTrainer:
         log.info(
             "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
             human_count(num_parameters(self.model)),
-            self.attention,
+            self.step_plan.attention,
             setup.num_steps,
             self.state.step,
         )
@@ -230,7 +219,7 @@ class DrafterTrainer:
             log.info("warm start from %s", self.cfg.drafter.init_from)
         model.checkpoint_layers = self._checkpointing()
         if self.cfg.drafter.compile and self.device.type == "cuda":
-            model.compile_layers(dynamic=False if self.attention == "flex" else None)
+            model.compile_layers(dynamic=False if self.step_plan.attention == "flex" else None)
         return model.to(self.device)
 
     @functools.cached_property
@@ -337,53 +326,28 @@ class DrafterTrainer:
 
     # ---------------------------------------------------------------- one step
     def _forward_packet(self, packet: Packet, local: _StepLocal) -> ObjectiveOutput:
-        """The objective of one packet; its offered anchors (before the per-packet cap) and its
-        shape as trained go to ``local``.
+        """The objective of one packet (``dflash.drafter.step``); its offered anchors (before the
+        per-packet cap) and its shape as trained go to ``local``.
 
         Host syncs: none beyond ``host_fields`` (one copy, already made by a ``DrafterLink``). The
         anchors are drawn on the host from its copies (CPU generator), and what the host then knows
         (positions, anchors, the supervised row count R) goes to the device without a read back."""
         host = host_fields(packet)
-        host_pos = packet_positions(host.seq_lens, packet.num_tokens).unsqueeze(0)
-        host_docs = doc_ids_from_positions(host_pos)
-        host_mask = host.loss_mask.unsqueeze(0)
-        cfg = self.cfg.drafter
-        local.anchors_offered += int(offered_anchors(host_mask, host_docs, cfg.num_anchors))
-        host_anchors = sample_anchors(
-            host_mask,
-            host_docs,
-            cfg.num_anchors,
-            anchor_generator(self.cfg.train.seed, packet.index),
-            cfg.max_anchors_per_packet,
+        anchors = plan_anchors(self.step_plan, host.seq_lens, host.loss_mask, packet.index)
+        local.anchors_offered += anchors.offered
+        local.shapes.append(self._packet_shape(packet, anchors.num_blocks, anchors.num_rows))
+        return objective_step(
+            self.model,
+            self.embed,
+            self.head,
+            packet.aux_hidden,
+            packet.final_hidden,
+            packet.input_ids.to(self.device),
+            packet.loss_mask.to(self.device),
+            anchors,
+            self.step_plan,
+            on_phase=self.phases.mark,
         )
-        num_rows = num_supervised(host_mask, host_docs, host_anchors, self.setup.arch.block_size)
-        local.shapes.append(self._packet_shape(packet, int((host_anchors >= 0).sum()), num_rows))
-        ids = packet.input_ids.to(self.device).unsqueeze(0)
-        mask = packet.loss_mask.to(self.device).unsqueeze(0)
-        pos = host_pos.to(self.device, non_blocking=True)
-        anchors = host_anchors.to(self.device, non_blocking=True)
-        with (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype != torch.float32
-            else contextlib.nullcontext()
-        ):
-            return dflash_loss(
-                self.model,
-                packet.aux_hidden.unsqueeze(0),
-                packet.final_hidden.unsqueeze(0),
-                ids,
-                mask,
-                anchors,
-                self.embed,
-                self.head,
-                self.cfg.loss,
-                position_ids=pos,
-                attention=self.attention,
-                static_shape=self.static_shape,
-                on_phase=self.phases.mark,
-                normalizer=1.0,
-                num_rows=num_rows,
-            )
 
     def _next_packet(self, step: int, i: int, packets: list[int]) -> None:
         """Post the receive of the packet after ``packets[i]`` (double buffering)."""
@@ -606,14 +570,14 @@ class DrafterTrainer:
             num_seqs=packet.num_seqs,
             num_anchors=num_anchors,
             loss_rows=loss_rows,
-            drafter_context_tokens=self.static_shape[0] if self.static_shape else None,
-            drafter_blocks=self.static_shape[1] if self.static_shape else None,
+            drafter_context_tokens=static[0] if (static := self.step_plan.static_shape) else None,
+            drafter_blocks=static[1] if static else None,
         )
 
     def _costs(self, shape: PacketShape) -> PacketCosts:
         """The planner's cost model of one trained packet."""
         target_attn, _ = attention_kinds(self.cfg, shape.num_seqs)
-        drafter_attn: AttentionKind = "sparse" if self.attention == "flex" else "dense"
+        drafter_attn: AttentionKind = "sparse" if self.step_plan.attention == "flex" else "dense"
         return packet_costs(
             self.setup.meta,
             self.setup.arch,

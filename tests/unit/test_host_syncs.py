@@ -196,6 +196,7 @@ def _meta_trainer(base_setup, meta_target, source):
 
     from dflash.distributed.drafter_parallel import Replicated
     from dflash.drafter.model import DFlashDraftModel
+    from dflash.drafter.step import StepPlan
     from dflash.metrics import PhaseTimer
     from dflash.targets.loader import target_embed_and_head
     from dflash.train.trainer import DrafterTrainer
@@ -209,7 +210,9 @@ def _meta_trainer(base_setup, meta_target, source):
     trainer.model = model.to(META)
     trainer.parallel = Replicated(trainer.model, trainer.ctx, 1)
     trainer.embed, trainer.head = (t.detach() for t in target_embed_and_head(meta_target))
-    trainer.attention, trainer.static_shape, trainer.autocast_dtype = "sdpa", None, torch.float32
+    trainer.step_plan = StepPlan.for_training(
+        base_setup.cfg, base_setup.arch.block_size, device="cpu", token_budget=base_setup.data.token_budget
+    )
     trainer.phases = PhaseTimer(META, sync=False)
     return trainer
 

@@ -1,0 +1,177 @@
+"""The drafter step on one packet: the one function the trainer, the real-size rehearsal and the
+periodic eval run, so the rehearsal cannot drift from what trains.
+
+:class:`StepPlan` is what a run's step needs, resolved once (the attention kernel and the autocast
+of the device, the static shape a compiled flex kernel needs, how anchors are drawn);
+:func:`plan_anchors` draws a packet's anchors on the host from its host copies (no device read,
+and what the host then knows, the supervised row count R, goes with them); :func:`objective_step`
+runs blocks -> drafter -> chunked verifier-logit loss under the plan's autocast and returns the
+objective's loss and metric sums (:class:`dflash.drafter.objective.ObjectiveOutput`). The backward
+stays with the caller: the trainer's gradient reduction, the rehearsal's memory accounting, none in
+the eval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dflash.config import Config, LossConfig
+from dflash.config.resolve import drafter_attention, torch_dtype
+from dflash.drafter.blocks import eligible_anchors, offered_anchors, sample_anchors
+from dflash.drafter.model import DFlashDraftModel
+from dflash.drafter.objective import ObjectiveOutput, dflash_loss, num_supervised
+from dflash.targets.packing import doc_ids_from_positions, packet_positions
+
+
+def anchor_generator(seed: int, packet: int) -> torch.Generator:
+    """Anchors of packet g depend only on (seed, g): resume samples exactly what a straight run does."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + packet)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every packet's step of a run shares."""
+
+    loss: LossConfig
+    block_size: int
+    attention: str
+    """``sdpa`` or ``flex`` (``drafter.attention`` resolved for the device the run plans for)."""
+    autocast_device: str
+    """The device type the step's tensors are on (autocast's device)."""
+    autocast_dtype: torch.dtype
+    """float32: no autocast."""
+    static_shape: tuple[int, int] | None
+    """``(context rows, blocks)`` every step is padded to (a compiled flex kernel compiles once)."""
+    num_anchors: int | None
+    """Anchors drawn per sample; None: every eligible anchor (the eval)."""
+    max_anchors: int | None
+    seed: int
+    normalizer: float | None
+    """The loss is ``sum_r w_r l_r / normalizer`` (None: this packet's ``sum_r w_r``)."""
+
+    @classmethod
+    def for_training(
+        cls, cfg: Config, block_size: int, *, device: str, token_budget: int, tensors_on: str | None = None
+    ) -> StepPlan:
+        """The trainer's step on ``device`` (``tensors_on``: where the tensors live when it differs,
+        the rehearsal's CPU fake tensors of a planned GPU); the loss is a weighted sum
+        (``normalizer=1``) that the trainer divides once by the step's global weight sum."""
+        d = cfg.drafter
+        attention = drafter_attention(d.attention, device)
+        cap = d.max_anchors_per_packet  # required with flex in training (dflash.config.checks)
+        static = (token_budget, cap) if attention == "flex" and cap is not None else None
+        return cls(
+            loss=cfg.loss,
+            block_size=block_size,
+            attention=attention,
+            autocast_device=tensors_on or device,
+            autocast_dtype=torch_dtype(d.dtype, torch.device(device)),
+            static_shape=static,
+            num_anchors=d.num_anchors,
+            max_anchors=d.max_anchors_per_packet,
+            seed=cfg.train.seed,
+            normalizer=1.0,
+        )
+
+    @classmethod
+    def for_eval(cls, cfg: Config, block_size: int, *, device: str) -> StepPlan:
+        """The periodic eval's estimate: every eligible anchor of a conversation, SDPA (no static
+        shape), the loss normalised by the conversation's own weights."""
+        return cls(
+            loss=cfg.loss,
+            block_size=block_size,
+            attention="sdpa",
+            autocast_device=device,
+            autocast_dtype=torch_dtype(cfg.drafter.dtype, torch.device(device)),
+            static_shape=None,
+            num_anchors=None,
+            max_anchors=None,
+            seed=cfg.train.seed,
+            normalizer=None,
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.autocast_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.autocast_device, dtype=self.autocast_dtype)
+
+
+@dataclass(frozen=True)
+class PacketAnchors:
+    """A packet's anchors and what the host knows of them (all host tensors and ints)."""
+
+    positions: Tensor
+    """[1, T] RoPE positions restarting at 0 per document."""
+    anchors: Tensor
+    """[1, N] anchor positions, -1 padding."""
+    num_rows: int
+    """R: the supervised slots of these blocks."""
+    offered: int
+    """The anchors ``drafter.num_anchors`` offers before ``max_anchors_per_packet``."""
+
+    @property
+    def num_blocks(self) -> int:
+        return int((self.anchors >= 0).sum())
+
+
+def plan_anchors(plan: StepPlan, seq_lens: Tensor, loss_mask: Tensor, index: int) -> PacketAnchors:
+    """The anchors of packet ``index`` from its host copies: ``seq_lens`` [S] and ``loss_mask`` [T]
+    (CPU tensors; the drafter's tensors stay where they are: no device read)."""
+    total = int(loss_mask.numel())
+    positions = packet_positions(seq_lens, total).unsqueeze(0)
+    docs = doc_ids_from_positions(positions)
+    mask = loss_mask.unsqueeze(0)
+    if plan.num_anchors is None:
+        anchors = eligible_anchors(mask, docs)[0].nonzero().view(1, -1)
+        offered = int(anchors.numel())
+    else:
+        offered = int(offered_anchors(mask, docs, plan.num_anchors))
+        generator = anchor_generator(plan.seed, index)
+        anchors = sample_anchors(mask, docs, plan.num_anchors, generator, plan.max_anchors)
+    num_rows = num_supervised(mask, docs, anchors, plan.block_size)
+    return PacketAnchors(positions, anchors, num_rows, offered)
+
+
+def objective_step(
+    model: DFlashDraftModel,
+    embed: Tensor,
+    head: Tensor,
+    aux_hidden: Tensor,
+    final_hidden: Tensor,
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    anchors: PacketAnchors,
+    plan: StepPlan,
+    *,
+    on_phase: Callable[[str], None] | None = None,
+) -> ObjectiveOutput:
+    """blocks -> drafter -> chunked loss for one packet: ``aux_hidden`` [T, n_tap*H],
+    ``final_hidden`` [T, H], ``input_ids`` / ``loss_mask`` [T] on the step's device; ``anchors`` from
+    :func:`plan_anchors` (moved without a host sync); ``embed`` / ``head`` [V, H] frozen target
+    tensors. ``on_phase(name)``: called when the drafter forward and the loss end (step timing)."""
+    device = input_ids.device
+    positions = anchors.positions.to(device, non_blocking=True)
+    blocks = anchors.anchors.to(device, non_blocking=True)
+    with plan.autocast():
+        return dflash_loss(
+            model,
+            aux_hidden.unsqueeze(0),
+            final_hidden.unsqueeze(0),
+            input_ids.unsqueeze(0),
+            loss_mask.unsqueeze(0),
+            blocks,
+            embed,
+            head,
+            plan.loss,
+            position_ids=positions,
+            attention=plan.attention,
+            static_shape=plan.static_shape,
+            on_phase=on_phase,
+            normalizer=plan.normalizer,
+            num_rows=anchors.num_rows,
+        )
