@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash.config import UserError
 from dflash.files import atomic_write
+from dflash.loss.terms import metric_keys
 from dflash.train.steplog import StepLog
 from dflash.train.summary import METRICS_FILE
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 SCHEMA_NAME = "dflash_report_schema"
 CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("loss", ("train/loss", "train/loss_ce", "train/loss_kl", "train/loss_verifier_ce")),
+    ("loss", ("train/loss", *metric_keys())),
     ("acceptance length", ("train/tau_hat", "eval/tau", "eval/tau_hat")),
     ("accuracy", ("train/acc", "train/acc_verifier")),
     ("throughput (tokens/s)", ("perf/tokens_per_s",)),

@@ -137,13 +137,14 @@ def _data_problems(cfg: Config, p: _Problems) -> None:
 def _loss_problems(cfg: Config, p: _Problems) -> None:
     """Loss coefficients, temperature, decay and the chunk settings."""
     lo = cfg.loss
+    terms = {
+        f.name: float(getattr(lo, f.name)) for f in dataclasses.fields(lo) if f.metadata.get("loss_term")
+    }
+    negative = [f"loss.{n}={c}" for n, c in terms.items() if not c >= 0]
+    p.need(not negative, f"{', '.join(negative)}: a loss coefficient must be >= 0")
     p.need(
-        min(lo.ce, lo.kl, lo.verifier_ce) >= 0,
-        f"loss.ce/kl/verifier_ce = {lo.ce}/{lo.kl}/{lo.verifier_ce}: must be >= 0",
-    )
-    p.need(
-        lo.ce + lo.kl + lo.verifier_ce > 0,
-        "loss.ce, loss.kl and loss.verifier_ce are all 0: nothing to train; set loss.ce=1.0",
+        sum(terms.values()) > 0,
+        f"{', '.join('loss.' + n for n in terms)} are all 0: nothing to train; set loss.ce=1.0",
     )
     p.need(lo.temperature > 0, f"loss.temperature={lo.temperature}: must be > 0")
     p.need(lo.gamma > 0, f"loss.gamma={lo.gamma}: must be > 0")

@@ -376,12 +376,20 @@ class ChatTemplateConfig:
     data.chat_template_kwargs and the serving setting."""
 
 
+TERM: dict[str, Any] = {**CONTRACT, "loss_term": True}
+"""A loss term's coefficient (``dflash.loss.terms`` holds its record; checked as >= 0, not all 0)."""
+
+
 @dataclass
 class LossConfig:
-    ce: float = field(default=1.0, metadata=CONTRACT)
-    kl: float = field(default=0.0, metadata=CONTRACT)
-    verifier_ce: float = field(default=0.0, metadata=CONTRACT)
+    ce: float = field(default=1.0, metadata=TERM)
+    """Cross-entropy with the data token."""
+    kl: float = field(default=0.0, metadata=TERM)
+    """T^2 KL(verifier || drafter) at ``temperature``."""
+    verifier_ce: float = field(default=0.0, metadata=TERM)
+    """Cross-entropy with the verifier's argmax (the target's greedy token)."""
     temperature: float = field(default=1.0, metadata=CONTRACT)
+    """T of the KL term (the CE terms are at T = 1)."""
     gamma: float = field(default=7.0, metadata=CONTRACT)
     """Slot weight exp(-(k-1)/gamma)."""
     chunk_size: int | None = field(default=None, metadata=FREE)
@@ -576,6 +584,25 @@ def schema_leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasse
             yield name, f
         if sub is not None:
             yield from schema_leaves(sub, f"{name}.")
+
+
+def contract_defaults(schema: type | None = None, prefix: str = "") -> dict[str, Any]:
+    """The schema default of every CONTRACT-tagged leaf that has one, by dotted name: a checkpoint
+    written before a field existed matches a run that leaves the field at its default."""
+    schema = schema or Config
+    out: dict[str, Any] = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            out.update(contract_defaults(hint, f"{prefix}{f.name}."))
+        elif (
+            f.metadata.get("resume") == "contract"
+            and f.default is not dataclasses.MISSING
+            and f.default != MISSING
+        ):
+            out[f"{prefix}{f.name}"] = f.default
+    return out
 
 
 def contract_values(cfg: Config) -> dict[str, Any]:

@@ -15,10 +15,9 @@ import torch
 from dflash.config import LossConfig
 from dflash.drafter.blocks import build_masks, label_slots, make_blocks
 from dflash.drafter.model import DFlashDraftModel
+from dflash.loss.terms import TERMS, coefficients, needs_verifier_logits
 from dflash.loss.verifier import verifier_loss
 from dflash.targets.packing import doc_ids_from_positions
-
-TERMS = ("ce", "kl", "verifier_ce")
 
 
 @dataclass
@@ -30,8 +29,9 @@ class ObjectiveOutput:
     weight_sum (sum_r w_r), loss_sum (sum_r w_r*l_r), slot_count / slot_hit / slot_hit_verifier
     [bs] (supervised slots and argmax hits per slot, no decay), tau_sum / tau_verifier_sum (sum over
     real blocks of tau_b = 1 + the length of the leading run of hit slots, against the data / the
-    verifier argmax), inv_tau_sum / inv_tau_verifier_sum (sum of 1 / tau_b), num_blocks, term_sums [3]
-    (weighted sums of the per-row ce, kl and verifier_ce; 0 for a term that was not computed).
+    verifier argmax), inv_tau_sum / inv_tau_verifier_sum (sum of 1 / tau_b), num_blocks, term_sums
+    [len(TERMS)] (weighted sums of each term of ``dflash.loss.terms.TERMS``; 0 for one that was not
+    computed).
 
     Serving tau is a mean over decode steps, and a step at an easy position covers many positions
     while hard stretches take a step per token; blocks here sit at uniform positions. So the
@@ -168,8 +168,8 @@ def dflash_loss(
     hidden = drafter(noise, aux_hidden, position_ids, blocks.block_positions, masks)  # [B, Q, H]
     if on_phase is not None:
         on_phase("drafter_forward")
-    need_verifier = loss_cfg.kl > 0 or loss_cfg.verifier_ce > 0 or verifier_metrics
-    verifier_hidden = final_hidden if need_verifier else None
+    coefs = coefficients(loss_cfg)
+    verifier_hidden = final_hidden if needs_verifier_logits(coefs, verifier_metrics) else None
     sup = _supervised_slots(blocks, loss_mask, input_ids, verifier_hidden, loss_cfg.gamma, hidden, num_rows)
     if num_rows is not None:
         _assert_labels_in_vocab(sup.labels, lm_head_weight.shape[0])
@@ -179,15 +179,13 @@ def dflash_loss(
         lm_head_weight,
         sup.labels,
         sup.weights.view(-1)[sup.rows],
-        ce=loss_cfg.ce,
-        kl=loss_cfg.kl,
-        verifier_ce=loss_cfg.verifier_ce,
         temperature=loss_cfg.temperature,
         chunk_size=loss_cfg.chunk_size,
         mem_budget_gib=loss_cfg.mem_budget_gib,
         compile=loss_cfg.compile,
         normalizer=normalizer,
         checked_rows=num_rows is not None and _all_weighted(drafter.block_size, loss_cfg.gamma, hidden.dtype),
+        coefs=coefs,
     )
     if on_phase is not None:
         on_phase("loss")
@@ -269,10 +267,10 @@ def _objective_output(
         hit_v.view(-1)[sup.rows] = out.stats.verifier_hit
     real = anchors >= 0
     tau_data, tau_ver = prefix_accept(hit).double(), prefix_accept(hit_v).double()
-    term_sums = torch.zeros(3, dtype=torch.float64, device=anchors.device)
-    for i, name in enumerate(TERMS):
-        if name in out.terms:
-            term_sums[i] = out.terms[name].double() * weight_sum
+    term_sums = torch.zeros(len(TERMS), dtype=torch.float64, device=anchors.device)
+    for i, term in enumerate(TERMS):
+        if term.name in out.terms:
+            term_sums[i] = out.terms[term.name].double() * weight_sum
     divided_by = weight_sum if normalizer is None else float(normalizer)
     return ObjectiveOutput(
         loss=out.loss,

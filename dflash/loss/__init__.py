@@ -1,17 +1,2 @@
-"""Losses of the drafter."""
-
-from dflash.loss.verifier import (
-    VerifierLossOutput,
-    VerifierLossStats,
-    default_chunk_size,
-    verifier_loss,
-)
-from dflash.loss.workspace import release_workspace
-
-__all__ = [
-    "VerifierLossOutput",
-    "VerifierLossStats",
-    "default_chunk_size",
-    "release_workspace",
-    "verifier_loss",
-]
+"""Losses of the drafter: the term records (``terms``), the chunked verifier-logit loss
+(``verifier``) and its row-block math (``kernels``), workspace and device branches."""

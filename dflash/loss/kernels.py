@@ -14,8 +14,8 @@ Per row they compute the drafter max/argmax, the drafter log-sum-exp at ``T = 1`
 argmax, the drafter logit at the verifier argmax and ``T^2 * KL(p_T || q_T)``, and return them as
 ``[S]`` tensors. With ``need_grad`` the gradient w.r.t. the drafter logits, divided by the scalar
 ``s`` that is also returned (times the per-row sum ``s_d`` on the exp2 path), is written over
-``zd``, without its one-hot parts (``-ce`` at the label, ``-verifier_ce`` at the verifier argmax),
-which the caller scatters once per chunk.
+``zd``, without its one-hot parts (a term's ``-c`` at the label or the verifier argmax,
+``dflash.loss.terms``), which the caller scatters once per chunk.
 
 In-place contract: ``zd``, ``zv``, ``sc`` and ``sc2`` are all overwritten (``zv`` with the
 verifier probabilities, ``sc`` / ``sc2`` with scratch); no ``[S, V]`` tensor is allocated.
@@ -84,26 +84,26 @@ def block_math(
     zd: Tensor,
     sc: Tensor | None,
     sc2: Tensor | None,
-    ce: float,
-    kl: float,
-    vce: float,
+    q1: float,
+    kl_basis: float,
     temperature: float,
     need_grad: bool,
 ):
-    """Loss terms and stats of one row block; overwrites ``zv`` and ``zd``.
+    """Row quantities of one row block (``dflash.loss.terms``); overwrites ``zv`` and ``zd``.
 
-    On return ``zd`` holds ``G' = G / s`` without the one-hot parts (``-ce/s`` at the label and
-    ``-vce/s`` at the verifier argmax, which the caller scatters per chunk); ``s`` is the scalar
-    the gradient was divided by (0: no gradient written). Returns ``(md, ad, lse_d1, av, zav, kl_r,
-    s)`` where ``lse_d1`` (None if not computed) is the drafter log-sum-exp at T = 1, ``zav`` the
+    ``q1`` / ``kl_basis``: the summed coefficients of the gradient basis ``q_1`` and ``T (q_T -
+    p_T)`` over the weighted terms (``terms.gradient_plan``). On return ``zd`` holds ``G' = G / s``
+    without the one-hot parts (which the caller scatters per chunk); ``s`` is the scalar the
+    gradient was divided by (0: no gradient written). Returns ``(md, ad, lse_d1, av, zav, kl_r, s)``
+    where ``lse_d1`` (None if not computed) is the drafter log-sum-exp at T = 1, ``zav`` the
     drafter logit at the verifier argmax and ``kl_r`` the per-row ``T^2 KL``.
     """
     n = zd.shape[0]
     rows = torch.arange(n, device=zd.device)
     t = temperature
     inv_t = 1.0 / t
-    a_coef = ce + vce
-    b_coef = kl * t
+    a_coef = q1
+    b_coef = kl_basis * t
     md, ad = max_argmax(zd)
     av = zav = kl_r = lse_dt = None
     if zv is not None:
@@ -174,12 +174,12 @@ def block_math_exp2(
     zv: Tensor | None,
     zd: Tensor,
     sc: Tensor | None,
-    ce: float,
+    q1: float,
     kl: float,
-    vce: float,
     need_grad: bool,
 ):
-    """The ``T = 1`` block on base-2 logits ``z2 = z / ln 2`` (CPU fast path).
+    """The ``T = 1`` block on base-2 logits ``z2 = z / ln 2`` (CPU fast path); ``q1`` / ``kl``:
+    the gradient basis coefficients as in :func:`block_math`.
 
     ``exp2`` is cheaper than ``exp`` on CPU, and the unnormalised ``e = 2^(z2 - shift)``
     (``shift`` = 0 when the row maxima allow, else the row max) replaces the softmax (its max and
@@ -208,7 +208,7 @@ def block_math_exp2(
         kl_r = (dot - lse_v2 + lse_d2) * LN2
     s = 0.0
     if need_grad:
-        s = ce + vce + kl
+        s = q1 + kl
         if zv is not None and sv is not None and kl > 0:
             zd.addcmul_(zv, ((kl / s) * sd / sv).unsqueeze(1), value=-1.0)  # s_d (q - (kl/s) p)
     return ad, lse_d2 * LN2, av, zav, kl_r, s, sd

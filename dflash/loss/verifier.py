@@ -63,6 +63,7 @@ checks and the GEMM helpers all serve :func:`verifier_loss` (the per-block math 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -72,6 +73,7 @@ from torch.autograd.function import once_differentiable
 
 from dflash.loss.device import kernel_device
 from dflash.loss.kernels import LN2, LOG2E, block_math_exp2, get_block_math
+from dflash.loss.terms import BY_NAME, TERMS, GradientPlan, computed_terms, gradient_plan
 from dflash.loss.workspace import acquire_workspace, return_workspace
 
 __all__ = [
@@ -122,20 +124,18 @@ class VerifierLossStats:
     """Per-row statistics in the original row order, without grad.
 
     Rows with weight 0 are not computed: argmaxes are -1, hits False, losses 0. The verifier
-    fields are None when ``verifier_hidden`` is None. ``ce`` / ``verifier_ce`` are the per-row
-    (unweighted) cross-entropies at temperature 1; they are None when only the temperature-T KL is
-    computed (``ce == verifier_ce == 0`` and ``temperature != 1``), where they would cost an extra
-    softmax. ``kl`` is ``T^2 * KL(p_T || q_T)`` and is computed whenever ``verifier_hidden`` is
-    given, whatever the ``kl`` coefficient.
+    fields are None when ``verifier_hidden`` is None. ``terms`` holds the per-row (unweighted) value
+    of every term the row quantities give, whatever its coefficient (:mod:`dflash.loss.terms`): the
+    terms that read the verifier whenever ``verifier_hidden`` is given, the ones that read the
+    drafter's log-sum-exp at temperature 1 unless only temperature-T terms are weighted at
+    ``temperature != 1`` (they would cost an extra softmax).
     """
 
     drafter_argmax: Tensor  # [R] int64
     data_hit: Tensor  # [R] bool: drafter argmax == label
-    ce: Tensor | None  # [R] compute dtype
+    terms: dict[str, Tensor] = field(default_factory=dict)  # name -> [R] compute dtype
     verifier_argmax: Tensor | None = None  # [R] int64
     verifier_hit: Tensor | None = None  # [R] bool: drafter argmax == verifier argmax
-    kl: Tensor | None = None  # [R] compute dtype
-    verifier_ce: Tensor | None = None  # [R] compute dtype
 
 
 @dataclass
@@ -144,7 +144,7 @@ class VerifierLossOutput:
     """Scalar (fp32, or fp64 for fp64 inputs) with grad w.r.t. ``drafter_hidden`` only."""
     stats: VerifierLossStats
     terms: dict[str, Tensor] = field(default_factory=dict)
-    """Weighted means (no grad) of each term that was computed: ``ce``, ``kl``, ``verifier_ce``."""
+    """Weighted means (no grad) of each term that was computed (``VerifierLossStats.terms``)."""
     weight_sum: Tensor | None = None
     chunk_size: int = 0
     """The chunk size used (after the default and the clamp to the number of kept rows)."""
@@ -166,9 +166,9 @@ def _device_mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
 
 @dataclass
 class _Cfg:
-    ce: float
-    kl: float
-    vce: float
+    coefs: dict[str, float]
+    """Every term's coefficient (:mod:`dflash.loss.terms`)."""
+    grad: GradientPlan
     temperature: float
     chunk: int
     row_block: int
@@ -220,28 +220,38 @@ def _kept_rows(
     )
 
 
+def row_quantities(with_verifier: bool, cfg: _Cfg) -> set[str]:
+    """The row quantities of :mod:`dflash.loss.terms` a call computes: the label logit always, the
+    temperature-1 log-sum-exp unless only temperature-T terms are weighted at ``T != 1``, the
+    verifier's with the verifier logits."""
+    out = {"zlab"}
+    if cfg.temperature == 1.0 or cfg.grad.q1 > 0:
+        out.add("lse_d1")
+    if with_verifier:
+        out |= {"zav", "kl"}
+    return out
+
+
 @dataclass
 class _RowStats:
-    """Per kept row (compacted order): argmaxes, and the per-row terms (None: not computed)."""
+    """Per kept row (compacted order): argmaxes, and the per-row value of every computed term."""
 
     ad: Tensor
     av: Tensor | None
-    ce: Tensor | None
-    kl: Tensor | None
-    vce: Tensor | None
+    terms: dict[str, Tensor]
 
     @classmethod
-    def empty(cls, n: int, with_verifier: bool, cdt: torch.dtype, device: torch.device) -> _RowStats:
+    def empty(
+        cls, n: int, with_verifier: bool, cfg: _Cfg, cdt: torch.dtype, device: torch.device
+    ) -> _RowStats:
         def new(dtype: torch.dtype) -> Tensor:
             return torch.empty(n, dtype=dtype, device=device)
 
-        v = with_verifier
+        computed = computed_terms(row_quantities(with_verifier, cfg))
         return cls(
             new(torch.int64),
-            new(torch.int64) if v else None,
-            new(cdt),
-            new(cdt) if v else None,
-            new(cdt) if v else None,
+            new(torch.int64) if with_verifier else None,
+            {t.name: new(cdt) for t in computed},
         )
 
 
@@ -287,7 +297,6 @@ class _ChunkLoop:
         self.z_scale = LN2 if self.use_exp2 else 1.0  # natural logit per unit of the buffers
         self.arange_c = torch.arange(chunk, device=device)
         self.fac_c = torch.ones(chunk, dtype=cdt, device=device)  # per-row s_d of the exp2 path
-        self.have_ce = True
 
     def close(self) -> None:
         """Give the workspace back (kept for the next call on CPU unless ``keep_workspace=False``)."""
@@ -320,11 +329,13 @@ class _ChunkLoop:
             return
         fac = self.fac_c[:n]
         # one-hot parts of G / s (times s_d on the exp2 path), scattered once per chunk
-        if cfg.ce > 0:
-            zd.index_put_((rows_c, lab_c), fac * (-cfg.ce / s_used), accumulate=True)
-        if cfg.vce > 0:
-            assert out.av is not None
-            zd.index_put_((rows_c, out.av[c0:c1]), fac * (-cfg.vce / s_used), accumulate=True)
+        for index, coef in cfg.grad.onehots:
+            if index == "label":
+                at = lab_c
+            else:
+                assert out.av is not None
+                at = out.av[c0:c1]
+            zd.index_put_((rows_c, at), fac * (-coef / s_used), accumulate=True)
         assert self.dh_buf is not None and dh is not None
         dh_c = self.dh_buf[:n]
         if self.on_cuda and self.w.dtype != self.cdt:
@@ -346,29 +357,25 @@ class _ChunkLoop:
             m = b1 - b0
             zv_b = zv[b0:b1] if zv is not None else None
             sc_b = self.sc[:m] if self.sc is not None else None
+            a_coef, b_coef = cfg.grad.q1, cfg.grad.kl_basis
             if self.use_exp2:
                 ad, lse_d1, av, zav, kl_r, s, sd = block_math_exp2(
-                    zv_b, zd[b0:b1], sc_b, cfg.ce, cfg.kl, cfg.vce, cfg.need_grad
+                    zv_b, zd[b0:b1], sc_b, a_coef, b_coef, cfg.need_grad
                 )
                 fac[b0:b1] = sd
             else:
                 sc2_b = self.sc2[:m] if self.sc2 is not None else None
                 _, ad, lse_d1, av, zav, kl_r, s = self.block_fn(
-                    zv_b, zd[b0:b1], sc_b, sc2_b, cfg.ce, cfg.kl, cfg.vce, cfg.temperature, cfg.need_grad
+                    zv_b, zd[b0:b1], sc_b, sc2_b, a_coef, b_coef, cfg.temperature, cfg.need_grad
                 )
             g0, g1 = c0 + b0, c0 + b1
             out.ad[g0:g1] = ad
-            if lse_d1 is None:
-                self.have_ce = False
-            else:
-                assert out.ce is not None
-                out.ce[g0:g1] = lse_d1 - zlab[b0:b1]
             if zv is not None:
-                assert out.av is not None and out.kl is not None and out.vce is not None
+                assert out.av is not None
                 out.av[g0:g1] = av
-                out.kl[g0:g1] = kl_r
-                if lse_d1 is not None:
-                    out.vce[g0:g1] = lse_d1 - zav
+            q = {"lse_d1": lse_d1, "zlab": zlab[b0:b1], "zav": zav, "kl": kl_r}
+            for name, values in out.terms.items():
+                values[g0:g1] = BY_NAME[name].value(q)
             s_used = s
         return s_used
 
@@ -384,18 +391,14 @@ def _loss_and_terms(
             return torch.zeros((), dtype=cdt, device=device)
         return (rows.weights.double() @ x.double() / by.double()).to(cdt)
 
-    terms = {
-        name: wsum_over(x, w_sum)
-        for name, x in (("ce", out.ce), ("kl", out.kl), ("verifier_ce", out.vce))
-        if x is not None
-    }
+    terms = {name: wsum_over(x, w_sum) for name, x in out.terms.items()}
     if rows.n == 0:
         return torch.zeros((), dtype=cdt, device=device), terms
     per_row = torch.zeros(rows.n, dtype=cdt, device=device)
-    for coef, term in ((cfg.ce, out.ce), (cfg.kl, out.kl), (cfg.vce, out.vce)):
+    for name, coef in cfg.coefs.items():
         if coef > 0:
-            assert term is not None, "a weighted term was not computed"
-            per_row.add_(term, alpha=coef)
+            assert name in out.terms, f"the weighted term {name} was not computed"
+            per_row.add_(out.terms[name], alpha=coef)
     return wsum_over(per_row, normalizer), terms
 
 
@@ -411,13 +414,12 @@ def _stats_in_row_order(rows: _Rows, out: _RowStats, labels: Tensor, r_all: int)
 
     ad = expand(out.ad, -1)
     assert ad is not None
-    stats = VerifierLossStats(drafter_argmax=ad, data_hit=(ad == labels) & (ad >= 0), ce=expand(out.ce, 0.0))
+    terms = {name: x for name, v in out.terms.items() if (x := expand(v, 0.0)) is not None}
+    stats = VerifierLossStats(drafter_argmax=ad, data_hit=(ad == labels) & (ad >= 0), terms=terms)
     if rows.h_v is not None:
         av = expand(out.av, -1)
         stats.verifier_argmax = av
         stats.verifier_hit = (ad == av) & (ad >= 0)
-        stats.kl = expand(out.kl, 0.0)
-        stats.verifier_ce = expand(out.vce, 0.0)
     return stats
 
 
@@ -440,7 +442,7 @@ def _forward_impl(
     with _no_autocast(h_d.device):
         cdt = torch.float64 if torch.float64 in (h_d.dtype, w.dtype) else torch.float32
         rows = _kept_rows(h_d, h_v, labels, weights, cdt, every_row=cfg.checked_rows)
-        out = _RowStats.empty(rows.n, h_v is not None, cdt, h_d.device)
+        out = _RowStats.empty(rows.n, h_v is not None, cfg, cdt, h_d.device)
         w_sum = rows.weights.sum()
         normalizer = (
             w_sum if cfg.normalizer is None else torch.tensor(cfg.normalizer, dtype=cdt, device=h_d.device)
@@ -452,8 +454,6 @@ def _forward_impl(
             for c0 in range(0, rows.n, chunk):
                 loop.run(c0, min(c0 + chunk, rows.n), out, dh, normalizer)
             loop.close()
-            if not loop.have_ce:
-                out.ce = out.vce = None
         loss, terms = _loss_and_terms(rows, out, cfg, w_sum, normalizer, cdt)
         cfg.result.update(
             chunk_size=chunk,
@@ -601,28 +601,31 @@ def _checked_settings(
     w: Tensor,
     labels: Tensor,
     weights: Tensor,
-    terms: dict,
+    given: dict,
     tuning: dict,
     keep_workspace: bool,
     checked_rows: bool,
 ) -> _Cfg:
     """Every argument of :func:`verifier_loss` checked (ValueError naming it), as the call's settings."""
     _check_tensors(h_d, h_v, w, labels, weights)
-    ce, kl, vce = (_check_coef(n, terms[n]) for n in ("ce", "kl", "verifier_ce"))
-    normalizer, row_block, chunk = tuning["normalizer"], tuning["row_block"], terms["chunk_size"]
+    unknown = sorted(set(given) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"unknown loss term(s) {unknown}: the terms are {list(BY_NAME)}")
+    coefs = {t.name: _check_coef(t.name, given.get(t.name, t.default)) for t in TERMS}
+    normalizer, row_block, chunk = tuning["normalizer"], tuning["row_block"], tuning["chunk_size"]
     temperature = _check_settings(
-        terms["temperature"], chunk, tuning["mem_budget_gib"], row_block, normalizer
+        tuning["temperature"], chunk, tuning["mem_budget_gib"], row_block, normalizer
     )
-    if h_v is None and (kl > 0 or vce > 0):
-        raise ValueError(f"verifier_hidden is required when kl ({kl}) or verifier_ce ({vce}) is > 0")
+    needing = [f"{n} ({c})" for n, c in coefs.items() if c > 0 and BY_NAME[n].needs_verifier]
+    if h_v is None and needing:
+        raise ValueError(f"verifier_hidden is required when {' or '.join(needing)} is > 0")
     vocab = w.shape[0]
     if not checked_rows:
         _check_values(labels, weights, vocab)
     wide = torch.float64 in (h_d.dtype, w.dtype)
     return _Cfg(
-        ce=ce,
-        kl=kl,
-        vce=vce,
+        coefs=coefs,
+        grad=gradient_plan(coefs),
         temperature=temperature,
         chunk=chunk or default_chunk_size(vocab, tuning["mem_budget_gib"], h_v is not None, 8 if wide else 4),
         row_block=row_block or (_CUDA_ROW_BLOCK if kernel_device(h_d.device) == "cuda" else _CPU_ROW_BLOCK),
@@ -640,20 +643,20 @@ def verifier_loss(
     lm_head_weight: Tensor,
     labels: Tensor,
     weights: Tensor,
-    ce: float = 1.0,
-    kl: float = 0.0,
-    verifier_ce: float = 0.0,
+    *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
     mem_budget_gib: float = DEFAULT_MEM_BUDGET_GIB,
     compile: bool = False,
-    *,
     normalizer: float | None = None,
     row_block: int | None = None,
     keep_workspace: bool = True,
     checked_rows: bool = False,
+    coefs: Mapping[str, float] | None = None,
+    **term_coefs: float,
 ) -> VerifierLossOutput:
-    """Weighted ce / kl / verifier_ce loss of the drafter logits against the data and the verifier.
+    """Weighted loss terms (:mod:`dflash.loss.terms`: ce, kl, verifier_ce) of the drafter logits
+    against the data and the verifier.
 
     Args:
         drafter_hidden: ``[R, H]`` float, the drafter's final hidden of the supervised slots; the
@@ -666,7 +669,6 @@ def verifier_loss(
             rows with weight 0 may hold anything (e.g. ``-100``).
         weights: ``[R]`` float, finite and ``>= 0`` (slot decay x loss mask). Rows with weight 0
             are dropped before any GEMM and cost nothing.
-        ce, kl, verifier_ce: non-negative coefficients of the three terms.
         temperature: ``T > 0`` of the KL term (scaled by ``T^2``); CE terms are at ``T = 1``.
         chunk_size: rows per chunk; None picks :func:`default_chunk_size` from ``mem_budget_gib``.
         mem_budget_gib: budget of the ``[C, V]`` chunk buffers when ``chunk_size`` is None
@@ -681,6 +683,9 @@ def verifier_loss(
         checked_rows: the caller vouches that every row has a finite weight > 0 and a label in
             ``[0, V)`` (``dflash_loss``, which builds the weights and asserts the labels on the
             device): the value checks and the search for weight-0 rows, both host syncs, are skipped.
+        coefs, term_coefs: ``{term: coefficient}`` and ``<term>=<coefficient>`` (non-negative) of the
+            terms of :data:`dflash.loss.terms.TERMS`; an unnamed term takes its default (``ce=1``,
+            the others 0).
 
     Returns:
         :class:`VerifierLossOutput`: ``loss`` (scalar, fp32 or fp64; 0 with a zero gradient when
@@ -690,8 +695,9 @@ def verifier_loss(
     Raises:
         ValueError: naming the argument, on mismatched shapes, dtypes or devices, negative or
             non-finite weights, labels outside ``[0, V)``, ``verifier_hidden`` or ``lm_head_weight``
-            requiring grad, negative coefficients, ``temperature <= 0``, ``chunk_size < 1``, a
-            non-positive ``normalizer``, or no ``verifier_hidden`` with ``kl`` or ``verifier_ce``.
+            requiring grad, negative coefficients or an unknown term, ``temperature <= 0``,
+            ``chunk_size < 1``, a non-positive ``normalizer``, or no ``verifier_hidden`` with a
+            weighted term that needs it.
     """
     cfg = _checked_settings(
         drafter_hidden,
@@ -699,8 +705,15 @@ def verifier_loss(
         lm_head_weight,
         labels,
         weights,
-        dict(ce=ce, kl=kl, verifier_ce=verifier_ce, temperature=temperature, chunk_size=chunk_size),
-        dict(mem_budget_gib=mem_budget_gib, compile=compile, normalizer=normalizer, row_block=row_block),
+        {**(coefs or {}), **term_coefs},
+        dict(
+            temperature=temperature,
+            chunk_size=chunk_size,
+            mem_budget_gib=mem_budget_gib,
+            compile=compile,
+            normalizer=normalizer,
+            row_block=row_block,
+        ),
         keep_workspace,
         checked_rows,
     )

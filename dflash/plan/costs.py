@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from dflash.config import LossConfig, TargetShape
+from dflash.loss.terms import coefficients, needs_verifier_logits
 from dflash.targets.families import flop_by_part, tp_traffic_per_token
 from dflash.targets.tp import TpLayout
 
@@ -242,7 +243,7 @@ def packet_costs(
 
     rows = packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (bs - 1)
     gemm = 2 * rows * h * drafter.vocab_size
-    verifier = loss.kl > 0 or loss.verifier_ce > 0 or verifier_metrics
+    verifier = needs_verifier_logits(coefficients(loss), verifier_metrics)
     loss_flop = {"drafter_logits": gemm, "logit_grad": gemm, "verifier_logits": gemm if verifier else 0}
 
     hidden = packet.tokens * (drafter.num_taps + 1) * h * hidden_dtype_bytes

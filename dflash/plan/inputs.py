@@ -22,6 +22,7 @@ from dflash.config.resolve import drafter_attention, resolve_path, target_attent
 from dflash.data.embedded import embedded_corpus_path
 from dflash.data.sources import EMBEDDED, resolve_data_path
 from dflash.drafter.arch import DrafterArch, build_arch
+from dflash.loss.terms import coefficients, needs_verifier_logits
 from dflash.loss.verifier import default_chunk_size
 from dflash.plan.costs import AttentionKind, PacketShape
 from dflash.plan.memory import RunDtypes
@@ -259,7 +260,7 @@ def resolve_inputs(cfg: Config) -> PlanInputs:
     packet = typical_packet(cfg, stats)
     target_kind, drafter_kind = attention_kinds(cfg, packet.num_seqs, target.meta.model_type)
     lo = cfg.loss
-    verifier = lo.kl > 0 or lo.verifier_ce > 0 or VERIFIER_METRICS
+    verifier = needs_verifier_logits(coefficients(lo), VERIFIER_METRICS)
     chunk = lo.chunk_size or default_chunk_size(arch.vocab_size, lo.mem_budget_gib, with_verifier=verifier)
     return PlanInputs(
         gpu=gpu,

@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from dflash.config import TrainConfig, UserError
+from dflash.config import TrainConfig, UserError, contract_defaults
 from dflash.files import LockHeld, file_lock
 from dflash.train.checkpoint import (
     CheckpointError,
@@ -215,13 +215,18 @@ def _show(v: Any) -> str:
 
 def check_contract(saved: dict, current: dict, *, allow_change: bool) -> list[str]:
     """Differences between the contract saved in a checkpoint and the current run's, as
-    ``"field: saved=X current=Y"`` (nested fields dotted). Raises ``ValueError`` naming every
-    changed field unless ``allow_change``; then returns the list for the caller to log."""
+    ``"field: saved=X current=Y"`` (nested fields dotted); a field the checkpoint predates matches
+    when the run leaves it at its default (``contract_defaults``: a new loss term at 0). Raises
+    ``ValueError`` naming every changed field unless ``allow_change``; then returns the list for
+    the caller to log."""
     a = _flatten(tuples_to_lists(saved))
     b = _flatten(tuples_to_lists(current))
+    defaults = contract_defaults()
     diffs = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, _MISSING), b.get(key, _MISSING)
+        if va is _MISSING and key in defaults and vb == defaults[key]:
+            continue
         if va is _MISSING or vb is _MISSING or va != vb:
             diffs.append(f"{key}: saved={_show(va)} current={_show(vb)}")
     if diffs and not allow_change:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.drafter.objective import TERMS, ObjectiveOutput
+from dflash.drafter.objective import ObjectiveOutput
+from dflash.loss.terms import TERMS
 
 OBJECTIVE_SUMS: dict[str, int] = {
     "weight_sum": 1,
@@ -148,9 +149,9 @@ def step_metrics(
         m["perf/target_frac"] = _ratio(c["target_s"], c["wall_s"])
     else:
         m["perf/target_busy_frac"] = c["target_s"] / (num_targets * step_s)
-    for i, name in enumerate(TERMS):
-        if loss_weights.get(name, 0.0) > 0 or float(o["term_sums"][i]) != 0.0:
-            m[f"train/loss_{name}"] = _ratio(float(o["term_sums"][i]), w)
+    for i, term in enumerate(TERMS):
+        if loss_weights.get(term.name, 0.0) > 0 or float(o["term_sums"][i]) != 0.0:
+            m[term.metric] = _ratio(float(o["term_sums"][i]), w)
     for k in range(1, s.block_size):
         count = float(o["slot_count"][k])
         m[f"train/acc_slot_{k}"] = _ratio(float(o["slot_hit"][k]), count)

@@ -41,9 +41,10 @@ from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
-from dflash.drafter.objective import TERMS, ObjectiveOutput
+from dflash.drafter.objective import ObjectiveOutput
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
 from dflash.drafter.step import StepPlan, objective_step, plan_anchors
+from dflash.loss.terms import coefficients
 from dflash.metrics import (
     MetricLogger,
     NullLogger,
@@ -535,7 +536,7 @@ class DrafterTrainer:
             step_s=time.perf_counter() - t0,
             lr=lr,
             grad_norm=grad_norm,
-            loss_weights={t: getattr(cfg.loss, t) for t in TERMS},
+            loss_weights=coefficients(cfg.loss),
             num_targets=topo.num_targets,
             num_drafters=topo.num_drafters,
             self_produced=topo.self_produced,

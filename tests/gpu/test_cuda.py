@@ -11,6 +11,7 @@ from tiny_drafter import BS, MASK_ID, SLIDING, masks_for, tiny_arch, tiny_batch
 
 from dflash.drafter.blocks import make_blocks
 from dflash.drafter.model import DFlashDraftModel
+from dflash.loss.terms import BY_NAME, needs_verifier_logits
 from dflash.loss.verifier import verifier_loss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -38,8 +39,8 @@ def _inputs(rows: int = 300, hidden: int = 64, vocab: int = 5000, seed: int = 0)
 def _run(h_d, h_v, w_head, labels, weights, device, dtype, **kw):
     """Loss, gradient w.r.t. drafter_hidden and stats of ``verifier_loss`` on ``device`` / ``dtype``."""
     hd = h_d.detach().to(device, dtype, copy=True).requires_grad_()  # a fresh leaf, never the input
-    mix = {k: v for k, v in kw.items() if k in ("ce", "kl", "verifier_ce", "temperature")}
-    needs_verifier = mix.get("kl", 0) > 0 or mix.get("verifier_ce", 0) > 0
+    coefs = {name: kw.get(name, term.default) for name, term in BY_NAME.items()}
+    needs_verifier = needs_verifier_logits(coefs, verifier_metrics=False)
     out = verifier_loss(
         hd,
         h_v.to(device, dtype) if needs_verifier else None,

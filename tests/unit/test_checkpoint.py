@@ -390,6 +390,16 @@ def test_contract_change_allowed_with_flag():
     assert diffs == ["batch_tokens: saved=<missing> current=4096", "hidden_size: saved=128 current=256"]
 
 
+def test_a_contract_field_the_checkpoint_predates_matches_at_its_default():
+    """A checkpoint written before a contract field existed (a new loss term) resumes when the run
+    leaves the field at its schema default, and is refused when it sets another value."""
+    saved = {"loss.ce": 1.0, "loss.gamma": 7.0}
+    current = {**saved, "loss.kl": 0.0, "loss.verifier_ce": 0.0}
+    assert check_contract(saved, current, allow_change=False) == []
+    with pytest.raises(ValueError, match="loss.kl: saved=<missing> current=0.5"):
+        check_contract(saved, {**current, "loss.kl": 0.5}, allow_change=False)
+
+
 def test_contract_round_trip_matches(tmp_path):
     contract = {"layer_ids": (1, 3), "hidden_size": 128, "dtype": "float32", "ratio": 0.1}
     loaded = load_checkpoint(_save(tmp_path, 1, contract=contract))

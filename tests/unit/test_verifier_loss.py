@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.loss import VerifierLossOutput, release_workspace, verifier_loss
 from dflash.loss.kernels import block_math, block_math_exp2, max_argmax
-from dflash.loss.verifier import default_chunk_size
+from dflash.loss.verifier import VerifierLossOutput, default_chunk_size, verifier_loss
+from dflash.loss.workspace import release_workspace
 
 R, V, H = 37, 1000, 64
 
@@ -105,7 +105,7 @@ def test_independent_of_chunk_size():
         assert _rel(g, g0) <= 1e-12
         assert torch.equal(o.stats.drafter_argmax, o0.stats.drafter_argmax)
         assert torch.equal(o.stats.verifier_argmax, o0.stats.verifier_argmax)
-        assert torch.allclose(o.stats.kl, o0.stats.kl, rtol=1e-10, atol=1e-12)
+        assert torch.allclose(o.stats.terms["kl"], o0.stats.terms["kl"], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +189,7 @@ def test_stats_match_reference():
         assert st.data_hit[0]
         assert st.data_hit.dtype == torch.bool and st.verifier_hit.dtype == torch.bool
         for name in ("kl", "ce", "verifier_ce"):
-            val = getattr(st, name)
+            val = st.terms[name]
             assert not val.requires_grad
             torch.testing.assert_close(val[keep], ref[name][keep], rtol=1e-9, atol=1e-12)
             assert (val[~keep] == 0).all()
@@ -203,15 +203,14 @@ def test_kl_stat_computed_when_kl_coefficient_is_zero():
     ref = _reference(h_d, h_v, w_head, labels, weights, ce=1.0, kl=0.0, temperature=1.5)
     out = verifier_loss(h_d, h_v, w_head, labels, weights, ce=1.0, temperature=1.5)
     keep = weights > 0
-    torch.testing.assert_close(out.stats.kl[keep], ref["kl"][keep], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(out.stats.terms["kl"][keep], ref["kl"][keep], rtol=1e-9, atol=1e-12)
     assert abs(out.loss.item() - ref["loss"].item()) <= 1e-9 * abs(ref["loss"].item())
 
 
 def test_kl_only_at_temperature_has_no_ce_stats():
     h_d, h_v, w_head, labels, weights = _inputs()
     out = verifier_loss(h_d, h_v, w_head, labels, weights, ce=0.0, kl=1.0, temperature=2.0)
-    assert out.stats.ce is None and out.stats.verifier_ce is None
-    assert set(out.terms) == {"kl"}
+    assert set(out.stats.terms) == {"kl"} and set(out.terms) == {"kl"}
 
 
 def test_without_verifier_hidden():
@@ -223,8 +222,8 @@ def test_without_verifier_hidden():
     assert abs(out.loss.item() - ref["loss"].item()) <= 1e-9 * abs(ref["loss"].item())
     assert _rel(g, g_ref) <= 1e-9
     st = out.stats
-    assert st.verifier_argmax is None and st.verifier_hit is None and st.kl is None and st.verifier_ce is None
-    assert set(out.terms) == {"ce"}
+    assert st.verifier_argmax is None and st.verifier_hit is None
+    assert set(st.terms) == {"ce"} and set(out.terms) == {"ce"}
     keep = weights > 0
     assert torch.equal(st.drafter_argmax[keep], ref["drafter_argmax"][keep])
 
@@ -319,12 +318,14 @@ def test_exp2_block_matches_softmax_block(with_verifier, offset):
     g = torch.Generator().manual_seed(2)
     zv = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4 + offset if with_verifier else None
     zd = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4 + offset
-    coef = dict(ce=0.5, kl=1.0 if with_verifier else 0.0, vce=0.25 if with_verifier else 0.0)
+    coef = dict(q1=0.5 + (0.25 if with_verifier else 0.0), kl=1.0 if with_verifier else 0.0)
     l2e = 1 / torch.log(torch.tensor(2.0, dtype=torch.float64))
     zv1, zd1 = (zv.clone() if with_verifier else None), zd.clone()
     zv2, zd2 = (zv * l2e if with_verifier else None), zd * l2e
     sc1, sc2 = torch.empty_like(zd), torch.empty_like(zd)
-    _, ad, lse, av, zav, kl_r, s = block_math(zv1, zd1, sc1, None, temperature=1.0, need_grad=True, **coef)
+    _, ad, lse, av, zav, kl_r, s = block_math(
+        zv1, zd1, sc1, None, coef["q1"], coef["kl"], temperature=1.0, need_grad=True
+    )
     ad2, lse2, av2, zav2, kl2, s2, sd = block_math_exp2(zv2, zd2, sc2, need_grad=True, **coef)
     assert torch.equal(ad, ad2) and s == s2
     torch.testing.assert_close(lse2, lse, rtol=1e-12, atol=1e-12)
@@ -420,6 +421,7 @@ def _bad(**over):
         (dict(mem_budget_gib=0), "mem_budget_gib"),
         (dict(verifier_hidden=None), "verifier_hidden"),
         (dict(verifier_hidden=None, kl=0.0, verifier_ce=1.0), "verifier_hidden"),
+        (dict(dpace=1.0), "unknown loss term"),
         (dict(drafter_hidden=torch.randn(R, H, dtype=torch.float64, device="meta")), "device"),
     ],
 )
