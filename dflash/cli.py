@@ -39,6 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from dflash.config import EXIT_USER_ERROR, UserError
 from dflash.config.checks import check_known_keys, free_form_overrides, override_key_problems
+from dflash.config.help import render_help
 from dflash.config.secrets import config_secret_problems, install_log_redaction, redact
 from dflash.versions import warn_untested_versions
 
@@ -243,6 +244,10 @@ def run_app(config_name: str, schema: type, task: Task) -> None:
             setattr(sys, name, ConsoleStream(getattr(sys, name)))
     real_stderr = sys.stderr
     started = False
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        if rank == 0:
+            print(render_help(schema, _app_module()), end="", flush=True)
+        raise SystemExit(0)
     sys.argv[1:] = free_form_overrides(sys.argv[1:], schema)
     unknown = override_key_problems(sys.argv[1:], schema)
     if unknown:

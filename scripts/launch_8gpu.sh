@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch DFlash training on one 8-GPU host with the experiment's split (qwen3_8b_8gpu: GPUs 0-2 run the
-# frozen target, GPUs 3-7 train the drafter; `python -m dflash.plan` recommends splits, see README).
+# frozen target, GPUs 3-7 train the drafter; `python -m dflash.plan` recommends splits, see docs/planner.md).
 #   scripts/launch_8gpu.sh data.path=/data/chat.jsonl [more Hydra overrides]
 #   EXPERIMENT=qwen3_6_27b_8gpu scripts/launch_8gpu.sh data.path=/data/chat.jsonl
 # Set WANDB_API_KEY in the environment for logging.mode=online (never put it in a config file).

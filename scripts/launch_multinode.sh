@@ -11,7 +11,7 @@
 # NPROC (default 8) is the number of processes (GPUs) per node; OMP_NUM_THREADS (default: this
 # node's cores divided by NPROC) the CPU threads of each.
 # Ranks: node 0 gets ranks 0..NPROC-1, node 1 the next NPROC, ...; targets are ranks
-# 0..num_targets-1, drafters the last ones (see README "Several hosts").
+# 0..num_targets-1, drafters the last ones (docs/training.md, "On several hosts").
 set -euo pipefail
 : "${NNODES:?set NNODES (number of nodes)}"
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"

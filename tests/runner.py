@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ranks import RANK_SERVER_ENV, RankExit, World, as_main, free_port, rank_server, rank_specs, torchrun_env
 from testpaths import REPO
 
+from dflash.train.faults import FAULTS_ENV
 from dflash.train.job import main as job_main  # the entry point `python -m dflash.train` runs
 
 if TYPE_CHECKING:
@@ -219,6 +220,24 @@ def _trigger(
     return None
 
 
+def faults_to_env(overrides: list[str], env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    """``fault.<field>=<value>`` overrides taken out of the command line and put in the ranks'
+    environment as ``DFLASH_FAULTS`` (JSON): fault injection is not part of the run's config
+    (``dflash.train.faults``). Values are read as YAML, as Hydra reads them."""
+    import yaml
+
+    faults = {
+        a.split("=", 1)[0][len("fault.") :]: yaml.safe_load(a.split("=", 1)[1])
+        for a in overrides
+        if a.startswith("fault.")
+    }
+    rest = [a for a in overrides if not a.startswith("fault.")]
+    out = dict(env or {})
+    if faults:
+        out[FAULTS_ENV] = json.dumps(faults)
+    return rest, out
+
+
 def launch(
     run_dir: Path | None,
     overrides: list[str],
@@ -260,6 +279,7 @@ def launch(
     ``fresh_interpreters`` a new ``python -m dflash.train`` as torchrun would start it.
     """
     trigger = _trigger(run_dir, signal_at_step, signal_at_log)
+    overrides, env = faults_to_env(overrides, env)
     if torchrun:
         assert signal_ranks is None and stop_peers_on_failure and grace_s == 30.0, "torchrun decides these"
         extra_env = {**(env or {}), "DFLASH_RANK_EXIT_FORWARD": str(int(forward_signals))}

@@ -133,6 +133,8 @@ class LayerType(StrEnum):
 
 @dataclass
 class TopologyConfig:
+    """How the ranks of a launch split into targets and drafters (``topology.mode``), and their timeouts."""
+
     # Which rank makes a packet does not change what is trained: only how many packets an optimizer
     # step takes (num_drafters x optim.grad_accum_steps) is part of the resume contract.
     num_targets: int = field(default=2, metadata=FREE)
@@ -175,25 +177,37 @@ class TinyTargetConfig:
     The default spec's build ships with the package (the same weights on every CPU) and is copied."""
 
     model_type: str = field(default="qwen3", metadata=CONTRACT)
+    """transformers model type of the tiny target (its family: ``dflash.targets.families``)."""
     num_layers: int = field(default=6, metadata=CONTRACT)
+    """Decoder layers."""
     hidden_size: int = field(default=128, metadata=CONTRACT)
+    """Hidden size."""
     intermediate_size: int = field(default=384, metadata=CONTRACT)
+    """FFN width of a dense layer."""
     num_heads: int = field(default=4, metadata=CONTRACT)
+    """Attention heads."""
     num_kv_heads: int = field(default=2, metadata=CONTRACT)
+    """Key-value heads (grouped-query attention)."""
     head_dim: int = field(default=32, metadata=CONTRACT)
+    """Dimension of one head."""
     extra_vocab: int = field(default=64, metadata=CONTRACT)
     """Embedding rows past the tokenizer's vocabulary (the first is the MASK token)."""
     init_std: float = field(default=0.02, metadata=CONTRACT)
+    """Standard deviation of the random initial weights."""
     seed: int = field(default=0, metadata=CONTRACT)
     """Initialisation and training data order."""
     train_steps: int = field(default=400, metadata=CONTRACT)
     """Optimizer steps of next-token training on chat samples cut from stdlib code (0 = random weights)."""
     train_batch_size: int = field(default=4, metadata=CONTRACT)
+    """Rows per training step of the tiny target."""
     train_seq_len: int = field(default=128, metadata=CONTRACT)
+    """Tokens per row in its training."""
     train_lr: float = field(default=3e-3, metadata=CONTRACT)
+    """Peak learning rate of its training (warmup, then cosine decay)."""
     num_experts: int = field(default=0, metadata=CONTRACT)
     """Routed experts of every decoder layer (model_type qwen3_moe, qwen3_5_moe_text, gpt_oss); 0 = dense."""
     num_experts_per_tok: int = field(default=2, metadata=CONTRACT)
+    """Experts each token is routed to (MoE types)."""
     moe_intermediate_size: int = field(default=64, metadata=CONTRACT)
     """FFN width of one expert (and of qwen3_5_moe_text's shared expert)."""
 
@@ -207,28 +221,40 @@ class TargetShape:
     num_layers: int = field(default=MISSING, metadata=FREE)
     """num_hidden_layers (all decoder layers, linear-attention ones included)."""
     hidden_size: int = field(default=MISSING, metadata=FREE)
+    """hidden_size."""
     intermediate_size: int = field(default=MISSING, metadata=FREE)
+    """intermediate_size (FFN width of a dense layer)."""
     num_heads: int = field(default=MISSING, metadata=FREE)
     """num_attention_heads of the full-attention layers."""
     num_kv_heads: int = field(default=MISSING, metadata=FREE)
+    """num_key_value_heads of the full-attention layers."""
     head_dim: int = field(default=MISSING, metadata=FREE)
+    """head_dim."""
     vocab_size: int = field(default=MISSING, metadata=FREE)
+    """vocab_size (rows of the embedding and the lm_head)."""
     tie_word_embeddings: bool = field(default=False, metadata=FREE)
+    """The lm_head shares the embedding's weights (counted once)."""
     attn_output_gate: bool = field(default=False, metadata=FREE)
     """Qwen3.5/3.6 full attention: q_proj also emits a per-head output gate (2x its width)."""
     num_linear_layers: int = field(default=0, metadata=FREE)
     """Hybrid targets (Qwen3.5/3.6): decoder layers with Gated DeltaNet linear attention."""
     linear_num_key_heads: int = field(default=0, metadata=FREE)
+    """Gated DeltaNet key heads (hybrid targets)."""
     linear_num_value_heads: int = field(default=0, metadata=FREE)
+    """Gated DeltaNet value heads (hybrid targets)."""
     linear_key_head_dim: int = field(default=0, metadata=FREE)
+    """Gated DeltaNet key head dimension."""
     linear_value_head_dim: int = field(default=0, metadata=FREE)
+    """Gated DeltaNet value head dimension."""
     linear_conv_kernel_dim: int = field(default=0, metadata=FREE)
+    """Width of the Gated DeltaNet causal convolution."""
     model_type: str | None = field(default=None, metadata=FREE)
     """transformers model_type of the text config: the planner reads its tensor/expert-parallel plans
     (None: a dense model whose plan splits attention and MLP)."""
     num_experts: int = field(default=0, metadata=FREE)
     """Mixture of experts: routed experts per decoder layer (0 = dense MLP of intermediate_size)."""
     num_experts_per_tok: int = field(default=0, metadata=FREE)
+    """Routed experts each token runs through."""
     moe_intermediate_size: int = field(default=0, metadata=FREE)
     """FFN width of one routed expert."""
     shared_expert_intermediate_size: int = field(default=0, metadata=FREE)
@@ -237,7 +263,10 @@ class TargetShape:
 
 @dataclass
 class TargetConfig:
+    """The frozen target: where its checkpoint is, its dtype, its tapped layers and attention kernel."""
+
     name: str = field(default=MISSING, metadata=CONTRACT)
+    """A name for the target (logs, W&B, the run contract)."""
     path: str = field(default=MISSING, metadata=CONTRACT)
     """Local directory or hub id of the target checkpoint (or the build dir of a tiny target)."""
     tiny: TinyTargetConfig | None = field(default=None, metadata=CONTRACT)
@@ -256,6 +285,8 @@ class TargetConfig:
     pack: bool = field(default=True, metadata=FREE)
     """Pack several sequences in one row (position ids restart per sequence); False pads (Qwen3.5)."""
     trust_remote_code: bool = field(default=False, metadata=FREE)
+    """Run the checkpoint's own Python files (transformers ``trust_remote_code``); pin
+    ``revision`` with it."""
     revision: str | None = field(default=None, metadata=CONTRACT)
     """A full commit hash; required when trust_remote_code is true."""
     tokenizer: str | None = field(default=None, metadata=CONTRACT)
@@ -276,8 +307,12 @@ DRAFTER_LAYER_TYPES: tuple[str, ...] = tuple(t.value for t in LayerType)
 
 @dataclass
 class DrafterConfig:
+    """The DFlash drafter: its shape (None = the target's), anchors, attention and memory levers."""
+
     num_layers: int = field(default=5, metadata=derived("drafter.arch"))
+    """Drafter decoder layers (5 in the published Qwen3 drafters)."""
     block_size: int = field(default=16, metadata=derived("drafter.arch"))
+    """Tokens per block: the anchor and block_size - 1 MASK slots (16 in the recipe)."""
     num_anchors: int = field(default=512, metadata=CONTRACT)
     """Anchors sampled per sequence every step (without replacement)."""
     max_anchors_per_packet: int | None = field(default=None, metadata=CONTRACT)
@@ -291,7 +326,9 @@ class DrafterConfig:
     num_heads: int | None = field(default=None, metadata=derived("drafter.arch"))
     """None = the target's attention heads (likewise num_kv_heads, head_dim)."""
     num_kv_heads: int | None = field(default=None, metadata=derived("drafter.arch"))
+    """Key-value heads (None = the target's)."""
     head_dim: int | None = field(default=None, metadata=derived("drafter.arch"))
+    """Head dimension (None = the target's)."""
     layer_types: list[LayerType] | None = field(default=None, metadata=derived("drafter.arch"))
     """Per layer 'full_attention' or 'sliding_attention' (num_layers entries); None = those of the
     drafter.init_from checkpoint, else all full. See dflash/drafter/blocks.py for what each one sees."""
@@ -325,13 +362,17 @@ class DrafterConfig:
 
 @dataclass
 class DataConfig:
+    """The training data: sources, lengths, the packets' token budget and the data plan."""
+
     path: Any = field(default=MISSING, metadata=data_field(derived("data.fingerprint"), False))
     """A path or a list of paths (``data.path=[a.jsonl,b.parquet]``): a JSONL file, any other data
     file (parquet, csv, arrow, a JSON array), a folder, a glob, a hub dataset id, or 'embedded'
     (built offline); see ``dflash.data.sources``. Typed Any because OmegaConf structured configs
     support no ``str | list[str]``; ``dflash.data.sources.source_paths`` checks the value."""
     split: str = field(default="train", metadata=data_field(derived("data.fingerprint"), True))
+    """The split of a ``datasets`` source (hub datasets, files read by ``datasets``)."""
     max_length: int = field(default=2048, metadata=data_field(derived("data.fingerprint"), True))
+    """Longest sample in tokens; a longer one is truncated or skipped (``overlong``)."""
     overlong: Overlong = field(
         default=Overlong.truncate, metadata=data_field(derived("data.fingerprint"), True)
     )
@@ -339,16 +380,21 @@ class DataConfig:
     token_budget: int = field(default=16384, metadata=data_field(derived("data.plan"), False))
     """Tokens per packet (sum of the packed sequence lengths)."""
     num_epochs: int = field(default=1, metadata=data_field(derived("data.plan"), False))
+    """Passes over the data the plan schedules (each with its own shuffle)."""
     seed: int = field(default=42, metadata=data_field(derived("data.plan"), False))
+    """Seed of the data plan's shuffle (which samples go into which packet)."""
     train_only_last_turn: bool = field(default=False, metadata=data_field(derived("data.fingerprint"), True))
+    """Supervise only the last assistant turn of each conversation."""
     max_skip_fraction: float = field(default=0.1, metadata=data_field(FREE, False))
     """Abort when more than this fraction of the samples is skipped as bad input."""
     cache_dir: str = field(default="${paths.cache_dir}/data", metadata=data_field(FREE, False))
+    """Where tokenized datasets are cached (keyed on everything that shapes them)."""
     num_samples: int | None = field(default=None, metadata=data_field(derived("data.fingerprint"), True))
     """Use only the first N conversations (None = all)."""
     embedded_num_prompts: int = field(default=512, metadata=data_field(derived("data.fingerprint"), False))
     """Prompts of the embedded default corpus (responses regenerated by the target)."""
     embedded_max_new_tokens: int = field(default=96, metadata=data_field(derived("data.fingerprint"), False))
+    """Longest answer the target writes for an embedded prompt."""
     num_eval_prompts: int | None = field(default=None, metadata=data_field(derived("data.fingerprint"), True))
     """Held-out conversations (taken from the end, never trained on) for eval; None = eval.num_prompts
     when eval.every > 0, else 0."""
@@ -382,6 +428,8 @@ TERM: dict[str, Any] = {**CONTRACT, "loss_term": True}
 
 @dataclass
 class LossConfig:
+    """The loss terms' coefficients (``dflash.loss.terms``), the slot decay and the chunked loss's settings."""
+
     ce: float = field(default=1.0, metadata=TERM)
     """Cross-entropy with the data token."""
     kl: float = field(default=0.0, metadata=TERM)
@@ -395,38 +443,55 @@ class LossConfig:
     chunk_size: int | None = field(default=None, metadata=FREE)
     """Rows per chunk of the verifier-logit loss; None = from mem_budget_gib (the same result)."""
     mem_budget_gib: float = field(default=2.0, metadata=FREE)
+    """GiB for the loss's [chunk, vocab] fp32 buffers; sets the chunk when chunk_size is None."""
     compile: bool = field(default=False, metadata=FREE)
     """Compile the per-row-block loss math (GPU)."""
 
 
 @dataclass
 class OptimConfig:
+    """AdamW and its learning-rate schedule (linear warmup, cosine decay)."""
+
     # A resumed run restores the optimizer and scheduler state, which carry the lr and betas: a
     # changed value here would be silently ignored, so every field is part of the contract.
     lr: float = field(default=6e-4, metadata=CONTRACT)
+    """Peak learning rate (AdamW)."""
     min_lr_ratio: float = field(default=0.0, metadata=CONTRACT)
+    """The learning rate at the last step, as a fraction of ``lr`` (cosine decay)."""
     warmup_ratio: float = field(default=0.04, metadata=CONTRACT)
+    """Fraction of the steps spent in linear warmup."""
     weight_decay: float = field(default=0.0, metadata=CONTRACT)
+    """AdamW decoupled weight decay."""
     beta1: float = field(default=0.9, metadata=CONTRACT)
+    """AdamW first-moment decay."""
     beta2: float = field(default=0.999, metadata=CONTRACT)
+    """AdamW second-moment decay."""
     eps: float = field(default=1e-8, metadata=CONTRACT)
+    """AdamW epsilon."""
     max_grad_norm: float = field(default=1.0, metadata=CONTRACT)
+    """Gradient clipping (global L2 norm over every drafter's gradient)."""
     grad_accum_steps: int = field(default=1, metadata=derived("topology.packets_per_step"))
     """Packets per drafter per optimizer step."""
 
 
 @dataclass
 class TrainConfig:
+    """Steps, checkpoints, resuming, logging cadence and the run's safety checks."""
+
     max_steps: int | None = field(default=None, metadata=derived("train.num_steps"))
     """Optimizer steps; None = every packet of the data plan."""
     save_every: int = field(default=1000, metadata=FREE)
+    """Write a checkpoint every this many steps (and at the end and at a stop)."""
     keep_checkpoints: int = field(default=2, metadata=FREE)
+    """Newest complete checkpoints kept; older ones are removed after a save."""
     log_every: int = field(default=1, metadata=FREE)
+    """Log metrics (W&B, metrics.jsonl, the rank log) every this many steps."""
     seed: int = field(default=42, metadata=CONTRACT)
     """Initialisation and anchor sampling."""
     resume: str = field(default="auto", metadata=FREE)
     """auto (newest complete checkpoint of the run dir, if any), never, or a checkpoint path."""
     allow_contract_change: bool = field(default=False, metadata=FREE)
+    """Resume a checkpoint whose run contract differs (the differences are logged)."""
     on_nonfinite: OnNonfinite = field(default=OnNonfinite.error, metadata=FREE)
     """error (stop naming step and rank) or skip (drop the step and count it)."""
     stop_after_steps: int | None = field(default=None, metadata=FREE)
@@ -449,10 +514,14 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
+    """The periodic eval during training: real speculative decoding of held-out prompts."""
+
     every: int = field(default=0, metadata=FREE)
     """Run speculative decoding on held-out prompts every N steps on the drafter leader (0 = off)."""
     num_prompts: int = field(default=8, metadata=FREE)
+    """Held-out prompts the periodic eval decodes (shared among the drafters)."""
     max_new_tokens: int = field(default=64, metadata=FREE)
+    """Tokens the periodic eval decodes per prompt."""
     suite: Any = field(default=None, metadata=FREE)
     """Also decode these benchmarks (``dflash.eval.suites``: zlab, gsm8k, math500, humaneval, mbpp,
     mt-bench, or a list) at every eval and log ``eval/<benchmark>/tau``; None = the held-out prompts only."""
@@ -466,45 +535,27 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
+    """W&B (online, offline or off) and the console."""
+
     mode: LoggingMode = field(default=LoggingMode.offline, metadata=FREE)
     """online, offline or disabled (W&B)."""
     project: str = field(default="dflash", metadata=FREE)
+    """W&B project."""
     entity: str | None = field(default=None, metadata=FREE)
+    """W&B entity (team or user); None = the key's default."""
     name: str | None = field(default=None, metadata=FREE)
+    """W&B run name; None = the run directory's name."""
     progress_bar: bool = field(default=True, metadata=FREE)
+    """A progress bar on the drafter leader's console."""
 
 
 @dataclass
 class PathsConfig:
+    """Where dflash keeps its caches."""
+
     cache_dir: str = field(default="${oc.env:DFLASH_CACHE_DIR,.cache/dflash}", metadata=FREE)
-
-
-@dataclass
-class FaultConfig:
-    """Fault injection for the reliability tests; every field off by default."""
-
-    kill_rank: int | None = field(default=None, metadata=FREE)
-    """SIGKILL this rank at the first step >= ``kill_at_step`` (1-based optimizer step) it works on."""
-    kill_at_step: int | None = field(default=None, metadata=FREE)
-    kill_signal: str = field(default="SIGKILL", metadata=FREE)
-    """The signal of ``kill_rank`` (SIGTERM: a preemption of that worker alone)."""
-    hang_rank: int | None = field(default=None, metadata=FREE)
-    """This rank stops responding (sleeps forever, alive) at the first step >= ``hang_at_step``."""
-    hang_at_step: int | None = field(default=None, metadata=FREE)
-    perturb_rank: int | None = field(default=None, metadata=FREE)
-    """This drafter's weights drift from the other replicas at ``perturb_at_step`` (replica check)."""
-    perturb_at_step: int | None = field(default=None, metadata=FREE)
-    nan_at_step: int | None = field(default=None, metadata=FREE)
-    """The drafter's loss becomes NaN at this step."""
-    slow_rank: int | None = field(default=None, metadata=FREE)
-    """This drafter spends ``slow_s`` more seconds in step ``slow_at_step``, after it received (and
-    ACKed) the step's packets: a first step that compiles."""
-    slow_at_step: int | None = field(default=None, metadata=FREE)
-    slow_s: float = field(default=0.0, metadata=FREE)
-    nonfinite_sample_ids: list[int] = field(default_factory=list, metadata=FREE)
-    """Source sample ids whose target hidden states are replaced by NaN (non-finite input)."""
-    only_first_attempt: bool = field(default=True, metadata=FREE)
-    """Inject only in the first torchrun attempt (TORCHELASTIC_RESTART_COUNT == 0)."""
+    """dflash's cache: the tiny target, embedded corpora, tokenized datasets
+    (``DFLASH_CACHE_DIR``, default ``.cache/dflash``)."""
 
 
 @dataclass
@@ -551,6 +602,7 @@ class PlanConfig:
 @dataclass
 class Config:
     name: str = field(default="run", metadata=FREE)
+    """The run's name: its directory under outputs/ and the W&B run group."""
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -561,7 +613,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 

@@ -18,6 +18,7 @@ class EvalAppConfig:
     """Schema of ``conf/eval_app.yaml`` (``python -m dflash.eval``)."""
 
     name: str = "eval"
+    """The eval's name: its run directory under outputs/eval/ and its W&B run."""
     target: TargetConfig = field(default_factory=TargetConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -43,6 +44,7 @@ class EvalAppConfig:
     gather_timeout_s: float = 7200.0
     """On a torchrun launch: how long a rank that finished its share waits for the others."""
     max_new_tokens: int = 256
+    """Tokens decoded per prompt (per turn of a multi-turn benchmark)."""
     block_size: int | None = None
     """None = the drafter's block size."""
     baseline: bool = True

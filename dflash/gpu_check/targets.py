@@ -1,4 +1,4 @@
-"""The check's "good" figures (README "GPU check") judged from the parts' results."""
+"""The check's "good" figures (docs/gpu-check.md) judged from the parts' results."""
 
 from __future__ import annotations
 

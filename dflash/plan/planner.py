@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash.config import Config, GpuSpec, TargetShape
-from dflash.config.modes import mode_of
+from dflash.config.modes import layout_of, mode_of
 from dflash.plan.costs import PacketCosts, packet_costs, target_rank_flop, tp_bytes_per_token
 from dflash.plan.fit import (
     CheckpointDecision,
@@ -197,6 +197,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     ]
     co = colocated(times, gpu, world, fits["colocated"])
     t = cfg.topology
+    layout = layout_of(t, world, min(world, gpu.gpus_per_node))
     configured = (
         co
         if mode_of(t).self_produced
@@ -205,7 +206,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
                 s
                 for s in splits
                 if (s.num_targets, s.num_drafters, s.target_tp)
-                == (t.num_targets, t.num_drafters, t.target_tp)
+                == (layout.num_targets, layout.num_drafters, layout.target_tp)
             ),
             None,
         )

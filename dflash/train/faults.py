@@ -1,17 +1,71 @@
-"""Fault injection for the reliability tests (all off by default; ``fault.*`` in the config)."""
+"""Fault injection for the reliability tests (all off by default).
+
+The faults are not part of the run's config (a user never sees them): the test launcher
+(``tests/runner.py``) puts them in the environment, ``DFLASH_FAULTS={"kill_rank": 1, ...}`` (JSON
+of :class:`FaultConfig`'s fields), and every rank reads them once (:func:`injected`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import signal
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from dflash.config import FaultConfig
-
 log = logging.getLogger(__name__)
+
+FAULTS_ENV = "DFLASH_FAULTS"
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for the reliability tests; every field off by default. Not part of the run's
+    config: the test launcher sets :data:`FAULTS_ENV` (``tests/runner.py``)."""
+
+    kill_rank: int | None = field(default=None)
+    """SIGKILL this rank at the first step >= ``kill_at_step`` (1-based optimizer step) it works on."""
+    kill_at_step: int | None = field(default=None)
+    kill_signal: str = field(default="SIGKILL")
+    """The signal of ``kill_rank`` (SIGTERM: a preemption of that worker alone)."""
+    hang_rank: int | None = field(default=None)
+    """This rank stops responding (sleeps forever, alive) at the first step >= ``hang_at_step``."""
+    hang_at_step: int | None = field(default=None)
+    perturb_rank: int | None = field(default=None)
+    """This drafter's weights drift from the other replicas at ``perturb_at_step`` (replica check)."""
+    perturb_at_step: int | None = field(default=None)
+    nan_at_step: int | None = field(default=None)
+    """The drafter's loss becomes NaN at this step."""
+    slow_rank: int | None = field(default=None)
+    """This drafter spends ``slow_s`` more seconds in step ``slow_at_step``, after it received (and
+    ACKed) the step's packets: a first step that compiles."""
+    slow_at_step: int | None = field(default=None)
+    slow_s: float = field(default=0.0)
+    nonfinite_sample_ids: list[int] = field(default_factory=list)
+    """Source sample ids whose target hidden states are replaced by NaN (non-finite input)."""
+    only_first_attempt: bool = field(default=True)
+    """Inject only in the first torchrun attempt (TORCHELASTIC_RESTART_COUNT == 0)."""
+
+
+def injected() -> FaultConfig:
+    """The faults of :data:`FAULTS_ENV` (none when it is unset), read when a role starts; a
+    malformed value is a ``ValueError`` naming the variable and the field."""
+    raw = os.environ.get(FAULTS_ENV)
+    if not raw:
+        return FaultConfig()
+    try:
+        values = json.loads(raw)
+        known = {f.name for f in dataclasses.fields(FaultConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; known: {sorted(known)}")
+        return FaultConfig(**values)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{FAULTS_ENV}: {e}") from None
 
 
 def _armed(cfg: FaultConfig) -> bool:

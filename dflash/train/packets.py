@@ -27,6 +27,7 @@ from dflash.config import Config
 from dflash.distributed.protocol import HostFields, Packet
 from dflash.metrics import DeviceClock, peak_memory_gib, reset_peak_memory
 from dflash.targets.forward import build_batch, target_forward
+from dflash.train import faults
 from dflash.train.setup import RunSetup
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class PacketMaker:
         self, cfg: Config, setup: RunSetup, model: nn.Module, device: torch.device, own_peak: bool = True
     ):
         self.cfg, self.setup, self.model, self.device, self.own_peak = cfg, setup, model, device, own_peak
+        self.nonfinite_sample_ids = set(faults.injected().nonfinite_sample_ids)
         self.pad_id = setup.tokenizer.pad_token_id if setup.tokenizer.pad_token_id is not None else 0
 
     def _put(self, t: Tensor) -> Tensor:
@@ -90,7 +92,7 @@ class PacketMaker:
         clock.start()
         aux, final = self._forward(ids, attn, pos, lens.tolist())
         aux, final = self._real_tokens(aux, keep), self._real_tokens(final, keep)
-        if self.cfg.fault.nonfinite_sample_ids:
+        if self.nonfinite_sample_ids:
             aux = self._inject_nonfinite(aux, sample_idx, lens)
         clock.stop()
         segments = self._put(torch.repeat_interleave(torch.arange(lens.numel()), lens))
@@ -135,7 +137,7 @@ class PacketMaker:
 
     def _inject_nonfinite(self, aux: Tensor, sample_idx: list[int], lens: Tensor) -> Tensor:
         """Fault injection: NaN hidden states for the configured source sample ids."""
-        bad = set(self.cfg.fault.nonfinite_sample_ids)
+        bad = self.nonfinite_sample_ids
         src = self.setup.dataset.sample_ids[torch.tensor(sample_idx, dtype=torch.long)].tolist()
         hit = torch.tensor([s in bad for s in src])
         if not hit.any():

@@ -103,7 +103,9 @@ def summary_table(
     rows.append(
         (
             "drafter",
-            f"{drafter_dir} (serve it: see README)" if drafter_dir else f"not exported ({not_exported})",
+            f"{drafter_dir} (serve it: docs/eval-and-serving.md)"
+            if drafter_dir
+            else f"not exported ({not_exported})",
         )
     )
     if checkpoint is not None:

@@ -40,6 +40,7 @@ class TargetWorker:
 
     def __init__(self, cfg: Config, setup: RunSetup, ctx: DistContext) -> None:
         self.cfg, self.setup, self.ctx = cfg, setup, ctx
+        self.faults = faults.injected()
         self.topology = setup.topology
         self.device = ctx.device
         self.dtype = torch_dtype(cfg.target.dtype, self.device)
@@ -85,7 +86,7 @@ class TargetWorker:
             g, stop = self._next_packet(planned)
             if g < 0:
                 break
-            faults.at_step(self.cfg.fault, self.ctx.rank, g // self.topology.packets_per_step + 1)
+            faults.at_step(self.faults, self.ctx.rank, g // self.topology.packets_per_step + 1)
             packet = None
             with self._replica_errors():  # the sender makes the packet, the others only forward
                 if self.is_sender:

@@ -144,6 +144,7 @@ class DrafterTrainer:
         """Some rank (a drafter, or a target through its packets) asked to stop: every drafter stops
         after the same step."""
         self.stop_signal: str | None = None
+        self.faults = faults.injected()
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
         self.step_plan = StepPlan.for_training(
@@ -364,10 +365,10 @@ class DrafterTrainer:
         the step's packets and the drafters, then divided once by the global weight sum, so the
         update follows the global token mean whatever the packing and the split."""
         t0 = time.perf_counter()
-        faults.at_step(self.cfg.fault, self.ctx.rank, step + 1)
+        faults.at_step(self.faults, self.ctx.rank, step + 1)
         self.optimizer.zero_grad(set_to_none=False)
         local = self._accumulate(step)
-        faults.slow_step(self.cfg.fault, self.ctx.rank, step + 1)
+        faults.slow_step(self.faults, self.ctx.rank, step + 1)
         self.parallel.finish(self.source_timeout)
         reduced = self._reduce(step, local, t0)
         grad_norm, lr = self._apply_update(step, reduced.sums)
@@ -398,7 +399,7 @@ class DrafterTrainer:
             with self.parallel.forward():
                 out = self._forward_packet(packet, local)
             loss = out.loss
-            if faults.nan_loss(self.cfg.fault, step + 1):
+            if faults.nan_loss(self.faults, step + 1):
                 loss = loss * float("nan")
             local.sums.count_nonfinite(loss)
             self.parallel.backward(loss)
@@ -485,7 +486,7 @@ class DrafterTrainer:
     def _advance(self, step: int, sums: StepSums, trained: list[int]) -> None:
         """The train state after step ``step`` (0-based), the ledger line and the replica check."""
         cfg = self.cfg
-        faults.perturb(cfg.fault, self.ctx.rank, step + 1, self.model)
+        faults.perturb(self.faults, self.ctx.rank, step + 1, self.model)
         self.state.step = step + 1
         self.state.next_packet = (step + 1) * self.topology.packets_per_step
         self.state.tokens_seen += int(sums.counters["tokens"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -89,7 +90,7 @@ def test_an_unknown_dotted_override_names_the_closest_key_not_plus():
 
 
 def test_a_key_inside_chat_template_kwargs_is_set_without_a_plus():
-    """``data.chat_template_kwargs.enable_thinking=false`` (the README's spelling) adds the key to the
+    """``data.chat_template_kwargs.enable_thinking=false`` (the documented spelling) adds the key to the
     free-form dict, and overrides it where an experiment already set it."""
     from dflash.config import Config
     from dflash.config.checks import free_form_overrides
@@ -311,3 +312,39 @@ def test_drafter_nodes_give_the_last_nodes_to_the_drafters(monkeypatch):
     fixed = _compose(["experiment=qwen3_8b_8gpu", "data.path=/d.jsonl", "topology.drafter_nodes=1"])
     with pytest.raises(ValueError, match="topology.num_drafters=null"):
         validate(fixed, 16)
+
+
+APP_SCHEMAS = {
+    "dflash.train": "dflash.config:Config",
+    "dflash.eval": "dflash.eval.config:EvalAppConfig",
+    "dflash.data.prepare": "dflash.data.prepare:PrepareConfig",
+    "dflash.data.regenerate": "dflash.data.regenerate.config:RegenerateConfig",
+    "dflash.serve_check": "dflash.serve_check.config:ServeCheckConfig",
+    "dflash.report": "dflash.report:ReportAppConfig",
+}
+
+
+@pytest.mark.parametrize("app", list(APP_SCHEMAS))
+def test_every_field_of_every_app_is_documented(app):
+    """``python -m <app> --help`` prints each field with its documentation: none may lack one."""
+    import importlib
+
+    from dflash.config.help import field_docs
+
+    module, name = APP_SCHEMAS[app].split(":")
+    schema = getattr(importlib.import_module(module), name)
+    undocumented = [d.key for d in field_docs(schema) if not d.doc]
+    assert undocumented == [], f"{app}: fields without documentation: {undocumented}"
+
+
+def test_train_help_prints_every_field_with_its_default_and_meaning():
+    from ranks import run_module
+
+    from dflash.config.help import field_docs
+
+    out = run_module("dflash.train", ["--help"], env=dict(os.environ), cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for d in field_docs(Config):
+        assert f"{d.key}:" in out.stdout, d.key
+    assert "  train.max_steps: int | None = None" in out.stdout and "W&B entity" in out.stdout
+    assert "  fault." not in out.stdout  # fault injection is the test launcher's, not a user's config

@@ -46,12 +46,10 @@ def _maker(base_setup, model, *, pack: bool, nonfinite: list[int] | None = None)
     from dflash.train.packets import PacketMaker
 
     cfg = base_setup.cfg
-    cfg = dataclasses.replace(
-        cfg,
-        target=dataclasses.replace(cfg.target, pack=pack),
-        fault=dataclasses.replace(cfg.fault, nonfinite_sample_ids=list(nonfinite or [])),
-    )
-    return PacketMaker(cfg, base_setup, model, META)
+    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, pack=pack))
+    maker = PacketMaker(cfg, base_setup, model, META)
+    maker.nonfinite_sample_ids = set(nonfinite or [])  # what DFLASH_FAULTS would inject
+    return maker
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -199,6 +197,7 @@ def _meta_trainer(base_setup, meta_target, source):
     from dflash.drafter.step import StepPlan
     from dflash.metrics import PhaseTimer
     from dflash.targets.loader import target_embed_and_head
+    from dflash.train.faults import FaultConfig
     from dflash.train.trainer import DrafterTrainer
 
     trainer = DrafterTrainer.__new__(DrafterTrainer)
@@ -214,6 +213,7 @@ def _meta_trainer(base_setup, meta_target, source):
         base_setup.cfg, base_setup.arch.block_size, device="cpu", token_budget=base_setup.data.token_budget
     )
     trainer.phases = PhaseTimer(META, sync=False)
+    trainer.faults = FaultConfig()
     return trainer
 
 

