@@ -14,11 +14,19 @@ TRY ?=
 
 .PHONY: setup demo test test-extended test-fast test-latest lock lint serve-check bench-loss gpu-check clean
 
+# On a GPU host (nvidia-smi runs) the `gpu` extra too, and causal-conv1d (built against the installed
+# torch; where it does not build, hybrid targets' convolutions run in torch: correct, slower)
+GPU_HOST ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+comma := ,
+EXTRAS := dev$(if $(GPU_HOST),$(comma)gpu)
+
 # The versions the suite passed with (constraints.txt); pyproject.toml keeps the ranges.
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	$(if $(GPU_HOST),$(BIN)/pip install -q --no-build-isolation "causal-conv1d>=1.7" \
+	    || echo "make setup: causal-conv1d did not build; hybrid targets' convolutions run in torch")
 	touch $@
 
 setup: $(BIN)/.installed

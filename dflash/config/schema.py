@@ -588,6 +588,10 @@ class PlanConfig:
     """Fraction of the dense BF16 peak the target's forward achieves (SpecForge measured ~43% prefill MFU)."""
     mfu_drafter: float = field(default=0.4, metadata=FREE)
     """Fraction of the peak the drafter step achieves (SpecForge measured ~44% on 8xH200)."""
+    mfu_delta_rule: float = field(default=0.2, metadata=FREE)
+    """Fraction of the peak the chunked delta rule of a hybrid target's linear-attention layers
+    achieves (small per-head matrices and a scan over chunks: flash-linear-attention's Triton kernels,
+    the gpu extra; transformers' torch fallback, what runs without it, is several times slower)."""
     mean_sample_tokens: int | None = field(default=None, metadata=FREE)
     """Mean tokens per sample; None = the prepared dataset's mean when its cache exists, else 1024."""
     supervised_fraction: float | None = field(default=None, metadata=FREE)

@@ -4,8 +4,16 @@ Per epoch e the samples are shuffled with ``torch.randperm`` seeded by ``seed * 
 and packed greedily in that order: a sample joins the current packet while the packet's total
 stays <= token_budget, else it opens a new packet. Packets never span epochs, and packet numbers
 run on across epochs (epoch 1's first packet follows epoch 0's last). Only the sample lengths,
-the budget, the seed and the epoch count are inputs, so every target and drafter rank derives
-the same plan and the same number of packets without communicating.
+the budget, the seed, the epoch count and the row layout are inputs, so every target and drafter
+rank derives the same plan and the same number of packets without communicating.
+
+Padded rows (``target.pack=false``: one sample per row, every row as long as the packet's longest)
+cost the target ``rows x longest`` tokens, not the real ones. Packing shuffled samples by their real
+total would make that several times the budget (lengths of a chat set spread over a decade), so such
+a plan is length-bucketed instead: the shuffled epoch is cut into windows of about
+:data:`BUCKET_WINDOW_PACKETS` budgets of tokens, each window sorted longest first and packed while
+``rows x longest <= token_budget``, and the window's packets shuffled (the same seeded generator, so
+still deterministic and resumable).
 
 Storage is two flat tensors (``order`` and ``bounds``) rather than one tensor per packet:
 a million samples over several epochs would otherwise be hundreds of thousands of small tensors
@@ -20,12 +28,17 @@ from dataclasses import dataclass
 import torch
 
 SEED_STRIDE = 1000003
+BUCKET_WINDOW_PACKETS = 64
+"""Padded rows: a length bucket is cut from about this many packets' worth of shuffled samples."""
+
+
+def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * SEED_STRIDE + epoch)
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     """[n] int64: the sample order of one epoch."""
-    gen = torch.Generator().manual_seed(seed * SEED_STRIDE + epoch)
-    return torch.randperm(n, generator=gen)
+    return torch.randperm(n, generator=_epoch_generator(seed, epoch))
 
 
 def greedy_pack(lengths: list[int], token_budget: int) -> list[int]:
@@ -47,6 +60,32 @@ def greedy_pack(lengths: list[int], token_budget: int) -> list[int]:
     return bounds
 
 
+def bucketed_pack(lengths: list[int], token_budget: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """Length-bucketed packing for padded rows (module docstring): ``(order, bounds)``, ``order`` a
+    permutation of ``range(len(lengths))`` and packet k ``order[bounds[k]:bounds[k+1]]``, every
+    packet's ``rows x longest <= token_budget`` (every length must be <= token_budget, checked by the
+    caller). Ties keep their input order; ``gen`` shuffles each window's packets."""
+    order: list[int] = []
+    bounds = [0]
+    window_tokens = BUCKET_WINDOW_PACKETS * token_budget
+    start, n = 0, len(lengths)
+    while start < n:
+        end, total = start, 0
+        while end < n and total < window_tokens:
+            total += lengths[end]
+            end += 1
+        packets: list[list[int]] = []
+        for i in sorted(range(start, end), key=lambda j: -lengths[j]):
+            if not packets or (len(packets[-1]) + 1) * lengths[packets[-1][0]] > token_budget:
+                packets.append([])
+            packets[-1].append(i)  # longest first: a packet's first sample is its longest
+        for k in torch.randperm(len(packets), generator=gen).tolist():
+            order.extend(packets[k])
+            bounds.append(len(order))
+        start = end
+    return order, bounds
+
+
 @dataclass(frozen=True, eq=False)
 class DataPlan:
     """Packet g is ``order[bounds[g]:bounds[g+1]]``: int64 indices into the TokenizedDataset."""
@@ -60,10 +99,21 @@ class DataPlan:
     token_budget: int
     seed: int
     num_epochs: int
+    padded_rows: bool = False
+    """Packets bound ``rows x longest`` (length-bucketed) rather than the real tokens."""
 
     @classmethod
-    def build(cls, lengths: torch.Tensor, token_budget: int, seed: int, num_epochs: int) -> DataPlan:
-        """The plan for samples of ``lengths`` ([n] ints): deterministic in its four inputs.
+    def build(
+        cls,
+        lengths: torch.Tensor,
+        token_budget: int,
+        seed: int,
+        num_epochs: int,
+        *,
+        padded_rows: bool = False,
+    ) -> DataPlan:
+        """The plan for samples of ``lengths`` ([n] ints): deterministic in its inputs. ``padded_rows``:
+        the target runs one sample per padded row (``not target.pack``), so packets are length-bucketed.
 
         Raises ValueError when a sample is longer than token_budget (it could never be packed),
         on an empty dataset, or on a non-positive budget or epoch count.
@@ -91,8 +141,14 @@ class DataPlan:
             )
         orders, bounds, epoch_starts = [], [torch.zeros(1, dtype=torch.int64)], [0]
         for epoch in range(num_epochs):
-            perm = epoch_permutation(n, seed, epoch)
-            b = torch.tensor(greedy_pack(lengths[perm].tolist(), token_budget)[1:], dtype=torch.int64)
+            gen = _epoch_generator(seed, epoch)
+            perm = torch.randperm(n, generator=gen)
+            if padded_rows:
+                within, packet_bounds = bucketed_pack(lengths[perm].tolist(), token_budget, gen)
+                perm = perm[torch.tensor(within, dtype=torch.int64)]
+            else:
+                packet_bounds = greedy_pack(lengths[perm].tolist(), token_budget)
+            b = torch.tensor(packet_bounds[1:], dtype=torch.int64)
             orders.append(perm)
             bounds.append(b + epoch * n)
             epoch_starts.append(epoch_starts[-1] + b.numel())
@@ -103,6 +159,7 @@ class DataPlan:
             token_budget=int(token_budget),
             seed=int(seed),
             num_epochs=int(num_epochs),
+            padded_rows=bool(padded_rows),
         )
 
     @property
@@ -137,9 +194,21 @@ class DataPlan:
             )
         return min(max_steps or available, available)
 
+    def packet_tokens(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(real, computed)``, each [num_packets] int64, for samples of ``lengths`` (the plan's): the
+        packets' real tokens, and the tokens the target computes (the same, or ``rows x longest``
+        with padded rows)."""
+        lengths = torch.as_tensor(lengths).to(torch.int64).flatten()[self.order]
+        pieces = lengths.split((self.bounds[1:] - self.bounds[:-1]).tolist())
+        real = torch.stack([p.sum() for p in pieces])
+        if not self.padded_rows:
+            return real, real
+        return real, torch.stack([p.max() * p.numel() for p in pieces])
+
     def fingerprint(self) -> str:
         """sha256 of the settings and the full packet layout (to detect a changed plan on resume)."""
-        h = hashlib.sha256(f"{self.token_budget}:{self.seed}:{self.num_epochs}".encode())
+        layout = ":padded" if self.padded_rows else ""
+        h = hashlib.sha256(f"{self.token_budget}:{self.seed}:{self.num_epochs}{layout}".encode())
         h.update(self.order.numpy().tobytes())
         h.update(self.bounds.numpy().tobytes())
         return h.hexdigest()

@@ -18,11 +18,17 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from dflash.cli import run_app, value_errors_are_user_errors
 from dflash.config import FREE, Config, planned_world_size, to_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflash.data.plan import DataPlan
 
 
 @dataclass
@@ -62,7 +68,9 @@ def run(cfg: PrepareConfig) -> str:
     resolve_drafter(cfg, target)  # the config problems training would refuse, reported here first
     data = resolve_data_config(cfg.data, target.path)
     ds = build_or_load_dataset(data, target.tokenizer, target.meta.vocab_size, progress=True)
-    plan = DataPlan.build(ds.lengths(), data.token_budget, data.seed, data.num_epochs)
+    plan = DataPlan.build(
+        ds.lengths(), data.token_budget, data.seed, data.num_epochs, padded_rows=not cfg.target.pack
+    )
     num_steps = plan.num_steps(topology.packets_per_step, cfg.train.max_steps)
     cache = f"{data.cache_dir}/{ds.fingerprint}"
     where = "found in the cache" if ds.loaded_from_cache else "built"
@@ -73,12 +81,26 @@ def run(cfg: PrepareConfig) -> str:
         "same overrides loads this cache",
         flush=True,
     )
+    print(packet_fill_line(plan, ds.lengths()), flush=True)
     held_out = data.num_eval_prompts or 0
     if held_out:
         print(held_out_line(held_out, cfg.eval.every), flush=True)
     if cfg.show:
         print(show_samples(ds, target.tokenizer, cfg.show, color=sys.stdout.isatty()), flush=True)
     return cache
+
+
+def packet_fill_line(plan: DataPlan, lengths: torch.Tensor) -> str:
+    """How full the plan's packets are, and (padded rows) how much of the target's work is padding."""
+    real, computed = plan.packet_tokens(lengths)
+    line = f"packets: {float(real.float().mean()):,.0f} tokens on average (data.token_budget={plan.token_budget})"
+    if not plan.padded_rows:
+        return line + ", one packed row each"
+    waste = 1 - float(real.sum()) / float(computed.sum())
+    return line + (
+        f"; padded rows (target.pack=false), length-bucketed: the target computes "
+        f"{float(computed.float().mean()):,.0f} tokens per packet, {waste:.1%} of them padding"
+    )
 
 
 def held_out_line(num_eval: int, eval_every: int) -> str:

@@ -7,8 +7,9 @@ the receiver (:func:`payload_buffers`, :func:`packet_from_payload`) and the docs
 :class:`Header` and :class:`Packet` are all built from them, so the wire order lives in one place.
 
 An END header (kind END, no payload) closes a link after the drafter asked it to STOP. A packet
-whose samples the target all dropped (non-finite hidden states) is a DATA header with T = S = 0
-and num_skipped_nonfinite > 0, and no payload.
+whose samples the target all dropped (non-finite hidden states, or each alone too large for its
+memory) is a DATA header with T = S = 0 and num_skipped_nonfinite + num_skipped_oom > 0, and no
+payload.
 
 Control channel, drafter -> target (a separate 2-rank process group per link, so that on NCCL a
 pending control receive never sits on the same stream in front of a data send): int64
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER_LEN = 16
 CONTROL_LEN = 4
 
@@ -72,6 +73,8 @@ HEADER_DOC: dict[str, str] = {
     "forward_us": "target forward time, microseconds",
     "peak_mem_bytes": "target peak memory",
     "num_skipped_nonfinite": "samples the target dropped for non-finite hidden states",
+    "num_skipped_oom": "samples the target dropped because one alone did not fit its memory",
+    "oom_splits": "times the target split this packet's forward after running out of memory",
 }
 """The header fields in wire order (int64 each), then spare zeros up to HEADER_LEN."""
 
@@ -126,7 +129,13 @@ class Header:
     forward_us: int
     peak_mem_bytes: int
     num_skipped_nonfinite: int
+    num_skipped_oom: int
+    oom_splits: int
     spare: tuple[int, ...] = (0,) * (HEADER_LEN - len(HEADER_DOC))
+
+    @property
+    def num_skipped(self) -> int:
+        return self.num_skipped_nonfinite + self.num_skipped_oom
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -166,12 +175,20 @@ class Packet:
     peak_mem_bytes: int = 0
     flags: int = 0
     num_skipped_nonfinite: int = 0
+    num_skipped_oom: int = 0
+    """Samples dropped because a forward of that sample alone ran out of memory."""
+    oom_splits: int = 0
+    """Times this packet's forward was split after running out of memory."""
     host: HostFields | None = None
     """The small payload fields on the host (``host_fields``), once read."""
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.numel())
+
+    @property
+    def num_skipped(self) -> int:
+        return self.num_skipped_nonfinite + self.num_skipped_oom
 
     @property
     def num_tokens(self) -> int:
@@ -241,6 +258,8 @@ def data_header(packet: Packet, spec: PacketSpec) -> Header:
         forward_us=max(0, int(round(packet.forward_s * 1e6))),
         peak_mem_bytes=int(packet.peak_mem_bytes),
         num_skipped_nonfinite=int(packet.num_skipped_nonfinite),
+        num_skipped_oom=int(packet.num_skipped_oom),
+        oom_splits=int(packet.oom_splits),
     )
 
 
@@ -258,6 +277,8 @@ def end_header(g: int, spec: PacketSpec) -> Header:
         forward_us=0,
         peak_mem_bytes=0,
         num_skipped_nonfinite=0,
+        num_skipped_oom=0,
+        oom_splits=0,
     )
 
 
@@ -296,14 +317,14 @@ def validate_header(
             raise fail("total_tokens", "0 for END", h.total_tokens)
         if h.num_seqs != 0:
             raise fail("num_seqs", "0 for END", h.num_seqs)
-    elif h.total_tokens == 0 and h.num_skipped_nonfinite > 0:  # every sample dropped: an empty packet
+    elif h.total_tokens == 0 and h.num_skipped > 0:  # every sample dropped: an empty packet
         if h.num_seqs != 0:
             raise fail("num_seqs", "0 (empty packet)", h.num_seqs)
     else:
         if not 0 < h.total_tokens <= spec.max_tokens:
             raise fail(
                 "total_tokens",
-                f"1..{spec.max_tokens} (0 only with num_skipped_nonfinite > 0)",
+                f"1..{spec.max_tokens} (0 only with num_skipped_nonfinite or num_skipped_oom > 0)",
                 h.total_tokens,
             )
         if not 0 < h.num_seqs <= h.total_tokens:
@@ -313,8 +334,9 @@ def validate_header(
     for name in ("forward_us", "peak_mem_bytes"):
         if getattr(h, name) < 0:
             raise fail(name, ">= 0", getattr(h, name))
-    if not 0 <= h.num_skipped_nonfinite:
-        raise fail("num_skipped_nonfinite", ">= 0", h.num_skipped_nonfinite)
+    for name in ("num_skipped_nonfinite", "num_skipped_oom", "oom_splits"):
+        if getattr(h, name) < 0:
+            raise fail(name, ">= 0", getattr(h, name))
     for i, v in enumerate(h.spare):
         if v != 0:
             raise fail(f"spare{len(HEADER_FIELDS) + i}", 0, v)
@@ -336,6 +358,8 @@ def packet_from_payload(h: Header, tensors: list[Tensor]) -> Packet:
         peak_mem_bytes=h.peak_mem_bytes,
         flags=h.flags,
         num_skipped_nonfinite=h.num_skipped_nonfinite,
+        num_skipped_oom=h.num_skipped_oom,
+        oom_splits=h.oom_splits,
     )
 
 
@@ -394,7 +418,7 @@ def check_packet(packet: Packet, spec: PacketSpec) -> None:
         dtype, shape = f.dtype or spec.dtype, payload_shape(f, expect)
         if x.dtype != dtype or tuple(x.shape) != shape:
             problems.append(f"{f.name} must be {dtype} {list(shape)}, got {x.dtype} {list(x.shape)}")
-    if t == 0 and s == 0 and packet.num_skipped_nonfinite > 0:
+    if t == 0 and s == 0 and packet.num_skipped > 0:
         pass  # every sample was dropped: a valid empty packet (header only)
     elif not 0 < t <= spec.max_tokens:
         problems.append(f"total tokens {t} outside 1..{spec.max_tokens} (0 only when samples were skipped)")
@@ -402,8 +426,9 @@ def check_packet(packet: Packet, spec: PacketSpec) -> None:
         problems.append(f"num_seqs {s} outside 1..{t}")
     elif not problems and int(packet.seq_lens.sum().item()) != t:
         problems.append(f"sum(seq_lens)={int(packet.seq_lens.sum().item())} != {t} tokens")
-    if packet.num_skipped_nonfinite < 0:
-        problems.append(f"num_skipped_nonfinite {packet.num_skipped_nonfinite} < 0")
+    for name in ("num_skipped_nonfinite", "num_skipped_oom", "oom_splits"):
+        if getattr(packet, name) < 0:
+            problems.append(f"{name} {getattr(packet, name)} < 0")
     if packet.flags < 0 or packet.flags & ~FLAGS_MASK:
         problems.append(f"flags {packet.flags} outside {FLAGS_MASK:#x}")
     if problems:

@@ -32,6 +32,22 @@ from dflash.gpu_check.table import render
 from dflash.gpu_check.targets import judged_targets
 
 
+def linear_attention_kernels(cuda: bool) -> str:
+    """The kernels a hybrid target's packed rows run here (tests/gpu/test_cuda_linear_attention.py
+    runs them): flash-linear-attention's varlen delta rule and causal-conv1d when the GPU extra is
+    installed, else the torch fallbacks one document at a time."""
+    import importlib.util
+
+    import torch
+
+    from dflash.targets.linear_attention import fast_delta_rule
+
+    fast = cuda and fast_delta_rule(torch.device("cuda"))
+    delta = "flash-linear-attention (varlen)" if fast else "torch, per document"
+    conv = "causal-conv1d" if cuda and importlib.util.find_spec("causal_conv1d") is not None else "torch"
+    return f"delta rule {delta}; convolution {conv} (zero gaps between documents)"
+
+
 class Check:
     """One run of the check, from the command line's ``args`` (see ``dflash.gpu_check.cli``)."""
 
@@ -139,7 +155,11 @@ class Check:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/gpu"]
         proc = self.run("kernels", cmd)
         counts = pytest_counts(proc.stdout)
-        res: dict[str, Any] = {"counts": counts, "seconds": round(proc.seconds, 1)}
+        res: dict[str, Any] = {
+            "counts": counts,
+            "seconds": round(proc.seconds, 1),
+            "linear_attention": linear_attention_kernels(bool(self.device["cuda"]) and not self.dry),
+        }
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
         if failed:
             res["failed_tests"] = failed[:10]

@@ -44,7 +44,7 @@ def planner_figures(
     replica (``topology.target_tp`` > 1) the target's figures are one rank's: its share of the
     FLOPs (``target_rank_flop``; the all-reduces are not counted) and its memory (``target_rank``)."""
     from dflash.config.modes import mode_of
-    from dflash.plan.costs import packet_costs, target_rank_flop
+    from dflash.plan.costs import packet_costs, target_rank_flop, target_seconds
     from dflash.plan.inputs import VERIFIER_METRICS, attention_kinds, resolve_inputs
     from dflash.plan.planner import make_plan
     from dflash.targets.tp import shape_layout
@@ -97,7 +97,13 @@ def planner_figures(
         out[f"{role}_mfu"] = round_sig(tflops / peak)
     # What the planner expects of this packet at plan.mfu_* (0.4): co-located one GPU does both
     # roles in turn; 1 target + 1 drafter is bound by the slower role.
-    t_plan = target_flop / (cfg.plan.mfu_target * peak * 1e12)
+    t_plan = target_seconds(
+        costs.target_flop_by_part,
+        peak * 1e12,
+        mfu_target=cfg.plan.mfu_target,
+        mfu_delta_rule=cfg.plan.mfu_delta_rule,
+        layout=shape_layout(inputs.target.meta, k) if k > 1 else None,
+    )
     d_plan = costs.drafter_flop / (cfg.plan.mfu_drafter * peak * 1e12)
     per_packet = t_plan + d_plan if mode_of(cfg.topology).self_produced else max(t_plan, d_plan)
     out["planner_s_per_packet"] = {

@@ -41,7 +41,8 @@ def _part_lines(part: str, r: dict[str, Any]) -> tuple[str, list[str]]:
     if part == "kernels":
         c = r.get("counts", {})
         first = f"pytest -m gpu: {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped, {c.get('errors', 0)} errors"
-        return first + (f" ({r['note']})" if "note" in r else ""), r.get("failed_tests", [])
+        more = [f"hybrid targets: {r['linear_attention']}"] if "linear_attention" in r else []
+        return first + (f" ({r['note']})" if "note" in r else ""), more + r.get("failed_tests", [])
     if part == "loss":
         more = [
             f"{'case':<12}{'terms':<7}{'chunk':>6}{'time s':>9}{'peak GB':>9}{'TFLOP/s':>9}{'of peak':>9}"

@@ -55,6 +55,10 @@ def plan_problems(p: PlanConfig) -> list[str]:
             f"plan.mfu_drafter={p.mfu_drafter}: must be in (0, 1]; e.g. plan.mfu_drafter=0.4",
         ),
         (
+            0 < p.mfu_delta_rule <= 1,
+            f"plan.mfu_delta_rule={p.mfu_delta_rule}: must be in (0, 1]; e.g. plan.mfu_delta_rule=0.2",
+        ),
+        (
             p.mean_sample_tokens is None or p.mean_sample_tokens >= 2,
             f"plan.mean_sample_tokens={p.mean_sample_tokens}: must be >= 2 or null",
         ),

@@ -17,8 +17,9 @@ Target (headless forward, never the lm_head), per computed token (padding includ
   query (see :data:`AttentionKind`);
 - Gated DeltaNet linear attention (hybrid Qwen3.5/3.6 layers, ``dk = nk*dk_head``,
   ``dv = nv*dv_head``): projections ``2*H*(2*dk + 2*dv + 2*nv) + 2*dv*H`` (in_proj_qkv, in_proj_z,
-  in_proj_a/b, out_proj), causal conv ``2*K*(2*dk + dv)`` and the delta rule ``6*nv*dk_head*dv_head``
-  (state times key, rank-1 state update, state times query; the chunked kernels do about as much);
+  in_proj_a/b, out_proj), causal conv ``2*K*(2*dk + dv)`` and the chunked delta rule
+  (:func:`dflash.targets.families.delta_rule_flop_per_head` per value head: ``6*dk_h*dv_h`` for the
+  state, ``2C*(3*dk_h + 2*dv_h)`` within chunks of ``C = 64``);
 - SwiGLU MLP ``6*H*F``; a mixture-of-experts layer instead (``E`` experts of width ``F_e``, ``k_e``
   of them per token, a shared expert of width ``F_s``): router ``2*H*E``, routed experts
   ``k_e*6*H*F_e`` (the ACTIVE parameters: a token runs only its experts), shared expert
@@ -61,7 +62,7 @@ from typing import TYPE_CHECKING, Literal
 
 from dflash.config import LossConfig, TargetShape
 from dflash.loss.terms import coefficients, needs_verifier_logits
-from dflash.targets.families import flop_by_part, tp_traffic_per_token
+from dflash.targets.families import KERNEL_PARTS, flop_by_part, tp_traffic_per_token
 from dflash.targets.tp import TpLayout
 
 if TYPE_CHECKING:
@@ -90,7 +91,9 @@ class PacketShape:
       ``data.token_budget`` and ``drafter.max_anchors_per_packet``, padding blocks seeing only
       their own slots);
     - ``anchor_context``: mean context keys a real block sees (default ``tokens / num_seqs / 2``:
-      anchors uniform over documents of equal length).
+      anchors uniform over documents of equal length);
+    - ``doc_lengths``: the documents' own lengths when they differ (padded rows planned from the
+      data plan); None: ``num_seqs`` documents of equal length.
     """
 
     tokens: int
@@ -102,10 +105,15 @@ class PacketShape:
     drafter_context_tokens: int | None = None
     drafter_blocks: int | None = None
     anchor_context: float | None = None
+    doc_lengths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.num_seqs < 1 or self.num_anchors < 0:
             raise ValueError(f"PacketShape needs tokens >= 1, num_seqs >= 1, num_anchors >= 0: {self}")
+        if self.doc_lengths is not None and (
+            len(self.doc_lengths) != self.num_seqs or sum(self.doc_lengths) != self.tokens
+        ):
+            raise ValueError(f"PacketShape.doc_lengths must be num_seqs lengths summing to tokens: {self}")
 
     @property
     def mean_doc_tokens(self) -> float:
@@ -122,7 +130,8 @@ class PacketCosts:
     """The part of ``target_flop`` spent in attention scores and weighted sums."""
     target_flop_by_part: dict[str, float]
     """``target_flop`` by part of the decoder layers (:func:`dflash.targets.families.flop_by_part`; ``attention``
-    includes ``attention_scores``), for the time of a tensor-parallel replica."""
+    includes ``attention_scores``, ``linear_attention`` ``delta_rule``), for the times of each kernel
+    and of a tensor-parallel replica."""
     drafter_layers_flop: float
     """``fc`` and the decoder layers, forward + backward."""
     drafter_attention_flop: float
@@ -147,7 +156,7 @@ class PacketCosts:
 def target_layer_flop_per_token(target: TargetShape, keys_per_query: float) -> tuple[float, float]:
     """``(all layers, their attention part)`` FLOPs of one token through the target's decoder layers."""
     parts = flop_by_part(target, keys_per_query)
-    total = sum(v for k, v in parts.items() if k != "attention_scores")
+    total = sum(v for k, v in parts.items() if k not in KERNEL_PARTS)
     return total, parts["attention_scores"]
 
 
@@ -165,15 +174,38 @@ def tp_bytes_per_token(target: TargetShape, layout: TpLayout, dtype_bytes: int) 
     }
 
 
-def target_rank_flop(target_flop_by_part: dict[str, float], layout: TpLayout) -> float:
-    """FLOPs one rank of the replica computes, from ``PacketCosts.target_flop_by_part``."""
+def rank_flop_by_part(target_flop_by_part: dict[str, float], layout: TpLayout | None) -> dict[str, float]:
+    """``PacketCosts.target_flop_by_part`` for one rank of a replica (``layout``; None: one GPU): a
+    split part (and its kernel, :data:`KERNEL_PARTS`) is ``1/k`` of it."""
+    if layout is None or layout.tp_size <= 1:
+        return dict(target_flop_by_part)
     k = layout.tp_size
-    total = 0.0
-    for part, flop in target_flop_by_part.items():
-        if part == "attention_scores":
-            continue
-        total += flop / k if layout.split(part) else flop
-    return total
+    return {
+        part: flop / k if layout.split(KERNEL_PARTS.get(part, part)) else flop
+        for part, flop in target_flop_by_part.items()
+    }
+
+
+def target_rank_flop(target_flop_by_part: dict[str, float], layout: TpLayout | None) -> float:
+    """FLOPs one rank of the replica computes, from ``PacketCosts.target_flop_by_part``."""
+    by_part = rank_flop_by_part(target_flop_by_part, layout)
+    return sum(v for k, v in by_part.items() if k not in KERNEL_PARTS)
+
+
+def target_seconds(
+    target_flop_by_part: dict[str, float],
+    peak_flops: float,
+    *,
+    mfu_target: float,
+    mfu_delta_rule: float,
+    layout: TpLayout | None = None,
+) -> float:
+    """Compute seconds of one rank's target forward at ``peak_flops`` FLOP/s: the delta rule of
+    linear-attention layers at ``mfu_delta_rule``, everything else (GEMMs, attention) at ``mfu_target``."""
+    by_part = rank_flop_by_part(target_flop_by_part, layout)
+    delta = by_part.get("delta_rule", 0.0)
+    total = sum(v for k, v in by_part.items() if k not in KERNEL_PARTS)
+    return (total - delta) / (peak_flops * mfu_target) + delta / (peak_flops * mfu_delta_rule)
 
 
 def target_keys_per_query(packet: PacketShape, attention: AttentionKind) -> float:
@@ -227,7 +259,7 @@ def packet_costs(
     per_part = flop_by_part(target, target_keys_per_query(packet, target_attention))
     t_tokens = packet.target_tokens or packet.tokens
     by_part = {k: v * t_tokens for k, v in per_part.items()}
-    target_flop = sum(v for k, v in by_part.items() if k != "attention_scores")
+    target_flop = sum(v for k, v in by_part.items() if k not in KERNEL_PARTS)
     target_attention_flop = by_part["attention_scores"]
 
     h, bs = drafter.hidden_size, drafter.block_size

@@ -18,7 +18,8 @@ part the plan splits, :class:`dflash.targets.tp.TpLayout`, and the rest whole), 
   a mixture of experts ``3*(k_e*F_e + F_s) + E`` in place of ``3F``; a split part's share on a TP rank);
 - full attention: ``(3H + (g + 2)*A + K)*a`` per token (``g = 2`` with an output gate: q, gate,
   repeated k and v, RoPE'd q and k) plus, with a dense-attention kernel, per row of ``r`` tokens the
-  boolean mask and the additive mask SDPA makes of it before its CUDA kernels: ``r*r*(2 + a)``;
+  boolean mask and the additive mask SDPA makes of it before its CUDA kernels: ``r*r*(2 + a)`` (the
+  boolean ``r*r`` in every other stage too: it is made once per forward);
 - Gated DeltaNet (hybrid targets, transformers' torch fallback, fp32): ``4*nv*(10*dv + 3*64)`` per
   token plus its conv and gate rows ``(2*dk + 2*dv)*a`` and ``3H*a``.
 
@@ -28,7 +29,9 @@ Drafter rank (bf16 autocast, the GPU default; fp32 runs count 4 bytes and no cas
   drafters that share them with ``drafter.shard`` (:func:`drafter_state`: ``optimizer`` also holds the
   whole weights for the step, ``full`` four layer-sized buffers in backward);
 - the frozen embedding and lm_head ``2*V*H*a`` (a co-located rank uses the target's own);
-- one packet (the one being trained on; the next one's receive posts only its header);
+- one packet (the one being trained on; the next one's receive posts only its header), and, when
+  it holds fewer tokens than the static shape ``S``, its hidden states grown to ``S`` rows
+  (``S*(n_tap + 1)*H*a``, live for the whole step);
 - activations saved for backward, per layer ``Q*(20H + 10A + 10K + 8F + 12nh + 4nkv + 16) +
   S*(10K + 4nkv)`` bytes (fp32 residual stream and norms, one bf16 copy per GEMM-input group: the
   normed states for q, k and v, the MLP input for gate and up; bf16 GEMM outputs, flex's output and
@@ -141,9 +144,9 @@ def target_working_bytes(
     stages = {k: tokens * v for k, v in working_bytes_per_token(target, a, share).items()}
     if attention == "dense":
         row = packet.target_row_tokens or packet.tokens
-        mask = (tokens // row) * row * row
-        stages["ffn"] += mask
-        stages["attention"] += mask * (2 + a)
+        mask = (tokens // row) * row * row  # the boolean mask lives through every layer
+        stages = {k: v + mask for k, v in stages.items()}
+        stages["attention"] += mask * (1 + a)
     return max(stages.values())
 
 
@@ -262,7 +265,10 @@ def drafter_memory(
     q, s = blocks * bs, packet.drafter_context_tokens or packet.tokens
     rows = packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (bs - 1)
     at_loss, backward = drafter_activations(drafter, q, s, dtypes, settings.checkpoint)
-    backward += shard_backward_bytes(drafter, settings)
+    # a packet short of the static shape is grown to it: a copy of its hidden states for the step
+    grown = s * (drafter.num_taps + 1) * h * dtypes.target_bytes if s > packet.tokens else 0
+    at_loss += grown
+    backward += grown + shard_backward_bytes(drafter, settings)
     workspace = loss_workspace_bytes(
         drafter, rows, loss_chunk_rows, verifier_logits=verifier_logits, dtypes=dtypes
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from dflash.config import Config, GpuSpec, TargetShape
 from dflash.config.modes import layout_of, mode_of
-from dflash.plan.costs import PacketCosts, packet_costs, target_rank_flop, tp_bytes_per_token
+from dflash.plan.costs import AttentionKind, PacketCosts, packet_costs, tp_bytes_per_token
 from dflash.plan.fit import (
     CheckpointDecision,
     decide_checkpointing,
@@ -16,7 +16,7 @@ from dflash.plan.fit import (
     num_drafters,
     role_memory,
 )
-from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs
+from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs, plan_device
 from dflash.plan.memory import DrafterSettings, drafter_num_params, target_memory
 from dflash.plan.throughput import RoleTimes, Split, best_split, colocated, disaggregated, role_times
 from dflash.targets.tp import TpLayout, shape_layout, tp_shape_problems
@@ -85,8 +85,13 @@ class Plan:
         return "disaggregated"
 
     @property
-    def samples_per_packet(self) -> int:
-        return self.inputs.packet.num_seqs
+    def samples_per_packet(self) -> float:
+        """Samples of the planned packet; with padded rows, the samples its real tokens hold at the
+        plan's mean sample length (its own are the longest of a bucket)."""
+        padded, packet = self.inputs.padded, self.inputs.packet
+        if padded is None:
+            return packet.num_seqs
+        return packet.tokens * padded.mean_samples / padded.mean_real
 
 
 def tp_layouts(target: TargetShape, gpu: GpuSpec, world_size: int) -> dict[int, TpLayout]:
@@ -104,9 +109,12 @@ def tp_layouts(target: TargetShape, gpu: GpuSpec, world_size: int) -> dict[int, 
 
 def _replicas(
     cfg: Config, inputs: PlanInputs, costs: PacketCosts, layouts: dict[int, TpLayout]
-) -> tuple[dict[int, dict[str, float]], dict[int, tuple[float, float]], dict[int, dict[str, float]]]:
-    """Memory of one replica rank, ``(FLOPs, bytes sent)`` per packet of one rank, and those bytes by kind."""
-    memory, work, sent = {}, {}, {}
+) -> tuple[dict[int, dict[str, float]], dict[int, tuple[TpLayout, float]], dict[int, dict[str, float]]]:
+    """Memory of one replica rank, ``(its layout, bytes one rank sends)`` per packet, and those bytes
+    by kind."""
+    memory: dict[int, dict[str, float]] = {}
+    work: dict[int, tuple[TpLayout, float]] = {}
+    sent: dict[int, dict[str, float]] = {}
     shape, tokens = inputs.target.meta, inputs.packet.target_tokens or inputs.packet.tokens
     for k, layout in layouts.items():
         memory[k] = target_memory(
@@ -122,7 +130,7 @@ def _replicas(
             kind: b * tokens
             for kind, b in tp_bytes_per_token(shape, layout, inputs.dtypes.target_bytes).items()
         }
-        work[k] = (target_rank_flop(costs.target_flop_by_part, layout), sum(sent[k].values()))
+        work[k] = (layout, float(sum(sent[k].values())))
     return memory, work, sent
 
 
@@ -156,19 +164,41 @@ def _warnings(
     return warnings
 
 
-def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
-    """Costs, memory and throughput of ``cfg`` on ``plan.world_size`` GPUs of ``plan.gpu``."""
-    p, gpu, world = cfg.plan, inputs.gpu, cfg.plan.world_size
-    costs = packet_costs(
+def _cross_document_flop(cfg: Config, inputs: PlanInputs, costs: PacketCosts) -> float:
+    """Target FLOPs per packet spent on pairs of different documents: a packed row under a kernel
+    that computes every pair of the row (SDPA with a mask, on a GPU without flash-attn for a model
+    transformers runs without flex), else 0."""
+    if not (cfg.target.pack and inputs.target_attention == "dense" and plan_device(cfg) == "cuda"):
+        return 0.0
+    return costs.target_flop - _costs(cfg, inputs, "sparse").target_flop
+
+
+def _costs(cfg: Config, inputs: PlanInputs, target_attention: AttentionKind) -> PacketCosts:
+    return packet_costs(
         inputs.target.meta,
         inputs.arch,
         inputs.packet,
         cfg.loss,
-        target_attention=inputs.target_attention,
+        target_attention=target_attention,
         drafter_attention=inputs.drafter_attention,
         verifier_metrics=VERIFIER_METRICS,
         hidden_dtype_bytes=inputs.dtypes.target_bytes,
     )
+
+
+def _dense_attention_warning(costs: PacketCosts, cross: float) -> str:
+    return (
+        f"the target's attention computes every pair of the packed row (target.attn_implementation resolves "
+        f"to sdpa with a mask): {cross / 1e12:.0f} of its {costs.target_flop / 1e12:.0f} TFLOP per packet "
+        "go to pairs of tokens from different documents; install flash-attn on the GPU hosts (auto then picks "
+        "flash_attention_2) or set target.pack=false (padded rows, length-bucketed by the data plan)"
+    )
+
+
+def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
+    """Costs, memory and throughput of ``cfg`` on ``plan.world_size`` GPUs of ``plan.gpu``."""
+    p, gpu, world = cfg.plan, inputs.gpu, cfg.plan.world_size
+    costs = _costs(cfg, inputs, inputs.target_attention)
     capacity = gpu_capacity_gib(gpu, p.reserved_gib)
     # one GPU runs the co-located mode whatever the topology says (the plan's one-GPU table)
     role = "colocated" if world == 1 else drafter_role(cfg)
@@ -184,6 +214,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         gpu,
         mfu_target=p.mfu_target,
         mfu_drafter=p.mfu_drafter,
+        mfu_delta_rule=p.mfu_delta_rule,
         drafter_params=drafter_num_params(inputs.arch),
         grad_accum_steps=cfg.optim.grad_accum_steps,
         replicas=work,
@@ -212,6 +243,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         )
     )
     need = {role: sum(memory[role].values()) for role in ROLES}
+    cross = _cross_document_flop(cfg, inputs, costs)
     return Plan(
         inputs=inputs,
         costs=costs,
@@ -227,7 +259,8 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         configured=configured,
         world_size=world,
         warnings=list(inputs.target.problems)
-        + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world, settings),
+        + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world, settings)
+        + ([_dense_attention_warning(costs, cross)] if cross > 0.05 * costs.target_flop else []),
         layouts=layouts,
         replica_memory={1: memory["target"], **replica_memory},
         replica_fits=replica_fits,

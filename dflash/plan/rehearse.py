@@ -1,8 +1,9 @@
 """The real-size rehearsal: each role's training step on CPU fake tensors, GPU code paths, peak memory.
 
 What runs is the library code the job runs, at the config's real shapes, on the packet the planner
-assumes (:func:`dflash.plan.inputs.typical_packet`: ``num_seqs`` samples of the mean length, the last
-``supervised_fraction`` of each under the loss mask):
+assumes (:func:`dflash.plan.inputs.typical_packet`: ``num_seqs`` samples of the mean length, or with
+padded rows the data plan's own packet of the most target work, the last ``supervised_fraction`` of
+each under the loss mask):
 
 - ``target``: the frozen ``*ForCausalLM`` built from its config (``config.json`` when on disk, else
   ``target.shape``) in the target dtype; the headless forward of one packet
@@ -68,6 +69,7 @@ from dflash.plan.inputs import PlanInputs, local_config_dir, plan_device
 from dflash.plan.memory import GIB, PLAIN, DrafterSettings
 from dflash.targets.families import fake_config, family_of
 from dflash.targets.forward import build_batch, gather_tokens, target_forward
+from dflash.targets.linear_attention import install_varlen, whole_row_delta_rule
 from dflash.targets.loader import target_embed_and_head
 
 if TYPE_CHECKING:
@@ -242,7 +244,8 @@ def packet_tokens(inputs: PlanInputs, vocab: int) -> tuple[list[Tensor], list[Te
     supervised (the prompt first), ids drawn below ``vocab`` from a fixed seed."""
     g = torch.Generator().manual_seed(0)
     ids, masks = [], []
-    for n in sample_lengths(inputs.packet.tokens, inputs.packet.num_seqs):
+    packet = inputs.packet
+    for n in packet.doc_lengths or sample_lengths(packet.tokens, packet.num_seqs):
         ids.append(torch.randint(0, vocab, (n,), generator=g))
         mask = torch.zeros(n, dtype=torch.uint8)
         mask[n - round(inputs.stats.supervised_fraction * n) :] = 1
@@ -266,6 +269,8 @@ def received_packet(inputs: PlanInputs, dtype: torch.dtype) -> Packet:
         forward_us=0,
         peak_mem_bytes=0,
         num_skipped_nonfinite=0,
+        num_skipped_oom=0,
+        oom_splits=0,
     )
     out = packet_from_payload(header, payload_buffers(header, torch.device("cpu")))
     ids, masks = packet_tokens(inputs, arch.vocab_size - 1)
@@ -288,6 +293,7 @@ def target_model(cfg: Config, inputs: PlanInputs, dtype: torch.dtype) -> PreTrai
     attn = cfg.target.attn_implementation
     attn = attn if attn in ("sdpa", "eager") else family.rehearsal_attention
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    install_varlen(model)  # what the loader does: packed documents restart the linear-attention state
     return model.eval().requires_grad_(False)
 
 
@@ -309,13 +315,15 @@ def make_packet(model: nn.Module, cfg: Config, inputs: PlanInputs, live: LiveByt
     The model runs SDPA (``target_model``). A document-masked kernel (``inputs.target_attention``
     sparse: flex, flash-attn) holds no [T, T] mask: it stands in as SDPA over the packed row taken as
     one causal document (``is_causal``, the same tensors; the cross-document pairs it computes are
-    FLOPs, not memory)."""
+    FLOPs, not memory). A linear-attention layer's delta rule runs once over the row
+    (:func:`whole_row_delta_rule`), as the varlen CUDA kernel does: the torch fallback's working set,
+    the bound the planner counts."""
     ids, _ = packet_tokens(inputs, inputs.arch.vocab_size - 1)
     batch, attention_mask, positions, keep = build_batch(ids, pack=cfg.target.pack, pad_id=0)
     lens = [len(x) for x in ids]
     if cfg.target.pack and inputs.target_attention == "sparse":
         lens = [sum(lens)]
-    with live.term("activations"):
+    with live.term("activations"), whole_row_delta_rule():
         aux, final = target_forward(
             model, batch, attention_mask, inputs.arch.target_layer_ids, positions, seq_lens=lens
         )

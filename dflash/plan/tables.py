@@ -114,6 +114,7 @@ def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None
         "link_gbps_busiest_gpu": round(link_gbps(plan, best), 3),
         "mfu_target": plan.times.mfu_target,
         "mfu_drafter": plan.times.mfu_drafter,
+        "mfu_delta_rule": plan.times.mfu_delta_rule,
         "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
         "target_rank_memory_gib": {str(k): round(sum(m.values()), 2) for k, m in plan.replica_memory.items()},
         "activation_checkpointing": plan.settings.checkpoint,
@@ -158,12 +159,35 @@ def _inputs_lines(plan: Plan, name: str) -> list[str]:
     ]
 
 
+def _delta_rule_text(plan: Plan) -> str:
+    delta = plan.costs.target_flop_by_part.get("delta_rule", 0.0)
+    if not delta:
+        return ""
+    return (
+        f"; the target's delta rule, {_tf(delta).strip()} TFLOP of it, at MFU {plan.times.mfu_delta_rule:g}"
+    )
+
+
+def _padding_lines(plan: Plan) -> list[str]:
+    padded, pk = plan.inputs.padded, plan.inputs.packet
+    if padded is None:
+        return []
+    waste = 1 - padded.mean_real / padded.mean_computed
+    return [
+        f"  padded rows (target.pack=false): the data plan's packet of the most target work, {pk.num_seqs} rows x "
+        f"{pk.target_row_tokens} = {pk.target_tokens} tokens computed for {pk.tokens} real; over the plan "
+        f"{padded.mean_real:,.0f} real and {padded.mean_computed:,.0f} computed tokens per packet ({waste:.1%} "
+        f"padding; lengths: {padded.source})"
+    ]
+
+
 def _packet_lines(plan: Plan) -> list[str]:
     inp, c, pk, arch = plan.inputs, plan.costs, plan.inputs.packet, plan.inputs.arch
     return [
         f"Per packet: {pk.num_seqs} samples, {pk.tokens} tokens, {pk.num_anchors} anchors x {arch.block_size} slots, "
         f"{pk.loss_rows} loss rows; drafter computes {pk.drafter_context_tokens or pk.tokens} context rows and "
         f"{pk.drafter_blocks if pk.drafter_blocks is not None else pk.num_anchors} blocks",
+        *_padding_lines(plan),
         "  role     what                                      TFLOP",
         f"  target   forward, headless (no lm_head)       {_tf(c.target_flop)}",
         f"             of which attention                 {_tf(c.target_attention_flop)}",
@@ -177,7 +201,8 @@ def _packet_lines(plan: Plan) -> list[str]:
         f"of hidden states ({arch.num_taps} taps + final, {inp.dtypes.target_bytes} bytes each), "
         f"{c.payload_bytes / 1e6:.1f} MB in all",
         f"  one GPU per packet: target {plan.times.target_s:.3f} s, drafter {plan.times.drafter_s:.3f} s "
-        f"(t = FLOP / (peak x MFU), MFU target {plan.times.mfu_target:g}, drafter {plan.times.mfu_drafter:g})",
+        f"(t = FLOP / (peak x MFU), MFU target {plan.times.mfu_target:g}, drafter {plan.times.mfu_drafter:g}"
+        f"{_delta_rule_text(plan)})",
         "",
     ]
 

@@ -2,7 +2,9 @@
 
 Times per packet on one GPU of peak ``P`` FLOP/s (dense BF16, from ``conf/gpu/``):
 
-- ``t_target = target_flop / (P * mfu_target)``;
+- ``t_target = (target_flop - delta_rule_flop) / (P * mfu_target) + delta_rule_flop / (P *
+  mfu_delta_rule)``: GEMMs and attention at one efficiency, the chunked delta rule of a hybrid
+  target's linear-attention layers (small matrices, a sequential scan over chunks) at its own;
 - ``t_drafter = drafter_flop / (P * mfu_drafter) + t_sync / accum``: the step's gradient
   all-reduce among the ``M`` drafters (ring: ``2*(M-1)/M`` of the fp32 gradients over one
   direction of the GPU's link) and the AdamW update (28 bytes per parameter: read weights,
@@ -18,7 +20,7 @@ what a packet carries and ``link`` one direction of a GPU's NVLink (or of its ne
 the world spans hosts): each target sends, each drafter receives, its share of the packets.
 
 Tensor-parallel replicas ``NxK:M`` (``N`` replicas of ``K`` GPUs, world ``N*K + M``): ``t_target`` is
-a replica's time per packet, ``t_replica = rank_flop / (P * mfu_target) + tp_bytes / link_nvlink``:
+a replica's time per packet, ``t_replica = t(rank_flop) + tp_bytes / link_nvlink``:
 the FLOPs of one rank (the split parts ``1/K``, the rest whole; :func:`dflash.plan.costs.target_rank_flop`)
 plus its all-reduces and gathers over one direction of NVLink, not overlapped with compute
 (transformers' TP runs them on the compute stream). A replica stays inside a node (``K`` divides
@@ -36,7 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash.config import GpuSpec
-from dflash.plan.costs import PacketCosts
+from dflash.plan.costs import PacketCosts, target_seconds
+from dflash.targets.tp import TpLayout
 
 ADAMW_BYTES_PER_PARAM = 28
 
@@ -49,6 +52,7 @@ class RoleTimes:
     drafter_s: float
     mfu_target: float
     mfu_drafter: float
+    mfu_delta_rule: float
     drafter_params: int
     grad_accum_steps: int
     replica_s: dict[int, float] = field(default_factory=dict)
@@ -105,24 +109,32 @@ def role_times(
     mfu_drafter: float,
     drafter_params: int,
     grad_accum_steps: int,
-    replicas: dict[int, tuple[float, float]] | None = None,
+    mfu_delta_rule: float | None = None,
+    replicas: dict[int, tuple[TpLayout, float]] | None = None,
     recompute_flop: float = 0.0,
 ) -> RoleTimes:
-    """``t = FLOP / (peak * MFU)`` for each role on one GPU of ``gpu``; ``replicas``: ``k ->
-    (FLOPs of one rank, bytes one rank sends)`` per packet of a ``k``-GPU tensor-parallel replica;
-    ``recompute_flop``: what activation checkpointing runs again per packet (the layers' forward)."""
+    """``t = FLOP / (peak * MFU)`` for each role on one GPU of ``gpu`` (the target's delta rule at
+    ``mfu_delta_rule``, default ``mfu_target``); ``replicas``: ``k -> (the replica's layout, bytes one
+    rank sends per packet)`` for a ``k``-GPU tensor-parallel replica; ``recompute_flop``: what
+    activation checkpointing runs again per packet (the layers' forward)."""
     peak = gpu.bf16_tflops * 1e12
     nvlink = gpu.nvlink_gbps / 2 * 1e9
+    delta = mfu_target if mfu_delta_rule is None else mfu_delta_rule
+
+    def target_s(layout: TpLayout | None) -> float:
+        return target_seconds(
+            costs.target_flop_by_part, peak, mfu_target=mfu_target, mfu_delta_rule=delta, layout=layout
+        )
+
     return RoleTimes(
-        target_s=costs.target_flop / (peak * mfu_target),
+        target_s=target_s(None),
         drafter_s=(costs.drafter_flop + recompute_flop) / (peak * mfu_drafter),
         mfu_target=mfu_target,
         mfu_drafter=mfu_drafter,
+        mfu_delta_rule=delta,
         drafter_params=drafter_params,
         grad_accum_steps=grad_accum_steps,
-        replica_s={
-            k: flop / (peak * mfu_target) + sent / nvlink for k, (flop, sent) in (replicas or {}).items()
-        },
+        replica_s={k: target_s(layout) + sent / nvlink for k, (layout, sent) in (replicas or {}).items()},
     )
 
 

@@ -13,7 +13,8 @@ lists them: ``layer_types``), made with transformers' own mask primitives:
   (only the tiles inside documents are computed; built by a compiled kernel on CUDA, eagerly
   elsewhere), ``sdpa`` / ``eager`` a [1, 1, T, T] bool / additive mask (every pair computed),
   ``flash_attention_*`` no mask but the documents' boundaries (``cu_seq_lens_*``, ``max_length_*``:
-  flash-attn's varlen kernel).
+  flash-attn's varlen kernel). Linear-attention layers get the boundaries and the lengths, which
+  their kernels restart at (``dflash.targets.linear_attention``, installed by the loader).
 - one document per row (right-padded rows, or a packed row of one document): causal only, the
   padding mask dropped. Every layer of a causal LM is causal (attention, sliding windows, linear
   attention and its convolution), so a real token never sees the padding after it: the padding mask
@@ -23,7 +24,7 @@ lists them: ``layer_types``), made with transformers' own mask primitives:
 A model with one mask for every layer (no ``layer_types``: Llama, Qwen3-MoE) has no prepared form
 of "no mask": under SDPA with one document per row, and under flash-attn, transformers still looks
 at the position ids once per forward. Anything else (a layer type or implementation not named here,
-a packed row with linear-attention layers, a single-mask model with a sliding window) returns None:
+a single-mask model with a sliding window) returns None:
 transformers then prepares the mask itself from ``attention_mask`` / ``position_ids``.
 """
 
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflash.targets.linear_attention import doc_lengths_inputs
 from dflash.targets.packing import doc_ids_from_positions
 
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -84,12 +86,13 @@ def document_inputs(
         or any(t not in (FULL, SLIDING, LINEAR) for t in types)
         or (SLIDING in types and window is None)
         or (not layer_types and window is not None)  # such a model picks its sliding mask itself
-        or (several and LINEAR in types)  # packed documents would share a recurrent state
     ):
         return None
     out: dict[str, Any] = {"position_ids": position_ids}
-    if flash and several:
+    if (flash or LINEAR in types) and several:
         out.update(_varlen_boundaries(lens, position_ids.device))
+    if LINEAR in types and several:  # the linear-attention kernels restart at each document
+        out.update(doc_lengths_inputs(lens))
     same_doc = packed_sequence_mask_function(doc_ids_from_positions(position_ids)) if several else None
     masks: dict[str, Any] = {}
     for kind in types:

@@ -16,8 +16,8 @@ nv*dv_head``; FLOPs are ``2 * active parameters`` plus the extras):
 
 - full attention: ``H(gA + 2K) + AH`` per layer; extra ``4*A*k`` for ``k`` keys per query;
   working set ``(g + 2)*A + K`` elements in the attention stage;
-- Gated DeltaNet: ``H(2dk + 2dv + 2nv) + dv*H + Kc(2dk + dv)``; extra the delta rule
-  ``6*nv*dk_head*dv_head``; working set ``(2dk + 2dv)*a + 4*(10*dv + 3*nv*64)`` bytes (the torch
+- Gated DeltaNet: ``H(2dk + 2dv + 2nv) + dv*H + Kc(2dk + dv)``; extra the chunked delta rule
+  ``nv * (6*dk_head*dv_head + 2C*(3*dk_head + 2*dv_head) + 2C^2/3)`` (:func:`delta_rule_flop_per_head`); working set ``(2dk + 2dv)*a + 4*(10*dv + 3*nv*64)`` bytes (the torch
   fallback's fp32 chunks of 64);
 - MLP ``3HF`` (none in a mixture-of-experts layer); experts ``E*3H*Fe`` held, ``ke*3H*Fe`` run;
   router ``HE``; shared expert ``3H*Fs + H``; FFN-stage working set ``3F`` (or ``3*ke*Fe + 3*Fs + E``);
@@ -37,9 +37,22 @@ from typing import Any
 from dflash.config import TargetShape, TinyTargetConfig
 
 DELTA_CHUNK = 64
-"""Chunk length of transformers' torch Gated DeltaNet fallback."""
+"""Chunk length of the chunked delta rule (flash-linear-attention's kernels and transformers' torch
+fallback alike)."""
+KERNEL_PARTS = {"attention_scores": "attention", "delta_rule": "linear_attention"}
+"""FLOPs of a part's own kernel beyond its projections (already inside the part's figure), given
+alone too, since they run at their own efficiency: sub-part -> part."""
 Share = Callable[[str], float]
 """part name -> the share of it one rank holds (1/k where a tensor-parallel replica splits it, else 1)."""
+
+
+def delta_rule_flop_per_head(dk: int, dv: int, chunk: int = DELTA_CHUNK) -> float:
+    """FLOPs per token of one value head of the chunked gated delta rule (key dim ``dk``, value dim
+    ``dv``, chunks of ``C`` tokens): per chunk, ``K K^T`` (``2C^2 dk``), the triangular solve
+    (``2C^3/3``), ``W = A K`` and ``U = A V`` (``2C^2 (dk + dv)``), the new values ``U - W S`` and
+    the state update ``S += K^T V'`` (``4C dk dv``), the output ``Q S + (Q K^T) V'`` (``2C dk dv +
+    2C^2 (dk + dv)``); divided by ``C``: ``6 dk dv + 2C (3 dk + 2 dv) + 2C^2/3``."""
+    return 6 * dk * dv + 2 * chunk * (3 * dk + 2 * dv) + 2 * chunk * chunk / 3
 
 
 def _whole(part: str) -> float:
@@ -118,7 +131,8 @@ PARTS: dict[str, LayerPart] = {
                 + s.linear_conv_kernel_dim * (2 * _dk_dv(s)[0] + _dk_dv(s)[1])
             ),
             extra_flop=lambda s, keys: (
-                6 * s.linear_num_value_heads * s.linear_key_head_dim * s.linear_value_head_dim
+                s.linear_num_value_heads
+                * delta_rule_flop_per_head(s.linear_key_head_dim, s.linear_value_head_dim)
             ),
             stage="linear",
             working=lambda s, share, a: (
@@ -206,17 +220,16 @@ def active_params(s: TargetShape) -> int:
 
 
 def flop_by_part(s: TargetShape, keys_per_query: float) -> dict[str, float]:
-    """FLOPs of one token through all decoder layers by part, ``attention`` including its scores,
-    which ``attention_scores`` also gives alone."""
+    """FLOPs of one token through all decoder layers by part, each including its own kernel, which
+    :data:`KERNEL_PARTS` also give alone (``attention_scores``, ``delta_rule``)."""
     out = {
         n: float(
             PARTS[n].layers(s) * (2 * PARTS[n].active_params(s) + PARTS[n].extra_flop(s, keys_per_query))
         )
         for n in DECODER_PARTS
     }
-    out["attention_scores"] = float(
-        PARTS["attention"].layers(s) * PARTS["attention"].extra_flop(s, keys_per_query)
-    )
+    for sub, part in KERNEL_PARTS.items():
+        out[sub] = float(PARTS[part].layers(s) * PARTS[part].extra_flop(s, keys_per_query))
     return out
 
 
@@ -259,8 +272,11 @@ class TargetMeta(TargetShape):
 
     @classmethod
     def from_shape(cls, shape: TargetShape) -> TargetMeta:
-        """A target known only by ``target.shape`` (the defaults for the fields it lacks)."""
-        return cls(**{f.name: getattr(shape, f.name) for f in fields(TargetShape)})
+        """A target known only by ``target.shape`` (the defaults for the fields it lacks; without a
+        ``model_type``, the first of the family its shape implies: hybrid shapes are Qwen3.5)."""
+        values = {f.name: getattr(shape, f.name) for f in fields(TargetShape)}
+        values["model_type"] = shape.model_type or family_of(None, shape).model_types[0]
+        return cls(**values)
 
     @property
     def is_hybrid_linear_attention(self) -> bool:

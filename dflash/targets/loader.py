@@ -28,6 +28,7 @@ from dflash.config import DEFAULT_NUM_TAPS, TargetConfig
 from dflash.config.resolve import target_attention
 from dflash.metrics import human_count
 from dflash.targets.families import TargetMeta, meta_from_config, target_weights_problem
+from dflash.targets.linear_attention import install_varlen
 from dflash.targets.tp import distributed_config, local_num_bytes, replica_mesh
 
 if TYPE_CHECKING:
@@ -320,6 +321,9 @@ def load_target(
         dtype,
         time.perf_counter() - t0,
     )
+    kernels = install_varlen(model)
+    if kernels is not None:
+        log.info("linear-attention layers on packed rows: %s", kernels)
     return model
 
 

@@ -47,6 +47,9 @@ class FaultConfig:
     slow_s: float = field(default=0.0)
     nonfinite_sample_ids: list[int] = field(default_factory=list)
     """Source sample ids whose target hidden states are replaced by NaN (non-finite input)."""
+    target_oom_tokens: int | None = field(default=None)
+    """A target forward of more than this many tokens raises ``torch.OutOfMemoryError``, as a GPU
+    that runs out of memory would (the packet maker then splits it)."""
     only_first_attempt: bool = field(default=True)
     """Inject only in the first torchrun attempt (TORCHELASTIC_RESTART_COUNT == 0)."""
 
@@ -107,6 +110,15 @@ def perturb(cfg: FaultConfig, rank: int, step: int, model: torch.nn.Module) -> N
         log.warning("fault injection: perturbing the drafter weights of rank %d at step %d", rank, step)
         with torch.no_grad():
             next(model.parameters()).view(-1)[0] += 1e-3
+
+
+def target_oom(cfg: FaultConfig, tokens: int) -> None:
+    """Raise ``torch.OutOfMemoryError`` for a forward of more than ``target_oom_tokens`` tokens
+    (every attempt: a deterministic shape fails the same way after a restart)."""
+    if cfg.target_oom_tokens is not None and tokens > cfg.target_oom_tokens:
+        raise torch.OutOfMemoryError(
+            f"fault injection: a target forward of {tokens} tokens (target_oom_tokens={cfg.target_oom_tokens})"
+        )
 
 
 def nan_loss(cfg: FaultConfig, step: int) -> bool:

@@ -2,7 +2,10 @@
 
 Used by the target ranks (which send the packet to its drafter) and by the co-located ranks
 (which train on it in the same process, through ``LocalPackets``). Samples whose hidden states are not finite are dropped
-from the packet and counted in it (``num_skipped_nonfinite``); the drafter never sees them.
+from the packet and counted in it (``num_skipped_nonfinite``); the drafter never sees them. A forward
+that runs out of memory is split in halves (the documents are independent) down to one document,
+which is dropped and counted (``num_skipped_oom``) when it alone does not fit: a deterministic data
+plan would otherwise hit the same packet after every restart.
 
 On CUDA the host waits for the device once per packet: for the per-sample finite flags, which
 decide the packet's size (``tests/unit/test_host_syncs.py`` counts it). Everything else is either
@@ -45,7 +48,11 @@ class PacketMaker:
         self, cfg: Config, setup: RunSetup, model: nn.Module, device: torch.device, own_peak: bool = True
     ):
         self.cfg, self.setup, self.model, self.device, self.own_peak = cfg, setup, model, device, own_peak
-        self.nonfinite_sample_ids = set(faults.injected().nonfinite_sample_ids)
+        self.faults = faults.injected()
+        self.nonfinite_sample_ids = set(self.faults.nonfinite_sample_ids)
+        self.tensor_parallel = tp_group_size(model) > 1
+        self._oom_logged = False
+        self._sample_idx: list[int] = []
         self.pad_id = setup.tokenizer.pad_token_id if setup.tokenizer.pad_token_id is not None else 0
 
     def _put(self, t: Tensor) -> Tensor:
@@ -79,19 +86,70 @@ class PacketMaker:
         ids, attn, pos, _ = self._batch(samples)
         self._forward(ids, attn, pos, [s[0].numel() for s in samples])
 
+    def _forward_fitting(
+        self, g: int, samples: list[tuple[Tensor, Tensor]], first: int = 0
+    ) -> tuple[list[Tensor], list[Tensor], list[int], int]:
+        """The headless forward of ``samples`` (padding removed), split in halves while it runs out
+        of memory: ``(aux pieces, final pieces, indices of the samples dropped because one alone
+        did not fit, number of splits)``, the pieces in sample order. The samples are independent
+        documents, so the halves give what the whole gives. A tensor-parallel rank never splits
+        alone (its replica's collectives would disagree): its OOM is raised."""
+        ids, attn, pos, keep = self._batch(samples)
+        lens = [s[0].numel() for s in samples]
+        try:
+            faults.target_oom(self.faults, sum(lens))
+            aux, final = self._forward(ids, attn, pos, lens)
+            return [self._real_tokens(aux, keep)], [self._real_tokens(final, keep)], [], 0
+        except torch.OutOfMemoryError:
+            if self.tensor_parallel:
+                raise
+            del ids, attn, pos, keep
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if not self._oom_logged:
+            self._oom_logged = True
+            log.warning(
+                "packet %d: the target ran out of memory on %d sample(s), %d tokens (longest %d); splitting "
+                "such forwards in halves (perf/target_oom_splits counts them): lower data.token_budget to avoid it",
+                g,
+                len(samples),
+                sum(lens),
+                max(lens),
+            )
+        if len(samples) == 1:
+            sid = int(self.setup.dataset.sample_ids[self._sample_idx[first]])
+            log.warning(
+                "packet %d: sample %d (%d tokens) alone does not fit the target's memory: skipped",
+                g,
+                sid,
+                lens[0],
+            )
+            return [], [], [first], 0
+        half = len(samples) // 2
+        a1, f1, d1, n1 = self._forward_fitting(g, samples[:half], first)
+        a2, f2, d2, n2 = self._forward_fitting(g, samples[half:], first + half)
+        return a1 + a2, f1 + f2, d1 + d2, 1 + n1 + n2
+
     def make(self, g: int, flags: int = 0) -> Packet:
-        """Forward the samples of packet g and assemble the packet (non-finite samples dropped)."""
+        """Forward the samples of packet g and assemble the packet (samples that do not fit the
+        target's memory alone, and those with non-finite hidden states, dropped)."""
         ds = self.setup.dataset
         sample_idx = self.setup.plan.packet(g).tolist()
         samples = [ds.sample(i) for i in sample_idx]
-        lens = torch.tensor([s[0].numel() for s in samples], dtype=torch.long)
         if self.own_peak:
             reset_peak_memory(self.device)
-        ids, attn, pos, keep = self._batch(samples)
         clock = DeviceClock(self.device)
         clock.start()
-        aux, final = self._forward(ids, attn, pos, lens.tolist())
-        aux, final = self._real_tokens(aux, keep), self._real_tokens(final, keep)
+        self._sample_idx = sample_idx
+        auxes, finals, too_big, splits = self._forward_fitting(g, samples)
+        if too_big:
+            samples = [s for i, s in enumerate(samples) if i not in set(too_big)]
+            sample_idx = [x for i, x in enumerate(sample_idx) if i not in set(too_big)]
+        lens = torch.tensor([s[0].numel() for s in samples], dtype=torch.long)
+        if not samples:
+            clock.stop()
+            return self._empty(g, flags, clock.seconds(), len(too_big), splits)
+        aux, final = _joined(auxes), _joined(finals)
         if self.nonfinite_sample_ids:
             aux = self._inject_nonfinite(aux, sample_idx, lens)
         clock.stop()
@@ -124,7 +182,32 @@ class PacketMaker:
             peak_mem_bytes=int(peak_memory_gib(self.device) * 2**30),
             flags=flags,
             num_skipped_nonfinite=skipped,
+            num_skipped_oom=len(too_big),
+            oom_splits=splits,
             host=host,  # a co-located drafter reads these, not the device tensors
+        )
+
+    def _empty(self, g: int, flags: int, forward_s: float, too_big: int, splits: int) -> Packet:
+        """A packet whose every sample was dropped (header only on the wire)."""
+        none = torch.zeros(0, dtype=torch.long)
+        host = HostFields(none, none, none.to(torch.uint8))
+        h = self.setup.meta.hidden_size
+        dtype = next(self.model.parameters()).dtype
+        empty = torch.zeros(0, h, dtype=dtype, device=self.device)
+        return Packet(
+            index=g,
+            input_ids=self._put(none),
+            loss_mask=self._put(host.loss_mask),
+            seq_lens=self._put(none),
+            sample_ids=self._put(none),
+            aux_hidden=empty.new_zeros(0, h * len(self.setup.layer_ids)),
+            final_hidden=empty,
+            forward_s=forward_s,
+            peak_mem_bytes=int(peak_memory_gib(self.device) * 2**30),
+            flags=flags,
+            num_skipped_oom=too_big,
+            oom_splits=splits,
+            host=host,
         )
 
     def _real_tokens(self, x: Tensor, keep: Tensor) -> Tensor:
@@ -144,6 +227,19 @@ class PacketMaker:
             return aux
         rows = torch.repeat_interleave(hit, lens).nonzero().squeeze(1)
         return aux.clone().index_fill_(0, self._put(rows), float("nan"))
+
+
+def _joined(pieces: list[Tensor]) -> Tensor:
+    """The forward's pieces in sample order (a view when there is one: nothing was split)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def tp_group_size(model: nn.Module) -> int:
+    """Ranks a target's weights are sharded over (DTensor parameters), 1 for a whole target (or a
+    module without parameters)."""
+    p = next(model.parameters(), None)
+    mesh = getattr(p, "device_mesh", None)
+    return int(mesh.size()) if mesh is not None else 1
 
 
 def _finite_per_sample(aux: Tensor, final: Tensor, segments: Tensor, num_samples: int) -> Tensor:

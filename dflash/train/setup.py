@@ -137,7 +137,9 @@ def prepare(cfg: Config, world_size: int, *, progress: bool = False) -> RunSetup
     raise_problems(size_problems(cfg, target, arch), "config")
     data = resolve_data_config(cfg.data, target.path)
     dataset = build_or_load_dataset(data, target.tokenizer, target.meta.vocab_size, progress=progress)
-    plan = DataPlan.build(dataset.lengths(), data.token_budget, data.seed, data.num_epochs)
+    plan = DataPlan.build(
+        dataset.lengths(), data.token_budget, data.seed, data.num_epochs, padded_rows=not cfg.target.pack
+    )
     num_steps = plan.num_steps(topology.packets_per_step, cfg.train.max_steps)
     if cfg.train.max_steps and cfg.train.max_steps > num_steps:
         log.warning(

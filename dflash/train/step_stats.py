@@ -47,6 +47,8 @@ COUNTERS = (
     "wall_s",
     "nonfinite_loss",
     "nonfinite_samples",
+    "oom_samples",
+    "oom_splits",
     "target_flop",
     "drafter_flop",
     "anchors_offered",
@@ -56,7 +58,9 @@ time of the step's packets; ``wall_s``: the drafter's own step time up to the re
 waits; the ``*_frac`` metrics divide by the summed ``wall_s``, so drafters that start a step at
 different moments never share more than all of it; ``*_flop``:
 the planner's cost model (``dflash.plan.packet_costs``) of the step's packets; ``anchors_offered``:
-what ``drafter.num_anchors`` per document offers before ``drafter.max_anchors_per_packet``)."""
+what ``drafter.num_anchors`` per document offers before ``drafter.max_anchors_per_packet``;
+``oom_splits`` / ``oom_samples``: the target forwards split after running out of memory, and the
+samples dropped because one alone did not fit)."""
 
 
 @dataclass

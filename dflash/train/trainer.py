@@ -418,6 +418,8 @@ class DrafterTrainer:
         local.target_mem[slot] = max(float(local.target_mem[slot]), packet.peak_mem_bytes / 2**30)
         c["stop"] += float(bool(packet.flags & FLAG_STOP_REQUESTED))
         c["nonfinite_samples"] += packet.num_skipped_nonfinite
+        c["oom_samples"] += packet.num_skipped_oom
+        c["oom_splits"] += packet.oom_splits
         ids = host_fields(packet).sample_ids.tolist()
         local.trained += [packet.index, len(ids), *ids]
         c["tokens"] += packet.num_tokens
@@ -490,12 +492,11 @@ class DrafterTrainer:
         self.state.step = step + 1
         self.state.next_packet = (step + 1) * self.topology.packets_per_step
         self.state.tokens_seen += int(sums.counters["tokens"])
-        if sums.counters["nonfinite_samples"]:
-            skipped = self.state.skipped
-            skipped["nonfinite_hidden"] = skipped.get("nonfinite_hidden", 0) + int(
-                sums.counters["nonfinite_samples"]
-            )
-            self._check_nonfinite_samples()
+        skipped = self.state.skipped
+        for reason, counter in (("nonfinite_hidden", "nonfinite_samples"), ("target_oom", "oom_samples")):
+            if sums.counters[counter]:
+                skipped[reason] = skipped.get(reason, 0) + int(sums.counters[counter])
+                self._check_dropped_samples(reason)
         if cfg.train.ledger:
             self._write_ledger(step + 1, trained)
         if cfg.train.check_replicas_every and self.state.step % cfg.train.check_replicas_every == 0:
@@ -514,19 +515,30 @@ class DrafterTrainer:
                 f"(python -m dflash.data.prepare ... show=3)"
             )
 
-    def _check_nonfinite_samples(self) -> None:
-        """Samples the targets dropped as non-finite count against ``data.max_skip_fraction`` of the
-        samples this run trains: the run stops as soon as that share is certain to be exceeded."""
-        dropped = self.state.skipped.get("nonfinite_hidden", 0)
+    def _check_dropped_samples(self, reason: str) -> None:
+        """Samples the targets dropped (``reason``: non-finite hidden states, or too large for the
+        target's memory alone) count against ``data.max_skip_fraction`` of the samples this run
+        trains: the run stops as soon as that share is certain to be exceeded."""
+        dropped = self.state.skipped.get(reason, 0)
         planned = int(self.setup.plan.bounds[self.setup.num_steps * self.topology.packets_per_step])
         limit = self.cfg.data.max_skip_fraction * planned
-        if dropped > limit:
-            raise RuntimeError(
-                f"the targets dropped {dropped} sample(s) with non-finite hidden states, more than "
-                f"data.max_skip_fraction={self.cfg.data.max_skip_fraction} of the {planned} samples this run trains "
-                f"(data/skipped/nonfinite_hidden); a broken target checkpoint or an overflowing dtype "
-                f"(target.dtype={self.cfg.target.dtype}) is the usual cause"
-            )
+        if dropped <= limit:
+            return
+        what, cause = {
+            "nonfinite_hidden": (
+                "with non-finite hidden states",
+                f"a broken target checkpoint or an overflowing dtype (target.dtype={self.cfg.target.dtype}) is the usual cause",
+            ),
+            "target_oom": (
+                "that alone did not fit the target's memory",
+                f"lower data.max_length ({self.cfg.data.max_length}) or give the target more memory "
+                "(topology.target_tp, a larger GPU)",
+            ),
+        }[reason]
+        raise RuntimeError(
+            f"the targets dropped {dropped} sample(s) {what}, more than data.max_skip_fraction="
+            f"{self.cfg.data.max_skip_fraction} of the {planned} samples this run trains (data/skipped/{reason}); {cause}"
+        )
 
     def _metrics(self, r: _StepReduced, t0: float, lr: float, grad_norm: float) -> dict[str, float]:
         """Every metric of the step just taken (the same on every drafter)."""
@@ -550,6 +562,7 @@ class DrafterTrainer:
         m["train/anchors_per_packet"] = float(r.sums.objective["num_blocks"]) / packets_in_step
         m["perf/target_s_per_packet"] = r.sums.counters["target_s"] / packets_in_step
         m["perf/drafter_s_per_packet"] = r.sums.counters["busy_s"] / packets_in_step
+        m["perf/target_oom_splits"] = r.sums.counters["oom_splits"]
         if not topo.self_produced:  # the targets that made a packet of this step (no 0.0 for the others)
             for t in range(topo.num_targets):
                 if r.target_packets[t] > 0:

@@ -57,7 +57,7 @@ def test_default_is_the_embedded_cpu_run():
 def test_qwen3_6_27b_experiment_matches_the_published_drafter():
     cfg = _compose(["experiment=qwen3_6_27b_7x1", "data.path=/d.jsonl"])
     assert cfg.target.layer_ids == [1, 16, 31, 46, 61] and cfg.drafter.mask_token_id == 248070
-    assert cfg.topology.num_targets == 7 and not cfg.target.pack
+    assert cfg.topology.num_targets == 7 and cfg.target.pack  # hybrids pack (dflash.targets.linear_attention)
     assert cfg.drafter.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
     assert cfg.drafter.sliding_window == 2048 and cfg.drafter.partial_rotary_factor == 1.0
 

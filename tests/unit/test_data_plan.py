@@ -79,3 +79,47 @@ def test_million_samples_is_fast():
     elapsed = time.perf_counter() - t0
     assert plan.order.numel() == 1_000_000 and plan.num_packets > 60_000
     assert elapsed < 5.0, f"planning 1M samples took {elapsed:.2f}s"
+
+
+def chat_lengths(n: int, cap: int, seed: int = 0) -> torch.Tensor:
+    """Lengths spread like a chat set's (lognormal, mean ~1,000 tokens, sigma 1)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) + 6.4).exp().round().clamp(1, cap).to(torch.int64)
+
+
+def test_padded_rows_are_bounded_by_rows_times_longest():
+    """One sample per padded row costs the target rows x longest: the plan bounds that, not the real
+    total, and still takes every sample once per epoch, deterministically. Packing by real tokens
+    instead (what a packed row needs) would hand the target several budgets in one packet."""
+    lengths, budget = chat_lengths(20_000, 4096), 65536
+    plan = DataPlan.build(lengths, budget, seed=5, num_epochs=2, padded_rows=True)
+    real, computed = plan.packet_tokens(lengths)
+    assert int(computed.max()) <= budget
+    for g in range(plan.num_packets):
+        p = plan.packet(g)
+        assert int(lengths[p].max()) * p.numel() == int(computed[g]) and int(lengths[p].sum()) == int(real[g])
+    for e in range(2):
+        idx = plan.order[e * len(lengths) : (e + 1) * len(lengths)]
+        assert torch.equal(idx.sort().values, torch.arange(len(lengths)))
+    assert float(real.sum()) / float(computed.sum()) > 0.9  # bucketed: little padding
+    again = DataPlan.build(lengths, budget, seed=5, num_epochs=2, padded_rows=True)
+    assert torch.equal(again.order, plan.order) and torch.equal(again.bounds, plan.bounds)
+    packed = DataPlan.build(lengths, budget, seed=5, num_epochs=2)
+    assert packed.fingerprint() != plan.fingerprint()
+    naive_real, _ = packed.packet_tokens(lengths)
+    naive = torch.stack(
+        [lengths[packed.packet(g)].max() * packed.packet(g).numel() for g in range(packed.num_packets)]
+    )
+    assert float((naive / naive_real).median()) > 2.5  # what padded rows of this plan would cost
+    assert int(naive_real.max()) <= budget
+
+
+def test_padded_buckets_are_shuffled_not_sorted():
+    """The packets of a bucket window come in a seeded random order (not longest first), and a
+    different seed gives another plan."""
+    lengths = chat_lengths(20_000, 4096)
+    plan = DataPlan.build(lengths, 16384, seed=1, num_epochs=1, padded_rows=True)
+    longest = torch.stack([lengths[plan.packet(g)].max() for g in range(plan.num_packets)])
+    assert not bool((longest[1:] <= longest[:-1]).all())
+    other = DataPlan.build(lengths, 16384, seed=2, num_epochs=1, padded_rows=True)
+    assert not torch.equal(other.order, plan.order)

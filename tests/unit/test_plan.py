@@ -349,7 +349,13 @@ def _gpu(**kw) -> GpuSpec:
 
 def test_splits_take_the_slower_role_and_the_link():
     times = RoleTimes(
-        target_s=1.0, drafter_s=2.0, mfu_target=0.4, mfu_drafter=0.4, drafter_params=0, grad_accum_steps=1
+        target_s=1.0,
+        drafter_s=2.0,
+        mfu_target=0.4,
+        mfu_drafter=0.4,
+        mfu_delta_rule=0.4,
+        drafter_params=0,
+        grad_accum_steps=1,
     )
     gpu = _gpu()
     splits = [disaggregated(times, 10**9, gpu, 8, n, True) for n in range(1, 8)]

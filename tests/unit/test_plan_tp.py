@@ -98,10 +98,10 @@ def test_a_tp_rank_holds_its_split_parts_and_sends_its_all_reduces():
         mfu_drafter=0.5,
         drafter_params=0,
         grad_accum_steps=1,
-        replicas={2: (1e12, 2e9)},
+        replicas={2: (EP2, 2e9)},
     )
-    # 1 TFLOP at half of 100 TFLOP/s, 2 GB over half of 400 GB/s
-    assert times.replica_s[2] == pytest.approx(1e12 / 50e12 + 2e9 / 200e9)
+    # the rank's FLOPs at half of 100 TFLOP/s, 2 GB over half of 400 GB/s
+    assert times.replica_s[2] == pytest.approx(expected / 50e12 + 2e9 / 200e9)
 
 
 def _dtypes():
@@ -123,6 +123,7 @@ def test_replica_splits_use_n_times_k_plus_m_gpus_and_stay_inside_nodes():
         drafter_s=1.0,
         mfu_target=0.4,
         mfu_drafter=0.4,
+        mfu_delta_rule=0.4,
         drafter_params=0,
         grad_accum_steps=1,
         replica_s={4: 1.25},

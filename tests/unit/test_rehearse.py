@@ -71,7 +71,7 @@ HYBRID = [
     "data.max_length=512",
     "drafter.max_anchors_per_packet=256",
 ]
-"""A Qwen3.6-27B-like run: hybrid target (Gated DeltaNet), padded rows, sliding drafter layers."""
+"""A Qwen3.6-27B-like run: hybrid target (Gated DeltaNet), packed rows, sliding drafter layers."""
 
 
 def _inputs(overrides: list[str]):

@@ -15,6 +15,7 @@ from dflash.config import TargetConfig
 from dflash.config.resolve import target_attention
 from dflash.targets.attention import document_inputs
 from dflash.targets.forward import build_batch, target_forward
+from dflash.targets.linear_attention import has_linear_attention, install_varlen
 from dflash.targets.loader import base_model, load_target
 
 
@@ -67,11 +68,34 @@ def test_hybrid_padded_rows_need_no_padding_mask():
         document_inputs(base_model(model).config, [3, 4], ids, mask, pos, torch.float32)
 
 
-def test_a_packed_hybrid_row_is_left_to_transformers():
-    """Packed documents would share a linear-attention state: no masks are made for such a row."""
+def test_packed_hybrid_documents_equal_each_document_alone():
+    """Qwen3.5/3.6 (Gated DeltaNet in 3 of 4 layers) on a packed row: the convolution window and
+    the recurrent state restart at every document (``dflash.targets.linear_attention``), so every
+    document's taps equal it alone. Without the lengths (transformers' own kernels, what ran before)
+    the state runs across the documents."""
     model = make("qwen3_5_text", "sdpa", **HYBRID)
-    ids, mask, pos, _ = build_batch(seqs_of(DOCS), pack=True, pad_id=7)
-    assert document_inputs(base_model(model).config, DOCS, ids, mask, pos, torch.float32) is None
+    assert install_varlen(model) is not None and has_linear_attention(model)
+    seqs = seqs_of(DOCS)
+    ref_aux, ref_final = alone(model, seqs)
+    aux, final = batched(model, seqs, pack=True)
+    torch.testing.assert_close(aux, ref_aux, **TOL)
+    torch.testing.assert_close(final, ref_final, **TOL)
+    ids, _, pos, keep = build_batch(seqs, pack=True, pad_id=7)
+    leaked, _ = target_forward(model, ids, None, TAPS, position_ids=pos)  # no lengths: transformers alone
+    first = DOCS[0]
+    torch.testing.assert_close(leaked[0, :first], ref_aux[:first], **TOL)  # the first document has no past
+    assert (leaked[0, first:] - ref_aux[first:]).abs().max() > 1e-3
+
+
+def test_hybrid_moe_packs_too():
+    model = make(
+        "qwen3_5_moe_text", "sdpa", **HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    install_varlen(model)
+    seqs = seqs_of([9, 14, 6])
+    aux, final = batched(model, seqs, pack=True)
+    ref_aux, ref_final = alone(model, seqs)
+    torch.testing.assert_close(aux, ref_aux, **TOL)
 
 
 @pytest.fixture
@@ -189,3 +213,25 @@ def test_load_target_runs_the_resolved_kernel(tmp_path):
         cfg = TargetConfig(name="t", path=str(tmp_path / "t"), dtype="float32", attn_implementation=attn)
         model = load_target(cfg, torch.device("cpu"), torch.float32)
         assert model.config._attn_implementation == want
+
+
+def test_a_hybrid_checkpoint_under_a_dense_target_config_packs_without_leaking(tmp_path):
+    """``target=qwen3_8b target.path=<a Qwen3.5 dir>``: the config says nothing about linear
+    attention (and packs), the checkpoint has it; the loader reads that from the model itself, so
+    the packed documents still equal each document alone."""
+    from dflash.cli import compose_config
+    from dflash.config import register_configs, to_config
+
+    make("qwen3_5_text", "sdpa", **HYBRID).save_pretrained(tmp_path / "hybrid")
+    register_configs()
+    cfg = to_config(
+        compose_config(
+            "config", ["target=qwen3_8b", f"target.path={tmp_path / 'hybrid'}", "target.dtype=float32"]
+        )
+    )
+    assert cfg.target.pack
+    model = load_target(cfg.target, torch.device("cpu"), torch.float32)
+    seqs = seqs_of(DOCS)
+    ref_aux, _ = alone(model, seqs)
+    aux, _ = batched(model, seqs, pack=True)
+    torch.testing.assert_close(aux, ref_aux, **TOL)

@@ -51,6 +51,8 @@ def packet(g=7, lens=(3, 5), hidden=8, taps=2, dtype=torch.float32) -> Packet:
         peak_mem_bytes=2**33,
         flags=3,
         num_skipped_nonfinite=2,
+        num_skipped_oom=1,
+        oom_splits=3,
     )
 
 
@@ -68,6 +70,8 @@ def good_header(**changes) -> Header:
         forward_us=1500,
         peak_mem_bytes=10**10,
         num_skipped_nonfinite=1,
+        num_skipped_oom=2,
+        oom_splits=5,
     )
     return dataclasses.replace(h, **changes)
 
@@ -87,10 +91,12 @@ def test_layout_is_fixed():
         "forward_us",
         "peak_mem_bytes",
         "num_skipped_nonfinite",
+        "num_skipped_oom",
+        "oom_splits",
     )
     t = encode_header(good_header())
     assert t.dtype == torch.int64 and t.shape == (16,)
-    assert t.tolist() == [PROTOCOL_VERSION, 1, 7, 3, 1000, 5, 4096, 2, 0, 1500, 10**10, 1, 0, 0, 0, 0]
+    assert t.tolist() == [PROTOCOL_VERSION, 1, 7, 3, 1000, 5, 4096, 2, 0, 1500, 10**10, 1, 2, 5, 0, 0]
 
 
 def test_round_trip():
@@ -115,7 +121,7 @@ def test_round_trip():
 
 
 BAD = [
-    ("version", {"version": 2}, "expected 1, got 2"),
+    ("version", {"version": 1}, "expected 2, got 1"),
     ("kind", {"kind": 3}, "expected DATA(1), got 3"),
     ("kind", {"kind": KIND_END, "num_seqs": 0, "total_tokens": 0}, "expected DATA(1), got END(2)"),
     ("g", {"g": 8}, "expected 7, got 8"),
@@ -123,7 +129,11 @@ BAD = [
     ("hidden_size", {"hidden_size": 2048}, "expected 4096, got 2048"),
     ("dtype", {"dtype": DTYPE_CODES[torch.float32]}, "expected 2 (torch.bfloat16), got 1 (torch.float32)"),
     ("dtype", {"dtype": 99}, "got 99"),
-    ("total_tokens", {"total_tokens": 0, "num_skipped_nonfinite": 0}, "expected 1..16384 (0 only with"),
+    (
+        "total_tokens",
+        {"total_tokens": 0, "num_skipped_nonfinite": 0, "num_skipped_oom": 0},
+        "expected 1..16384 (0 only with",
+    ),
     ("total_tokens", {"total_tokens": 16385}, "got 16385"),
     ("num_seqs", {"total_tokens": 0, "num_seqs": 2}, "expected 0 (empty packet), got 2"),
     ("num_seqs", {"num_seqs": 0}, "got 0"),
@@ -133,9 +143,11 @@ BAD = [
     ("forward_us", {"forward_us": -5}, "expected >= 0, got -5"),
     ("peak_mem_bytes", {"peak_mem_bytes": -1}, "got -1"),
     ("num_skipped_nonfinite", {"num_skipped_nonfinite": -1}, "got -1"),
+    ("num_skipped_oom", {"num_skipped_oom": -1}, "got -1"),
+    ("oom_splits", {"oom_splits": -2}, "got -2"),
     *[
-        (f"spare{i}", {"spare": tuple(7 if j == i - 12 else 0 for j in range(4))}, "expected 0, got 7")
-        for i in range(12, 16)
+        (f"spare{i}", {"spare": tuple(7 if j == i - 14 else 0 for j in range(2))}, "expected 0, got 7")
+        for i in range(14, 16)
     ],
 ]
 
@@ -160,14 +172,17 @@ def test_end_header_rules():
 
 
 def test_empty_packet_only_when_samples_were_skipped():
-    """A target that dropped every sample of a packet (non-finite hidden states) sends a header only."""
-    empty = good_header(num_seqs=0, total_tokens=0, num_skipped_nonfinite=4)
+    """A target that dropped every sample of a packet (non-finite hidden states, or each alone too
+    large for its memory) sends a header only."""
+    empty = good_header(num_seqs=0, total_tokens=0, num_skipped_nonfinite=4, num_skipped_oom=0)
     assert validate_header(empty, expect_g=7, spec=SPEC).total_tokens == 0
+    too_big = good_header(num_seqs=0, total_tokens=0, num_skipped_nonfinite=0, num_skipped_oom=2)
+    assert validate_header(too_big, expect_g=7, spec=SPEC).total_tokens == 0
     spec = PacketSpec(
         num_taps=2, hidden_size=8, dtype=torch.float32, max_tokens=64, device=torch.device("cpu")
     )
     p = packet(lens=())
-    p.num_skipped_nonfinite = 3
+    p.num_skipped_nonfinite, p.num_skipped_oom = 3, 0
     check_packet(p, spec)
     p.num_skipped_nonfinite = 0
     with pytest.raises(ValueError, match="0 only when samples were skipped"):
