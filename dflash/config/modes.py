@@ -180,6 +180,8 @@ def topology_problems(t: TopologyConfig, world_size: int, per_node: int | None =
         )
     if t.max_in_flight < 1:
         problems.append(f"topology.max_in_flight={t.max_in_flight}: must be >= 1")
-    if not (t.init_timeout_s > 0 and t.step_timeout_s > 0):
-        problems.append("topology.init_timeout_s and topology.step_timeout_s must be > 0")
+    if not (t.init_timeout_s > 0 and t.step_timeout_s > 0 and t.first_contact_timeout_s > 0):
+        problems.append(
+            "topology.init_timeout_s, topology.step_timeout_s and topology.first_contact_timeout_s must be > 0"
+        )
     return problems

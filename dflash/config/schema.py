@@ -157,6 +157,10 @@ class TopologyConfig:
     """auto, cpu or cuda."""
     init_timeout_s: float = field(default=600.0, metadata=FREE)
     """Process-group timeout until the first step ends (model loading is slow)."""
+    first_contact_timeout_s: float = field(default=120.0, metadata=FREE)
+    """How long the first message on each link may take: it goes before any model loads, so a peer
+    that stays silent is stuck (NCCL blocked by PCIe ACS/IOMMU, a firewall), not busy; the error
+    names the likely causes and fixes."""
     step_timeout_s: float = field(default=300.0, metadata=FREE)
     """Timeout of every wait after the first step: a dead or stuck peer is reported after this. Targets
     wait twice as long for the drafter, which may itself be waiting this long on another target."""
@@ -569,11 +573,49 @@ class GpuSpec:
     """HBM capacity in GB (10^9 bytes, as the datasheet states it)."""
     hbm_tbps: float = MISSING
     """HBM bandwidth in TB/s."""
-    nvlink_gbps: float = MISSING
-    """NVLink bandwidth per GPU in GB/s, both directions together (the datasheet figure)."""
     internode_gbps: float = MISSING
     """Network bandwidth per GPU between hosts in GB/s, one direction (e.g. one 400 Gb/s NIC = 50)."""
+    nvlink_gbps: float = 0.0
+    """NVLink bandwidth per GPU in GB/s, both directions together (the datasheet figure); 0: none."""
+    pcie_gbps: float = 0.0
+    """Without NVLink: PCIe bandwidth GPU to GPU in GB/s, one direction (measured, e.g. 45 on PCIe
+    Gen5 x16, 25 on Gen4)."""
+    p2p: bool = True
+    """Without NVLink: the GPUs reach each other's memory over PCIe (false: consumer cards under the
+    stock driver; NCCL stages every transfer through host memory, half of ``pcie_gbps``)."""
+    allreduce_busbw_gbps: float = 0.0
+    """NCCL all-reduce bus bandwidth among the host's GPUs in GB/s (nccl-tests' busbw); 0: the
+    link's one-way figure."""
     gpus_per_node: int = 8
+    match: list[str] = field(default_factory=list)
+    """Parts of the device name (``torch.cuda.get_device_name``) that mean this GPU (plan.gpu=auto,
+    make gpu-check); the longest match wins, the file's stem counts too."""
+
+
+@dataclass
+class GpuFields:
+    """``plan.gpu_spec.<field>=...``: fields of the chosen GPU replaced (None: the profile's)."""
+
+    name: str | None = field(default=None, metadata=FREE)
+    """The GPU's name in the plan."""
+    bf16_tflops: float | None = field(default=None, metadata=FREE)
+    """Dense BF16 peak in TFLOP/s."""
+    hbm_gb: float | None = field(default=None, metadata=FREE)
+    """Memory in GB (10^9 bytes)."""
+    hbm_tbps: float | None = field(default=None, metadata=FREE)
+    """Memory bandwidth in TB/s."""
+    internode_gbps: float | None = field(default=None, metadata=FREE)
+    """Network GB/s per GPU between hosts, one way."""
+    nvlink_gbps: float | None = field(default=None, metadata=FREE)
+    """NVLink GB/s per GPU, both directions (0: none)."""
+    pcie_gbps: float | None = field(default=None, metadata=FREE)
+    """PCIe GB/s GPU to GPU, one way (without NVLink)."""
+    p2p: bool | None = field(default=None, metadata=FREE)
+    """PCIe peer-to-peer access between the GPUs."""
+    allreduce_busbw_gbps: float | None = field(default=None, metadata=FREE)
+    """NCCL all-reduce bus bandwidth in GB/s (0: the link's one-way figure)."""
+    gpus_per_node: int | None = field(default=None, metadata=FREE)
+    """GPUs per host."""
 
 
 @dataclass
@@ -583,7 +625,11 @@ class PlanConfig:
     world_size: int = field(default=8, metadata=FREE)
     """GPUs to split between targets and drafters (or to co-locate both on)."""
     gpu: str = field(default="h200", metadata=FREE)
-    """A file of conf/gpu/ (h100, h200, b200, a100) or a path to a YAML file with the GpuSpec fields."""
+    """A file of conf/gpu/ (h200, h100, b200, a100; PCIe cards: rtx_pro_6000, l40s, rtx_5090,
+    rtx_4090, a100_pcie, h100_pcie), a path to a YAML file with the GpuSpec fields, or auto (on a GPU
+    host: the device's name and memory, its links probed)."""
+    gpu_spec: GpuFields = field(default_factory=GpuFields, metadata=FREE)
+    """Fields of plan.gpu replaced, e.g. plan.gpu_spec.hbm_gb=96 plan.gpu_spec.pcie_gbps=40."""
     mfu_target: float = field(default=0.4, metadata=FREE)
     """Fraction of the dense BF16 peak the target's forward achieves (SpecForge measured ~43% prefill MFU)."""
     mfu_drafter: float = field(default=0.4, metadata=FREE)

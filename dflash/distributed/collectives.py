@@ -201,6 +201,27 @@ def check_replicas(
             )
 
 
+def first_contact_hint(backend: str, timeout_s: float) -> str:
+    """What usually keeps the first message on a link from arriving, and what to try."""
+    lines = [
+        f"The first message on this link did not arrive within topology.first_contact_timeout_s={timeout_s:g} s; "
+        "no model was loading yet, so the peer is stuck or gone, not busy."
+    ]
+    if backend == "nccl":
+        lines += [
+            "On PCIe hosts NCCL's first peer-to-peer transfer often hangs when PCIe ACS or the IOMMU is on "
+            "(RTX PRO 6000 / Blackwell workstations, many consumer boards): rerun with NCCL_P2P_DISABLE=1 "
+            "(through host memory: slower, works), or disable ACS in the BIOS / boot with iommu=pt.",
+            "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P shows where it stops; "
+            "make gpu-check tests every link of the host.",
+        ]
+    lines.append(
+        "Check that every rank started (torchrun's log) and that MASTER_ADDR/MASTER_PORT reach rank 0; "
+        "a slower start: topology.first_contact_timeout_s=<seconds>."
+    )
+    return "\n".join(lines)
+
+
 def warm_up_links(
     topology: Topology,
     rank: int,

@@ -23,17 +23,14 @@ def training_config(overrides: list[str]) -> Config:
 
 
 def find_gpu_spec(device_name: str | None, override: str | None) -> tuple[str | None, GpuSpec | None]:
-    """``(name, GpuSpec)`` of ``--gpu`` or of the conf/gpu file whose stem is in the device name;
-    ``(None, None)`` when none matches."""
-    from dflash.plan.inputs import GPU_DIR, load_gpu
+    """``(name, GpuSpec)`` of ``--gpu`` or of the conf/gpu profile the device name matches
+    (:func:`dflash.plan.gpus.match_profile`); ``(None, None)`` when none matches."""
+    from dflash.plan.gpus import load_gpu, match_profile
 
     if override:
         return Path(override).stem, load_gpu(override)
-    low = (device_name or "").lower()
-    for path in sorted(GPU_DIR.glob("*.yaml")):
-        if path.stem.lower() in low:
-            return path.stem, load_gpu(path.stem)
-    return None, None
+    name = match_profile(device_name or "")
+    return (name, load_gpu(name)) if name is not None else (None, None)
 
 
 def planner_figures(

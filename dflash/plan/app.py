@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.config import Config, PlanConfig, register_configs, to_config
 from dflash.config.checks import raise_problems
 from dflash.plan.fit import anchor_caps
+from dflash.plan.gpus import gpu_problems
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.planner import make_plan
 from dflash.plan.tables import (
@@ -68,7 +69,7 @@ def plan_problems(p: PlanConfig) -> list[str]:
         ),
         (p.reserved_gib >= 0, f"plan.reserved_gib={p.reserved_gib}: must be >= 0"),
     ]
-    return [msg for ok, msg in checks if not ok]
+    return [msg for ok, msg in checks if not ok] + gpu_problems(p)
 
 
 def plan_config(dcfg: DictConfig) -> Config:

@@ -9,6 +9,7 @@ from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
 from dflash.plan.fit import LEVERS, AnchorCaps
 from dflash.plan.inputs import attention_kinds, typical_packet
+from dflash.plan.links import intranode_link, link_for
 from dflash.plan.planner import ROLES, Plan, make_plan
 from dflash.plan.throughput import Split, placement
 from dflash.targets.families import active_params, num_params
@@ -112,6 +113,8 @@ def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None
         "drafter_loss_tflop_per_packet": round(plan.costs.drafter_loss_total / TERA, 3),
         "hidden_mb_per_packet": round(plan.costs.hidden_bytes / 1e6, 1),
         "link_gbps_busiest_gpu": round(link_gbps(plan, best), 3),
+        "link": link_for(plan.inputs.gpu, plan.world_size).kind,
+        **{f"link_{k}": round(v, 4) for k, v in link_times(plan).items()},
         "mfu_target": plan.times.mfu_target,
         "mfu_drafter": plan.times.mfu_drafter,
         "mfu_delta_rule": plan.times.mfu_delta_rule,
@@ -155,8 +158,32 @@ def _inputs_lines(plan: Plan, name: str) -> list[str]:
         f"heads x {arch.head_dim}, {arch.num_taps} taps, block {arch.block_size}; attention {inp.drafter_attention}",
         f"  data   : {inp.stats.mean_sample_tokens:.0f} tokens per sample, {inp.stats.supervised_fraction:.2f} "
         f"supervised [{inp.stats.source}]",
+        _link_line(plan),
         "",
     ]
+
+
+def link_times(plan: Plan) -> dict[str, float]:
+    """Seconds one packet takes over the link, and one gradient all-reduce among the drafters of
+    the recommended split (the plan's world: within a host, or over the network)."""
+    link = link_for(plan.inputs.gpu, plan.world_size)
+    m = plan.best.num_drafters
+    grads = 4 * plan.times.drafter_params
+    return {
+        "packet_s": plan.costs.payload_bytes / link.one_way_bytes_per_s,
+        "allreduce_s": 2 * (m - 1) / m * grads / link.allreduce_bytes_per_s if m > 1 else 0.0,
+    }
+
+
+def _link_line(plan: Plan) -> str:
+    gpu = plan.inputs.gpu
+    link = link_for(gpu, plan.world_size)
+    t = link_times(plan)
+    return (
+        f"  link   : {link.kind}, {link.one_way_bytes_per_s / 1e9:g} GB/s one way, all-reduce "
+        f"{link.allreduce_bytes_per_s / 1e9:g} GB/s bus; a packet {t['packet_s']:.3f} s, the drafters' "
+        f"all-reduce {t['allreduce_s']:.3f} s per step [{plan.inputs.gpu_source or 'plan.gpu'}]"
+    )
 
 
 def _delta_rule_text(plan: Plan) -> str:
@@ -229,12 +256,12 @@ def _tp_lines(plan: Plan) -> list[str]:
     """The interconnect each tensor-parallel degree needs: bytes per packet per layer and per packet."""
     if not plan.layouts:
         return []
-    ts, gpu = plan.inputs.target.meta, plan.inputs.gpu
+    ts, link = plan.inputs.target.meta, intranode_link(plan.inputs.gpu)
     parts = {k: ", ".join(sorted(layout.parts)) for k, layout in plan.layouts.items()}
     width = max(len("split parts (the rest on every rank)"), *(len(p) for p in parts.values()))
     lines = [
-        f"Tensor-parallel replicas (one node each; NVLink {gpu.nvlink_gbps / 2:g} GB/s one way per GPU): "
-        "t = rank FLOP / (peak x MFU) + sent / NVLink",
+        f"Tensor-parallel replicas (one node each; {link.kind} {link.one_way_bytes_per_s / 1e9:g} GB/s one way "
+        f"per GPU): t = rank FLOP / (peak x MFU) + sent / {link.kind}",
         f"  k   {'split parts (the rest on every rank)':<{width}} experts  sent per layer MB  per packet GB   t s",
     ]
     for k, layout in plan.layouts.items():

@@ -6,8 +6,8 @@ Times per packet on one GPU of peak ``P`` FLOP/s (dense BF16, from ``conf/gpu/``
   mfu_delta_rule)``: GEMMs and attention at one efficiency, the chunked delta rule of a hybrid
   target's linear-attention layers (small matrices, a sequential scan over chunks) at its own;
 - ``t_drafter = drafter_flop / (P * mfu_drafter) + t_sync / accum``: the step's gradient
-  all-reduce among the ``M`` drafters (ring: ``2*(M-1)/M`` of the fp32 gradients over one
-  direction of the GPU's link) and the AdamW update (28 bytes per parameter: read weights,
+  all-reduce among the ``M`` drafters (ring: ``2*(M-1)/M`` of the fp32 gradients at the link's
+  all-reduce bus bandwidth, :mod:`dflash.plan.links`) and the AdamW update (28 bytes per parameter: read weights,
   gradients and both moments, write weights and both moments, at HBM bandwidth), once per
   optimizer step of ``accum`` packets.
 
@@ -16,13 +16,13 @@ masked half of dense attention included), so it is comparable between roles.
 
 Disaggregated ``N:M`` (``N`` targets, ``M`` drafters): packets/s
 ``= min(N / t_target, M / t_drafter, N * link / bytes, M * link / bytes)``, where ``bytes`` is
-what a packet carries and ``link`` one direction of a GPU's NVLink (or of its network share when
-the world spans hosts): each target sends, each drafter receives, its share of the packets.
+what a packet carries and ``link`` one direction of the GPUs' link (NVLink, PCIe peer to peer, or
+PCIe through host memory: :mod:`dflash.plan.links`; the network share when the world spans hosts): each target sends, each drafter receives, its share of the packets.
 
 Tensor-parallel replicas ``NxK:M`` (``N`` replicas of ``K`` GPUs, world ``N*K + M``): ``t_target`` is
-a replica's time per packet, ``t_replica = t(rank_flop) + tp_bytes / link_nvlink``:
+a replica's time per packet, ``t_replica = t(rank_flop) + tp_bytes / link``:
 the FLOPs of one rank (the split parts ``1/K``, the rest whole; :func:`dflash.plan.costs.target_rank_flop`)
-plus its all-reduces and gathers over one direction of NVLink, not overlapped with compute
+plus its all-reduces and gathers over one direction of the host's link, not overlapped with compute
 (transformers' TP runs them on the compute stream). A replica stays inside a node (``K`` divides
 ``gpus_per_node``), so its collectives never use the network; one rank of it sends each packet.
 
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from dflash.config import GpuSpec
 from dflash.plan.costs import PacketCosts, target_seconds
+from dflash.plan.links import intranode_link, link_for
 from dflash.targets.tp import TpLayout
 
 ADAMW_BYTES_PER_PARAM = 28
@@ -64,7 +65,8 @@ class RoleTimes:
     def drafter_step_s(self, num_drafters: int, gpu: GpuSpec, world_size: int) -> float:
         """Drafter seconds per packet including its share of the step's all-reduce and AdamW update."""
         grad_bytes = 4 * self.drafter_params
-        allreduce = 2 * (num_drafters - 1) / num_drafters * grad_bytes / link_bytes_per_s(gpu, world_size)
+        link = link_for(gpu, world_size).allreduce_bytes_per_s
+        allreduce = 2 * (num_drafters - 1) / num_drafters * grad_bytes / link
         adamw = ADAMW_BYTES_PER_PARAM * self.drafter_params / (gpu.hbm_tbps * 1e12)
         return self.drafter_s + (allreduce + adamw) / self.grad_accum_steps
 
@@ -118,7 +120,7 @@ def role_times(
     rank sends per packet)`` for a ``k``-GPU tensor-parallel replica; ``recompute_flop``: what
     activation checkpointing runs again per packet (the layers' forward)."""
     peak = gpu.bf16_tflops * 1e12
-    nvlink = gpu.nvlink_gbps / 2 * 1e9
+    tp_link = intranode_link(gpu).one_way_bytes_per_s
     delta = mfu_target if mfu_delta_rule is None else mfu_delta_rule
 
     def target_s(layout: TpLayout | None) -> float:
@@ -134,15 +136,8 @@ def role_times(
         mfu_delta_rule=delta,
         drafter_params=drafter_params,
         grad_accum_steps=grad_accum_steps,
-        replica_s={k: target_s(layout) + sent / nvlink for k, (layout, sent) in (replicas or {}).items()},
+        replica_s={k: target_s(layout) + sent / tp_link for k, (layout, sent) in (replicas or {}).items()},
     )
-
-
-def link_bytes_per_s(gpu: GpuSpec, world_size: int) -> float:
-    """One direction of a GPU's link: half the NVLink figure within a host, the network beyond it."""
-    if world_size <= gpu.gpus_per_node:
-        return gpu.nvlink_gbps / 2 * 1e9
-    return gpu.internode_gbps * 1e9
 
 
 def disaggregated(
@@ -157,7 +152,7 @@ def disaggregated(
     """Packets/s of ``num_targets`` target replicas of ``target_tp`` GPUs and the drafters on the
     ``world_size - num_targets * target_tp`` GPUs left."""
     m = world_size - num_targets * target_tp
-    link = link_bytes_per_s(gpu, world_size) / payload_bytes
+    link = link_for(gpu, world_size).one_way_bytes_per_s / payload_bytes
     bounds = {
         "targets": num_targets / times.target_replica_s(target_tp),
         "drafters": m / times.drafter_step_s(m, gpu, world_size),

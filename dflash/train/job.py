@@ -47,11 +47,17 @@ def build_role(cfg: Config, setup, ctx, run_dir: Path, resume: LoadedCheckpoint 
 
 
 def start_role(cfg: Config, setup, ctx, run_dir: Path, resume: LoadedCheckpoint | None) -> Role:
-    """After the process groups: one message on every link of this rank (an unreachable peer is
-    named now, before any model loads), then this rank's role."""
-    from dflash.distributed.collectives import warm_up_links
+    """After the process groups: one message on every link of this rank within
+    ``topology.first_contact_timeout_s`` (an unreachable peer is named now, with what usually causes
+    it, before any model loads), then this rank's role."""
+    from dflash.distributed.collectives import first_contact_hint, warm_up_links
+    from dflash.distributed.links import PeerError
 
-    warm_up_links(setup.topology, ctx.rank, ctx.device, cfg.topology.init_timeout_s, groups=ctx.link_groups)
+    wait_s = cfg.topology.first_contact_timeout_s
+    try:
+        warm_up_links(setup.topology, ctx.rank, ctx.device, wait_s, groups=ctx.link_groups)
+    except PeerError as e:
+        raise PeerError(f"{e}\n{first_contact_hint(ctx.backend, wait_s)}") from e
     return build_role(cfg, setup, ctx, run_dir, resume)
 
 
@@ -148,6 +154,10 @@ def _train(dcfg: DictConfig, run_dir: Path, rank: int, cleanup: ExitStack) -> in
 
 def main() -> None:
     from dflash.eval.suites import suite_overrides
+
+    # packets change shape every step: segments that grow in place instead of fragmenting the cache
+    # (before CUDA starts; a value the user set is kept)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     sys.argv[1:] = suite_overrides(sys.argv[1:])  # eval.suite=gsm8k,mbpp: a list, not a Hydra sweep
     run_app("config", Config, train)

@@ -689,6 +689,7 @@ class DrafterTrainer:
         agree_on_start(self.ctx, self.topology, self.state.next_packet, self.setup.num_steps)
         reset_peak_memory(self.device)
         end = self._end_step(start)
+        discarded: int | None = None
         if start < end:
             self.source.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
         show_bar = self.is_leader and cfg.logging.progress_bar
@@ -718,6 +719,10 @@ class DrafterTrainer:
                 asked = (
                     cfg.train.stop_after_steps is not None and self.state.step >= cfg.train.stop_after_steps
                 )
+                if done or stop or asked:
+                    # the targets go first: they stop now instead of waiting out a slow final save
+                    # and export (and timing out on slow storage)
+                    discarded = self.source.stop_all()
                 if done or stop or asked or self.state.step % cfg.train.save_every == 0:
                     self.save()
                 if (stop or asked) and not done:
@@ -728,6 +733,8 @@ class DrafterTrainer:
                         self.stop_signal or "train.stop_after_steps",
                     )
                     break
+        if discarded is None:  # no step ran in this launch
+            discarded = self.source.stop_all()
         finished = self.state.step == self.setup.num_steps
         if finished and cfg.train.save_weights:
             whole = self.parallel.whole()  # every drafter: gathered when sharded
@@ -736,7 +743,6 @@ class DrafterTrainer:
                     whole, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
                 )
                 log.info("exported the drafter to %s", out)
-        discarded = self.source.stop_all()
         log.info(
             "drafter rank %d done at step %d (%d in-flight packets discarded)",
             self.ctx.rank,

@@ -50,7 +50,9 @@ def test_find_gpu_spec_from_the_device_name():
     assert find_gpu_spec("NVIDIA H200", None)[0] == "h200"
     name, spec = find_gpu_spec("NVIDIA H100 80GB HBM3", None)
     assert name == "h100" and spec.bf16_tflops == 989
-    assert find_gpu_spec("NVIDIA GeForce RTX 4090", None) == (None, None)
+    assert find_gpu_spec("NVIDIA GeForce RTX 4090", None)[0] == "rtx_4090"
+    assert find_gpu_spec("NVIDIA H100 PCIe", None)[0] == "h100_pcie"  # the longest match
+    assert find_gpu_spec("Tesla V100-SXM2-32GB", None) == (None, None)
     assert find_gpu_spec("NVIDIA GeForce RTX 4090", "b200")[0] == "b200"
 
 

@@ -23,11 +23,11 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.plan.app import plan_config, run
 from dflash.plan.costs import PacketShape, packet_costs
+from dflash.plan.gpus import load_gpu
 from dflash.plan.inputs import (
     VERIFIER_METRICS,
     attention_kinds,
     data_stats,
-    load_gpu,
     resolve_inputs,
     shape_problems,
 )
