@@ -7,6 +7,8 @@ inputs (drawn on the device with ``--device cuda``), and prints one JSON line; t
 
 - ``chunked``      verifier_loss, ``--terms`` ce+kl (ce=1, kl=1, T=1) at each ``--chunks`` size;
 - ``chunked_ce``   verifier_loss, ce only (no verifier GEMM);
+- ``chunked_dpace`` verifier_loss, ce with D-PACE weights (``loss.dpace=0.5``) over blocks of 16
+                   slots (15 supervised rows each): its cost beside ``chunked_ce`` (``*_vs_ce``);
 - ``naive``        full verifier logits, ``roll``, full drafter logits, ``log_softmax``, autograd;
 - ``naive_ce``     full drafter logits + ``F.cross_entropy``, autograd;
 - ``torch_lce``    ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(batch_chunk_size=C))``;
@@ -43,9 +45,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ALL_CASES = ["limit", "limit_ce", "chunked", "chunked_ce", "torch_lce", "naive", "naive_ce"]
-CHUNKED_CASES = {"limit", "limit_ce", "chunked", "chunked_ce", "torch_lce"}
-CE_ONLY = {"limit_ce", "chunked_ce", "torch_lce", "naive_ce"}
+ALL_CASES = ["limit", "limit_ce", "chunked", "chunked_ce", "chunked_dpace", "torch_lce", "naive", "naive_ce"]
+CHUNKED_CASES = {"limit", "limit_ce", "chunked", "chunked_ce", "chunked_dpace", "torch_lce"}
+CE_ONLY = {"limit_ce", "chunked_ce", "chunked_dpace", "torch_lce", "naive_ce"}
+DPACE_BLOCK = 16
 
 
 def _parse() -> argparse.Namespace:
@@ -196,6 +199,28 @@ def _run_case(a: argparse.Namespace) -> dict:
             out = verifier_loss(
                 h_d, None if ce_only else h_v, w_head, labels, weights, ce=1.0, kl=kl, chunk_size=C
             )
+            out.loss.backward()
+            last["loss"] = out.loss.detach()
+    elif a.case == "chunked_dpace":
+        sys.path.insert(0, str(REPO))
+        from dflash.loss.dpace import dpace_weights
+        from dflash.loss.verifier import verifier_loss
+
+        blocks = -(-R // (DPACE_BLOCK - 1))
+        supervised = torch.zeros(blocks, DPACE_BLOCK, dtype=torch.bool, device=dev)
+        supervised[:, 1:] = True
+        slot = torch.arange(R, device=dev)
+        slot = (slot // (DPACE_BLOCK - 1)) * DPACE_BLOCK + slot % (DPACE_BLOCK - 1) + 1
+        supervised.view(-1)[slot.max() + 1 :] = False
+
+        def reweight(losses):
+            full = torch.zeros(blocks * DPACE_BLOCK, dtype=losses.dtype, device=losses.device)
+            full[slot] = losses
+            return dpace_weights(full.view(blocks, DPACE_BLOCK), supervised, 0.5).view(-1)[slot]
+
+        def step():
+            h_d.grad = None
+            out = verifier_loss(h_d, None, w_head, labels, weights, ce=1.0, chunk_size=C, reweight=reweight)
             out.loss.backward()
             last["loss"] = out.loss.detach()
     elif a.case == "torch_lce":
@@ -416,13 +441,20 @@ def main() -> None:
                 r["mem_vs_naive"] = round(r["peak_extra_gb"] / naive["peak_extra_gb"], 4)
         if limits[t] and not r["case"].startswith("limit"):
             r["time_vs_limit"] = round(r["time_s"] / limits[t], 4)
+        if r["case"] == "chunked_dpace":
+            _ratios(r, find("chunked_ce", r["chunk"]), "ce")
         if r["case"] == "chunked_ce":
-            lce = find("torch_lce", r["chunk"])
-            if lce:
-                r["time_vs_torch_lce"] = round(r["time_s"] / lce["time_s"], 4)
-                if lce["peak_extra_gb"] > 0:
-                    r["mem_vs_torch_lce"] = round(r["peak_extra_gb"] / lce["peak_extra_gb"], 4)
+            _ratios(r, find("torch_lce", r["chunk"]), "torch_lce")
         print(json.dumps(r), flush=True)
+
+
+def _ratios(r: dict, other: dict | None, name: str) -> None:
+    """``time_vs_<name>`` and ``mem_vs_<name>`` of ``r`` against ``other`` (when it ran)."""
+    if other is None:
+        return
+    r[f"time_vs_{name}"] = round(r["time_s"] / other["time_s"], 4)
+    if other["peak_extra_gb"] > 0:
+        r[f"mem_vs_{name}"] = round(r["peak_extra_gb"] / other["peak_extra_gb"], 4)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,17 @@ def _loss_problems(cfg: Config, p: _Problems) -> None:
     )
     p.need(lo.temperature > 0, f"loss.temperature={lo.temperature}: must be > 0")
     p.need(lo.gamma > 0, f"loss.gamma={lo.gamma}: must be > 0")
+    p.need(0.0 <= lo.dpace <= 1.0, f"loss.dpace={lo.dpace}: must be in (0, 1] (D-PACE's a), or 0 for off")
+    p.need(
+        lo.dpace_normalizer in ("sum", "count"),
+        f"loss.dpace_normalizer={lo.dpace_normalizer}: must be sum or count",
+    )
+    if lo.dpace > 0:
+        p.need(
+            terms.get("kl", 0.0) == 0,
+            f"loss.dpace={lo.dpace} with loss.kl={terms.get('kl')}: D-PACE weighs slots by exp(-cross-entropy); "
+            "set loss.kl=0 (loss=dpace) or loss.dpace=0",
+        )
     if lo.chunk_size is not None:
         p.need(
             lo.chunk_size >= 1,

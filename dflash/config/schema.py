@@ -443,7 +443,15 @@ class LossConfig:
     temperature: float = field(default=1.0, metadata=CONTRACT)
     """T of the KL term (the CE terms are at T = 1)."""
     gamma: float = field(default=7.0, metadata=CONTRACT)
-    """Slot weight exp(-(k-1)/gamma)."""
+    """Slot weight exp(-(k-1)/gamma) (not with dpace, whose weights replace it)."""
+    dpace: float = field(default=0.0, metadata=CONTRACT)
+    """D-PACE (arXiv 2605.18810) with this a in (0, 1]; 0 = off. Each slot's loss is weighted by a
+    detached, acceptance-aware factor in place of the decay: q_j = exp(-l_j) of the slot's loss (ce
+    and/or verifier_ce), C_j = prod_{i<=j} ((1-a) q_i + a), w_j = sum_{m>=j} C_m over the block's
+    supervised slots (conf/loss/dpace.yaml: a = 0.5, the paper's default)."""
+    dpace_normalizer: str = field(default="sum", metadata=CONTRACT)
+    """With dpace: the loss is divided by the sum of the D-PACE weights (sum) or by the number of
+    supervised slots (count)."""
     chunk_size: int | None = field(default=None, metadata=FREE)
     """Rows per chunk of the verifier-logit loss; None = from mem_budget_gib (the same result)."""
     mem_budget_gib: float = field(default=2.0, metadata=FREE)

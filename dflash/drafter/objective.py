@@ -15,6 +15,7 @@ import torch
 from dflash.config import LossConfig
 from dflash.drafter.blocks import build_masks, label_slots, make_blocks
 from dflash.drafter.model import DFlashDraftModel
+from dflash.loss.dpace import dpace_weights
 from dflash.loss.terms import TERMS, coefficients, needs_verifier_logits
 from dflash.loss.verifier import verifier_loss
 from dflash.targets.packing import doc_ids_from_positions
@@ -26,7 +27,9 @@ class ObjectiveOutput:
     nothing is supervised).
 
     Sums for aggregation over micro-batches and ranks (no grad, float64 on CPU unless noted):
-    weight_sum (sum_r w_r), loss_sum (sum_r w_r*l_r), slot_count / slot_hit / slot_hit_verifier
+    weight_sum (sum_r w_r: the loss's normaliser; with D-PACE the sum of its weights, or of the base
+    weights with ``dpace_normalizer=count``), base_weight_sum (sum of the base weights: the decay, or
+    1 per slot with D-PACE; the terms' means divide by it), loss_sum (sum_r w_r*l_r), slot_count / slot_hit / slot_hit_verifier
     [bs] (supervised slots and argmax hits per slot, no decay), tau_sum / tau_verifier_sum (sum over
     real blocks of tau_b = 1 + the length of the leading run of hit slots, against the data / the
     verifier argmax), inv_tau_sum / inv_tau_verifier_sum (sum of 1 / tau_b), num_blocks, term_sums
@@ -41,6 +44,7 @@ class ObjectiveOutput:
 
     loss: torch.Tensor
     weight_sum: torch.Tensor
+    base_weight_sum: torch.Tensor
     loss_sum: torch.Tensor
     slot_count: torch.Tensor
     slot_hit: torch.Tensor
@@ -170,7 +174,10 @@ def dflash_loss(
         on_phase("drafter_forward")
     coefs = coefficients(loss_cfg)
     verifier_hidden = final_hidden if needs_verifier_logits(coefs, verifier_metrics) else None
-    sup = _supervised_slots(blocks, loss_mask, input_ids, verifier_hidden, loss_cfg.gamma, hidden, num_rows)
+    dpace = loss_cfg.dpace > 0
+    sup = _supervised_slots(
+        blocks, loss_mask, input_ids, verifier_hidden, None if dpace else loss_cfg.gamma, hidden, num_rows
+    )
     if num_rows is not None:
         _assert_labels_in_vocab(sup.labels, lm_head_weight.shape[0])
     out = verifier_loss(
@@ -184,8 +191,11 @@ def dflash_loss(
         mem_budget_gib=loss_cfg.mem_budget_gib,
         compile=loss_cfg.compile,
         normalizer=normalizer,
-        checked_rows=num_rows is not None and _all_weighted(drafter.block_size, loss_cfg.gamma, hidden.dtype),
+        checked_rows=num_rows is not None
+        and (dpace or _all_weighted(drafter.block_size, loss_cfg.gamma, hidden.dtype)),
         coefs=coefs,
+        reweight=_dpace_reweight(sup, loss_cfg.dpace) if dpace else None,
+        reweight_normalizer=loss_cfg.dpace_normalizer,
     )
     if on_phase is not None:
         on_phase("loss")
@@ -209,17 +219,18 @@ def _supervised_slots(
     loss_mask: torch.Tensor,
     input_ids: torch.Tensor,
     final_hidden: torch.Tensor | None,
-    gamma: float,
+    gamma: float | None,
     hidden: torch.Tensor,
     num_rows: int | None,
 ) -> _Supervised:
-    """The supervised slots; with ``num_rows`` (R known) found without a host sync."""
+    """The supervised slots, weighted by the decay of ``gamma`` (None: 1 each, D-PACE weighs them
+    later); with ``num_rows`` (R known) found without a host sync."""
     B, N, bs = blocks.label_pos.shape
     flat_pos = blocks.label_pos.view(B, N * bs)
     supervised = supervised_slots(blocks.label_pos, blocks.label_valid, loss_mask)
-    weights = supervised.to(_weight_dtype(hidden.dtype)) * slot_weights(
-        bs, gamma, hidden.device, _weight_dtype(hidden.dtype)
-    )
+    weights = supervised.to(_weight_dtype(hidden.dtype))
+    if gamma is not None:
+        weights = weights * slot_weights(bs, gamma, hidden.device, _weight_dtype(hidden.dtype))
     if num_rows is None:
         rows = supervised.view(-1).nonzero().squeeze(1)  # indices into [B*N*bs]
     else:
@@ -231,6 +242,20 @@ def _supervised_slots(
         prev = (flat_pos - 1).clamp(min=0)
         verifier_rows = final_hidden[rows // (N * bs), prev.reshape(-1)[rows]]
     return _Supervised(supervised, weights, rows, labels, verifier_rows)
+
+
+def _dpace_reweight(sup: _Supervised, a: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The D-PACE multipliers of the supervised rows from their losses (:mod:`dflash.loss.dpace`;
+    the base weights are 1, so the multipliers are the weights)."""
+    B, N, bs = sup.supervised.shape
+
+    def reweight(losses: torch.Tensor) -> torch.Tensor:
+        slots = torch.zeros(B * N * bs, dtype=losses.dtype, device=losses.device)
+        slots[sup.rows] = losses
+        w = dpace_weights(slots.view(B * N, bs), sup.supervised.view(B * N, bs), a)
+        return w.view(-1)[sup.rows]
+
+    return reweight
 
 
 def _assert_labels_in_vocab(labels: torch.Tensor, vocab: int) -> None:
@@ -258,7 +283,8 @@ def _objective_output(
 ) -> ObjectiveOutput:
     """The batch's loss and its sums for aggregation (see ``ObjectiveOutput``)."""
     B, N, bs = sup.supervised.shape
-    weight_sum = sup.weights.view(-1)[sup.rows].double().sum()
+    base_sum = sup.weights.view(-1)[sup.rows].double().sum()
+    weight_sum = out.weight_sum.double() if out.weight_sum is not None else base_sum
     hit = torch.zeros(B * N * bs, dtype=torch.bool, device=anchors.device)
     hit[sup.rows] = out.stats.data_hit
     hit = hit.view(B, N, bs)
@@ -270,11 +296,12 @@ def _objective_output(
     term_sums = torch.zeros(len(TERMS), dtype=torch.float64, device=anchors.device)
     for i, term in enumerate(TERMS):
         if term.name in out.terms:
-            term_sums[i] = out.terms[term.name].double() * weight_sum
+            term_sums[i] = out.terms[term.name].double() * base_sum
     divided_by = weight_sum if normalizer is None else float(normalizer)
     return ObjectiveOutput(
         loss=out.loss,
         weight_sum=weight_sum,
+        base_weight_sum=base_sum,
         loss_sum=out.loss.detach().double() * divided_by,
         slot_count=sup.supervised.sum(dim=(0, 1)).double(),
         slot_hit=hit.sum(dim=(0, 1)).double(),

@@ -63,7 +63,7 @@ checks and the GEMM helpers all serve :func:`verifier_loss` (the per-block math 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -179,6 +179,9 @@ class _Cfg:
     keep_workspace: bool = True
     checked_rows: bool = False
     """The caller vouches for every row (``verifier_loss(checked_rows=True)``)."""
+    reweight: Callable[[Tensor], Tensor] | None = None
+    """Per-row loss values [R] -> multipliers [R] of the row weights (``verifier_loss(reweight=...)``)."""
+    reweight_normalizer: str = "sum"
     result: dict = field(default_factory=dict)
 
 
@@ -380,26 +383,45 @@ class _ChunkLoop:
         return s_used
 
 
-def _loss_and_terms(
-    rows: _Rows, out: _RowStats, cfg: _Cfg, w_sum: Tensor, normalizer: Tensor, cdt: torch.dtype
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The loss ``sum_r w_r l_r / normalizer`` and the weighted mean of every computed term."""
-    device = rows.weights.device
-
-    def wsum_over(x: Tensor, by: Tensor) -> Tensor:
-        if rows.n == 0:
-            return torch.zeros((), dtype=cdt, device=device)
-        return (rows.weights.double() @ x.double() / by.double()).to(cdt)
-
-    terms = {name: wsum_over(x, w_sum) for name, x in out.terms.items()}
-    if rows.n == 0:
-        return torch.zeros((), dtype=cdt, device=device), terms
-    per_row = torch.zeros(rows.n, dtype=cdt, device=device)
+def _per_row_loss(rows: _Rows, out: _RowStats, cfg: _Cfg, cdt: torch.dtype) -> Tensor:
+    """``l_r = sum_t c_t term_t(r)`` of the kept rows."""
+    per_row = torch.zeros(rows.n, dtype=cdt, device=rows.weights.device)
     for name, coef in cfg.coefs.items():
         if coef > 0:
             assert name in out.terms, f"the weighted term {name} was not computed"
             per_row.add_(out.terms[name], alpha=coef)
-    return wsum_over(per_row, normalizer), terms
+    return per_row
+
+
+def _weighted_sum(weights: Tensor, x: Tensor, by: Tensor, cdt: torch.dtype) -> Tensor:
+    if weights.numel() == 0:
+        return torch.zeros((), dtype=cdt, device=weights.device)
+    return (weights.double() @ x.double() / by.double()).to(cdt)
+
+
+def _reweighted(
+    rows: _Rows, per_row: Tensor, cfg: _Cfg, w_sum: Tensor, normalizer: Tensor, r_all: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(multiplier per kept row, the new weights, the new normalizer)`` of ``cfg.reweight``: the
+    row weights become ``w_r * m_r``; the loss is divided by their sum (``reweight_normalizer=sum``)
+    or by the base weights' sum (``count``), unless the caller fixed ``normalizer``."""
+    values = per_row.detach()
+    if rows.compact:
+        values = torch.zeros(r_all, dtype=per_row.dtype, device=per_row.device).index_copy_(
+            0, rows.keep, values
+        )
+    assert cfg.reweight is not None
+    mult = cfg.reweight(values).to(per_row.dtype)
+    if mult.shape != (r_all,):
+        raise ValueError(f"reweight must return [R={r_all}] multipliers, got {tuple(mult.shape)}")
+    if rows.compact:
+        mult = mult.index_select(0, rows.keep)
+    new_w = rows.weights * mult
+    if cfg.normalizer is not None:
+        new_norm = normalizer
+    else:
+        new_norm = new_w.sum() if cfg.reweight_normalizer == "sum" else w_sum
+    return mult, new_w, new_norm.clamp_min(torch.finfo(per_row.dtype).tiny)
 
 
 def _stats_in_row_order(rows: _Rows, out: _RowStats, labels: Tensor, r_all: int) -> VerifierLossStats:
@@ -454,12 +476,26 @@ def _forward_impl(
             for c0 in range(0, rows.n, chunk):
                 loop.run(c0, min(c0 + chunk, rows.n), out, dh, normalizer)
             loop.close()
-        loss, terms = _loss_and_terms(rows, out, cfg, w_sum, normalizer, cdt)
+        terms = {name: _weighted_sum(rows.weights, x, w_sum, cdt) for name, x in out.terms.items()}
+        per_row = _per_row_loss(rows, out, cfg, cdt)
+        weight_sum = w_sum
+        if cfg.reweight is not None and rows.n:
+            mult, new_w, new_norm = _reweighted(rows, per_row, cfg, w_sum, normalizer, h_d.shape[0])
+            loss = _weighted_sum(new_w, per_row, new_norm, cdt)
+            if dh is not None:  # dh_r was w_r g_r / normalizer: exact after the loop, row by row
+                scale = (mult * (normalizer / new_norm)).to(dh.dtype).unsqueeze(1)
+                if rows.compact:
+                    dh.index_copy_(0, rows.keep, dh.index_select(0, rows.keep) * scale)
+                else:
+                    dh.mul_(scale)
+            weight_sum = new_w.sum() if cfg.reweight_normalizer == "sum" else w_sum
+        else:
+            loss = _weighted_sum(rows.weights, per_row, normalizer, cdt)
         cfg.result.update(
             chunk_size=chunk,
             stats=_stats_in_row_order(rows, out, labels, h_d.shape[0]),
             terms=terms,
-            weight_sum=w_sum,
+            weight_sum=weight_sum,
         )
         return loss, dh
 
@@ -619,6 +655,8 @@ def _checked_settings(
     needing = [f"{n} ({c})" for n, c in coefs.items() if c > 0 and BY_NAME[n].needs_verifier]
     if h_v is None and needing:
         raise ValueError(f"verifier_hidden is required when {' or '.join(needing)} is > 0")
+    if tuning["reweight_normalizer"] not in ("sum", "count"):
+        raise ValueError(f"reweight_normalizer must be sum or count, got {tuning['reweight_normalizer']!r}")
     vocab = w.shape[0]
     if not checked_rows:
         _check_values(labels, weights, vocab)
@@ -634,6 +672,8 @@ def _checked_settings(
         normalizer=None if normalizer is None else float(normalizer),
         keep_workspace=bool(keep_workspace),
         checked_rows=bool(checked_rows),
+        reweight=tuning["reweight"],
+        reweight_normalizer=tuning["reweight_normalizer"],
     )
 
 
@@ -653,6 +693,8 @@ def verifier_loss(
     keep_workspace: bool = True,
     checked_rows: bool = False,
     coefs: Mapping[str, float] | None = None,
+    reweight: Callable[[Tensor], Tensor] | None = None,
+    reweight_normalizer: str = "sum",
     **term_coefs: float,
 ) -> VerifierLossOutput:
     """Weighted loss terms (:mod:`dflash.loss.terms`: ce, kl, verifier_ce) of the drafter logits
@@ -686,6 +728,14 @@ def verifier_loss(
         coefs, term_coefs: ``{term: coefficient}`` and ``<term>=<coefficient>`` (non-negative) of the
             terms of :data:`dflash.loss.terms.TERMS`; an unnamed term takes its default (``ce=1``,
             the others 0).
+        reweight: weights that depend on the losses themselves (D-PACE, :mod:`dflash.loss.dpace`):
+            called once, without grad, with the per-row loss ``l_r`` ``[R]`` (0 on weight-0 rows),
+            it returns ``[R]`` multipliers ``m_r >= 0``; the loss becomes ``sum_r w_r m_r l_r / N``
+            with ``m`` a constant for the gradient. ``dh`` rows are rescaled after the chunk loop
+            (each row's gradient is linear in its weight), so it costs no second pass over the
+            vocabulary.
+        reweight_normalizer: with ``reweight`` and no ``normalizer``: ``N = sum_r w_r m_r``
+            (``sum``) or ``sum_r w_r`` (``count``). The output's ``weight_sum`` is that ``N``.
 
     Returns:
         :class:`VerifierLossOutput`: ``loss`` (scalar, fp32 or fp64; 0 with a zero gradient when
@@ -713,6 +763,8 @@ def verifier_loss(
             compile=compile,
             normalizer=normalizer,
             row_block=row_block,
+            reweight=reweight,
+            reweight_normalizer=reweight_normalizer,
         ),
         keep_workspace,
         checked_rows,

@@ -25,6 +25,7 @@ from dflash.loss.terms import TERMS
 
 OBJECTIVE_SUMS: dict[str, int] = {
     "weight_sum": 1,
+    "base_weight_sum": 1,
     "loss_sum": 1,
     "slot_count": 0,
     "slot_hit": 0,
@@ -140,6 +141,7 @@ def step_metrics(
         "train/anchors_per_sample": _ratio(blocks, c["seqs"]),
         "train/anchors_offered_per_sample": _ratio(c["anchors_offered"], c["seqs"]),
         "train/supervised_slots": float(o["slot_count"].sum()),
+        "train/slot_weight_mean": _ratio(w, supervised),
         "perf/step_s": step_s,
         "perf/tokens_per_s": c["tokens"] / step_s,
         "perf/samples_per_s": c["seqs"] / step_s,
@@ -155,7 +157,7 @@ def step_metrics(
         m["perf/target_busy_frac"] = c["target_s"] / (num_targets * step_s)
     for i, term in enumerate(TERMS):
         if loss_weights.get(term.name, 0.0) > 0 or float(o["term_sums"][i]) != 0.0:
-            m[term.metric] = _ratio(float(o["term_sums"][i]), w)
+            m[term.metric] = _ratio(float(o["term_sums"][i]), float(o["base_weight_sum"]))
     for k in range(1, s.block_size):
         count = float(o["slot_count"][k])
         m[f"train/acc_slot_{k}"] = _ratio(float(o["slot_hit"][k]), count)

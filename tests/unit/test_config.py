@@ -176,6 +176,9 @@ BAD = [
         ">= drafter.block_size=8",
     ),
     (["drafter.partial_rotary_factor=1.5"], 3, "drafter.partial_rotary_factor=1.5", "(0, 1]"),
+    (["loss=dpace", "loss.kl=0.5"], 3, "loss.dpace=0.5 with loss.kl=0.5", "set loss.kl=0"),
+    (["loss.dpace=1.5"], 3, "loss.dpace=1.5", "(0, 1]"),
+    (["loss=dpace", "loss.dpace_normalizer=mean"], 3, "loss.dpace_normalizer=mean", "sum or count"),
 ]
 
 

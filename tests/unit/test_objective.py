@@ -46,6 +46,18 @@ def _setup(**layout):
     return model, pos, ids, mask, aux, final, embed, head, anchors
 
 
+def _drafter_hidden(model, pos, ids, doc, anchors, embed, aux):
+    """The drafter's final hidden of every block slot, [1, N * BS, H] (SDPA masks)."""
+    blocks = make_blocks(ids, pos, doc, anchors, BS, V - 1)
+    return model(
+        embed[blocks.block_ids],
+        aux,
+        pos,
+        blocks.block_positions,
+        build_masks(anchors, doc, BS, "sdpa", model.arch.layer_types, model.arch.sliding_window),
+    )
+
+
 @pytest.mark.parametrize(
     "layout",
     [{}, dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)],
@@ -57,14 +69,7 @@ def test_loss_terms_stats_and_tau_equal_a_naive_reference(layout):
     out = dflash_loss(model, aux, final, ids, mask, anchors, embed, head, cfg, position_ids=pos)
 
     doc = doc_ids_from_positions(pos)
-    blocks = make_blocks(ids, pos, doc, anchors, BS, V - 1)
-    hidden = model(
-        embed[blocks.block_ids],
-        aux,
-        pos,
-        blocks.block_positions,
-        build_masks(anchors, doc, BS, "sdpa", model.arch.layer_types, model.arch.sliding_window),
-    )
+    hidden = _drafter_hidden(model, pos, ids, doc, anchors, embed, aux)
     num = den = 0.0
     taus, taus_v = [], []
     slot_hits = [0] * BS
@@ -104,6 +109,42 @@ def test_loss_terms_stats_and_tau_equal_a_naive_reference(layout):
     g_ref = torch.autograd.grad(ref, list(model.parameters()))
     for a, b in zip(g_out, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("normalizer", ["sum", "count"])
+def test_dpace_weights_each_block_by_its_own_losses_as_a_naive_reference_does(normalizer):
+    """loss.dpace: per block, q_k = exp(-CE_k) of the supervised slots, C_k = prod (1-a) q_i + a,
+    w_k = sum_{m>=k} C_m (detached), the loss sum w CE / sum w (or / the slot count), no decay."""
+    model, pos, ids, mask, aux, final, embed, head, anchors = _setup()
+    a = 0.4
+    cfg = LossConfig(dpace=a, dpace_normalizer=normalizer, chunk_size=5)
+    out = dflash_loss(model, aux, final, ids, mask, anchors, embed, head, cfg, position_ids=pos)
+    doc = doc_ids_from_positions(pos)
+    hidden = _drafter_hidden(model, pos, ids, doc, anchors, embed, aux)
+    num, den, count = 0.0, 0.0, 0
+    for n, anchor in enumerate(anchors[0].tolist()):
+        ces, reach = {}, 1.0
+        for k in range(1, BS):
+            p = anchor + k
+            if anchor < 0 or p >= ids.shape[1] or doc[0, p] != doc[0, anchor] or not mask[0, p]:
+                continue
+            ces[k] = -torch.log_softmax(head @ hidden[0, n * BS + k], -1)[ids[0, p]]
+        c = {}
+        for k in range(1, BS):
+            if k in ces:
+                reach *= (1 - a) * math.exp(-float(ces[k].detach())) + a
+                c[k] = reach
+        for k, ce in ces.items():
+            w = sum(v for m, v in c.items() if m >= k)
+            num, den, count = num + w * ce, den + w, count + 1
+    ref = num / (den if normalizer == "sum" else count)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-10, atol=0)
+    assert float(out.base_weight_sum) == count == float(out.slot_count.sum())
+    assert math.isclose(float(out.weight_sum), den if normalizer == "sum" else count, rel_tol=1e-12)
+    g_out = torch.autograd.grad(out.loss, list(model.parameters()))
+    g_ref = torch.autograd.grad(ref, list(model.parameters()))
+    for x, y in zip(g_out, g_ref, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-8, atol=1e-12)
 
 
 def test_prefix_accept_counts_the_leading_run_of_hits():
