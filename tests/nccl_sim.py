@@ -25,10 +25,18 @@ The model (torch 2.13's ``ProcessGroupNCCL``, torch/csrc/distributed/c10d/Proces
   same size and dtype) is at the head of the peer's queue while the send is at the head of its own;
   a collective completes when it is at the head of every member's queue. Ops complete whether or
   not anybody waits, as on a GPU; what completes lets the next op of its queue start.
-- ``torch.cuda.synchronize()`` waits for every pending op of the rank (every stream of the
-  device); ``current_stream().synchronize()`` and CUDA events wait only for what the current
-  stream was made to wait for (``Work.wait()`` without a timeout, ``WorkNCCL::synchronizeStream``).
-  Compute runs on the calling thread, so it is finished when Python goes on.
+- Streams: every rank has a default stream; ``torch.cuda.Stream``/``torch.cuda.stream`` make and
+  select others (per thread). ``Work.wait()`` makes the current stream wait for the op
+  (``WorkNCCL::synchronizeStream``; with a timeout the host then also blocks until it completes).
+  An op starts only after the work queued on the stream it was issued from (NCCL's stream waits
+  for the current stream): its ``ready_at``. Compute runs on the calling thread, so it is finished
+  when Python goes on, except what a test queues with ``compute(seconds)``: it occupies the current
+  stream until ``busy_until`` while the host goes on, as CUDA kernels do.
+- Host reads wait for their stream: ``Tensor.cpu()``/``.to(cpu)`` (a device-to-host copy on the
+  current stream), ``current_stream().synchronize()`` and CUDA events wait for what the stream was
+  made to wait for and for its queued compute; ``torch.cuda.synchronize()`` for every pending op and
+  stream of the rank. ``timeline`` records, per rank, when each queued compute ends and when each
+  payload receive could start (the drafter's overlap of receive and compute).
 - ``Work.wait(timeout)`` blocks until the op completes and raises once ``timeout`` has passed since
   the op was created (``WorkNCCL::checkTimeout`` counts from ``workStartTime_``); every such wait
   is checked against the op's group timeout (the watchdog's, from the op's creation too): a wait
@@ -69,13 +77,30 @@ def _on_cpu(v: Any) -> Any:
     return v
 
 
+def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``Tensor.cpu()`` or ``Tensor.to(cpu)``: a device-to-host copy on the current stream."""
+    if func is torch.Tensor.cpu:
+        return True
+    if func is not torch.Tensor.to:
+        return False
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return isinstance(target, (str, torch.device)) and str(target).startswith("cpu")
+
+
 class CudaAsCpu(TorchFunctionMode):
     """Every ``device=cuda...`` argument of a torch call becomes the CPU (thread-local, like every
-    torch function mode): code that holds ``torch.device("cuda", r)`` runs its CUDA branches on CPU tensors."""
+    torch function mode): code that holds ``torch.device("cuda", r)`` runs its CUDA branches on CPU
+    tensors. With ``sim``, a device-to-host copy waits for the current stream (``NcclSim.host_read``)."""
+
+    def __init__(self, sim: NcclSim | None = None) -> None:
+        super().__init__()
+        self.sim = sim
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.device:  # the device itself stays cuda: the code under test branches on it
             return func(*args, **(kwargs or {}))
+        if self.sim is not None and _to_host(func, args, kwargs or {}):
+            self.sim.host_read()
         kwargs = {k: _on_cpu(v) for k, v in (kwargs or {}).items()}
         return func(*(_on_cpu(a) for a in args), **kwargs)
 
@@ -127,6 +152,8 @@ class Op:
     coll: _Collective | None = None
     payload: Any = None
     done: bool = False
+    ready_at: float = 0.0
+    """``time.monotonic()`` after which the op can start (the compute queued before it on its stream)."""
 
     def __str__(self) -> str:
         if self.kind in ("send", "recv"):
@@ -152,9 +179,9 @@ class SimWork:
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         sim, op = self.sim, self.op
-        if timeout is None:  # NCCL: the current stream waits for the op; the host goes on
-            with sim.cv:
-                sim.stream_deps.setdefault(op.rank, []).append(op)
+        with sim.cv:  # NCCL: the current stream waits for the op
+            sim.current_stream().deps.append(op)
+        if timeout is None:  # and the host goes on
             return True
         seconds = timeout.total_seconds()
         with sim.cv:
@@ -168,8 +195,8 @@ class SimWork:
 
 
 class SimEvent:
-    """A CUDA event on the current stream: its time is the host time of ``record`` (compute is done
-    by then); it waits for what the current stream waited for at that point."""
+    """A CUDA event: recorded on a stream, it completes with what the stream was made to wait for
+    and its queued compute; its time is when that compute ends (the host time of ``record`` at the earliest)."""
 
     def __init__(self, sim: NcclSim, enable_timing: bool = False, **_: Any) -> None:
         self.sim = sim
@@ -177,31 +204,39 @@ class SimEvent:
         self.deps: list[Op] = []
 
     def record(self, stream: Any = None) -> None:
-        rank = self.sim._rank()
+        s = stream if isinstance(stream, SimStream) else self.sim.current_stream()
         with self.sim.cv:
-            self.deps = list(self.sim.stream_deps.get(rank, []))
-        self.t = time.perf_counter()
+            self.deps = list(s.deps)
+        self.t = max(time.monotonic(), s.busy_until)
 
     def synchronize(self) -> None:
+        assert self.t is not None, "synchronize of an event that was never recorded"
         self.sim._block(self.sim._rank(), "CUDA event synchronize", self.deps, None)
+        self.sim._sleep_until(self.t)
 
     def query(self) -> bool:
-        return all(op.done for op in self.deps)
+        return all(op.done for op in self.deps) and (self.t or 0.0) <= time.monotonic()
 
     def elapsed_time(self, end: SimEvent) -> float:
         assert self.t is not None and end.t is not None, "elapsed_time of an event that was never recorded"
         return (end.t - self.t) * 1000.0
 
 
-class _SimStream:
-    def __init__(self, sim: NcclSim) -> None:
-        self.sim = sim
+class SimStream:
+    """A CUDA stream of one rank: the ops it was made to wait for and when its queued compute ends."""
+
+    def __init__(self, sim: NcclSim, rank: int) -> None:
+        self.sim, self.rank = sim, rank
+        self.deps: list[Op] = []
+        self.busy_until = 0.0
 
     def synchronize(self) -> None:
-        rank = self.sim._rank()
+        self.sim._sync_stream(self, "stream.synchronize()")
+
+    def wait_stream(self, other: SimStream) -> None:
         with self.sim.cv:
-            deps = list(self.sim.stream_deps.get(rank, []))
-        self.sim._block(rank, "current_stream().synchronize()", deps, None)
+            self.deps.extend(other.deps)
+            self.busy_until = max(self.busy_until, other.busy_until)
 
 
 @dataclass
@@ -223,7 +258,10 @@ class NcclSim:
         self.cv = threading.Condition()
         self.local = threading.local()
         self.queues: dict[tuple[int, tuple], deque[Op]] = {}
-        self.stream_deps: dict[int, list[Op]] = {}
+        self.default_streams: dict[int, SimStream] = {}
+        self.timeline: dict[int, list[tuple[str, str, float]]] = {}
+        """Per rank, in host order: ("compute", "", when it ends) for each ``compute`` and
+        ("payload", op label, when it can start) for each payload receive."""
         self.groups: list[SimGroup] = []
         self.world: SimGroup | None = None
         self.eager: bool | None = None
@@ -257,7 +295,7 @@ class NcclSim:
         def main(rank: int) -> None:
             self.local.rank = rank
             try:
-                with CudaAsCpu():
+                with CudaAsCpu(self):
                     results[rank] = fn(rank)
             except SimStop:
                 pass
@@ -309,6 +347,50 @@ class NcclSim:
         finally:
             self.local.region = prev
 
+    # ------------------------------------------------------------------ streams and compute
+    def default_stream(self, rank: int | None = None) -> SimStream:
+        rank = self._rank() if rank is None else rank
+        with self.cv:
+            return self.default_streams.setdefault(rank, SimStream(self, rank))
+
+    def current_stream(self, device: Any = None) -> SimStream:
+        return getattr(self.local, "stream", None) or self.default_stream()
+
+    @contextmanager
+    def use_stream(self, stream: SimStream | None) -> Iterator[None]:
+        """``torch.cuda.stream(stream)`` (None: the current one)."""
+        prev = getattr(self.local, "stream", None)
+        self.local.stream = stream or prev
+        try:
+            yield
+        finally:
+            self.local.stream = prev
+
+    def compute(self, seconds: float) -> None:
+        """Queue ``seconds`` of compute on the current stream; the host goes on (after what the
+        stream waits for is done: the model does not date the completion of an op in advance)."""
+        s = self.current_stream()
+        self._block(self._rank(), "compute waits for its stream", list(s.deps), None)
+        with self.cv:
+            s.busy_until = max(time.monotonic(), s.busy_until) + seconds
+            self.timeline.setdefault(s.rank, []).append(("compute", "", s.busy_until))
+
+    def host_read(self) -> None:
+        """A device-to-host copy on the current stream: the host waits for the stream."""
+        if getattr(self.local, "rank", None) is not None:
+            self._sync_stream(self.current_stream(), "device-to-host copy (Tensor.cpu)")
+
+    def _sync_stream(self, s: SimStream, what: str) -> None:
+        with self.cv:
+            deps = list(s.deps)
+        self._block(s.rank, f"{what} on its stream", deps, None)
+        self._sleep_until(s.busy_until)
+
+    def _sleep_until(self, t: float) -> None:
+        while (left := t - time.monotonic()) > 0:
+            self._check_stopped()
+            time.sleep(min(left, 0.01))
+
     # ------------------------------------------------------------------ blocking and deadlocks
     def _block(self, rank: int, what: str, ops: list[Op], deadline: float | None) -> bool:
         """Wait until every op of ``ops`` is done (True) or ``deadline`` (time.monotonic; False)."""
@@ -325,9 +407,10 @@ class NcclSim:
                         return True
                     if deadline is not None and time.monotonic() >= deadline:
                         return False
+                    self._progress()
                     self._check_deadlock()
                     self._check_stopped()
-                    self.cv.wait(0.05)
+                    self.cv.wait(0.05 if not self._gated() else 0.002)
             finally:
                 self.blocked.pop(rank, None)
                 region = getattr(self.local, "region", None)
@@ -340,6 +423,9 @@ class NcclSim:
         """(Under the lock.) Every live rank waits on ops that cannot complete: stop the world."""
         if self.failure is not None or not self.live or not self.live <= self.blocked.keys():
             return
+        if self._gated():  # an op waits for the compute queued before it: not stuck yet
+            return
+        self._progress()  # every head is ready now: what can complete does
         if any(all(op.done for op in self.blocked[r].ops) for r in self.live):
             return
         self.deadlock = self._report()
@@ -390,15 +476,16 @@ class NcclSim:
         """(Under the lock.) Complete every op whose partners are at their queue heads, repeatedly."""
         changed = True
         any_change = False
+        now = time.monotonic()
         while changed:
             changed = False
             for (rank, comm), q in list(self.queues.items()):
-                if not q:
+                if not q or q[0].ready_at > now:
                     continue
                 op = q[0]
                 if op.kind == "send" and op.peer is not None:
                     pq = self.queues.get((op.peer, comm))
-                    if pq and pq[0].kind == "recv" and pq[0].peer == rank:
+                    if pq and pq[0].kind == "recv" and pq[0].peer == rank and pq[0].ready_at <= now:
                         self._transfer(op, pq[0])
                         q.popleft()
                         pq.popleft()
@@ -406,7 +493,9 @@ class NcclSim:
                 elif op.kind == "collective" and op.coll is not None:
                     c = op.coll
                     heads = [self.queues.get((m, comm), deque()) for m in c.group.ranks]
-                    if len(c.members) == len(c.group.ranks) and all(h and h[0].coll is c for h in heads):
+                    if len(c.members) == len(c.group.ranks) and all(
+                        h and h[0].coll is c and h[0].ready_at <= now for h in heads
+                    ):
                         _complete_collective(c)
                         for h in heads:
                             h.popleft()
@@ -414,6 +503,11 @@ class NcclSim:
             any_change = any_change or changed
         if any_change:
             self.cv.notify_all()
+
+    def _gated(self) -> bool:
+        """(Under the lock.) Some queue head waits only for the compute queued before it."""
+        now = time.monotonic()
+        return any(q and q[0].ready_at > now for q in self.queues.values())
 
     def _transfer(self, send: Op, recv: Op) -> None:
         a, b = send.tensor, recv.tensor
@@ -471,7 +565,11 @@ class NcclSim:
             label or kind,
             g.timeout_s[rank],
             time.monotonic(),
+            ready_at=self.current_stream().busy_until,
         )
+        if kind == "recv" and label.startswith("recv payload"):
+            with self.cv:
+                self.timeline.setdefault(rank, []).append(("payload", label, max(op.created, op.ready_at)))
         self._enqueue(op)
         return SimWork(self, op)
 
@@ -500,6 +598,7 @@ class NcclSim:
                 time.monotonic(),
                 coll=c,
                 payload=payload,
+                ready_at=self.current_stream().busy_until,
             )
             c.members[rank] = op
         self._enqueue(op)
@@ -640,7 +739,12 @@ class NcclSim:
         rank = self._rank()
         with self.cv:
             pending = [op for (r, _), q in self.queues.items() if r == rank for op in q if not op.done]
+            streams = [
+                self.default_stream(rank),
+                *([s] if (s := getattr(self.local, "stream", None)) else []),
+            ]
         self._block(rank, "torch.cuda.synchronize() (every stream of the device)", pending, None)
+        self._sleep_until(max(s.busy_until for s in streams))
 
     @contextmanager
     def patch(self, monkeypatch: pytest.MonkeyPatch, modules: list[Any]) -> Iterator[NcclSim]:
@@ -654,7 +758,10 @@ class NcclSim:
         monkeypatch.setattr(c10d, "_set_pg_timeout", self.set_pg_timeout)
         monkeypatch.setattr(c10d, "_abort_process_group", self.abort_process_group)
         monkeypatch.setattr(torch.cuda, "synchronize", self.device_synchronize)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _SimStream(self))
+        monkeypatch.setattr(torch.cuda, "current_stream", self.current_stream)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, **_: SimStream(self, self._rank()))
+        monkeypatch.setattr(torch.cuda, "stream", self.use_stream)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
         monkeypatch.setattr(torch.cuda, "Event", lambda **kw: SimEvent(self, **kw))
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)

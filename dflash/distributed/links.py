@@ -10,6 +10,14 @@ two 2-rank groups per link, see ``dflash.distributed.process_group`` for why NCC
 ``groups=None`` puts both on the default group (gloo tests only: on NCCL every op of a group shares
 one stream). Host-to-device copies here are non-blocking (a blocking one synchronises the stream).
 
+A drafter's receives overlap its compute: NCCL starts an op only after the work queued before it on
+the stream it was issued from, and a host read waits for everything queued on its stream, so a
+``DrafterLink`` on CUDA issues its receives, ACKs and host reads of headers and payload fields from
+its own stream (``link_stream``), never from the compute stream. ``prefetch(g)`` posts packet g's
+header receive and, once the header is in, its payload receive, without blocking: called while
+packet g-1 is computed, the transfer of g runs beside it. ``recv(g)`` then makes the compute stream
+wait for the payload (and records the buffers on it) before handing the packet over.
+
 Usage (one ``TargetLink`` per drafter a target feeds, see ``linked_drafters``):
 
     # target                                        # drafter
@@ -17,12 +25,12 @@ Usage (one ``TargetLink`` per drafter a target feeds, see ``linked_drafters``):
                            timeout_s, max_in_flight,                   groups=ctx.drafter_links())
                            groups=ctx.link_groups[  link.prefetch(first)
                                       (rank, d)])   for g in my packets:
-             for d in linked_drafters(topo, rank)}      pkt = link.recv(g); link.prefetch(next g)
-    for g in topo.packets_of_target(rank, a, b):        ... train step ...; link.ack(g)
-        link = links[topo.consumer_of(g)]               link.first_step_done()  # after the first
-        link.send(make_packet(g))                   link.stop_all()   # STOP, drain until END
-        if link.stopped: break
-    for link in links.values():
+             for d in linked_drafters(topo, rank)}      pkt = link.recv(g); link.ack(g)
+    for g in topo.packets_of_target(rank, a, b):        link.prefetch(next g)
+        link = links[topo.consumer_of(g)]               ... queue the compute of pkt ...
+        link.send(make_packet(g))                       link.prefetch(next g)  # payload, if in
+        if link.stopped: break                      link.first_step_done()  # after the first
+    for link in links.values():                     link.stop_all()   # STOP, drain until END
         link.wait_for_stop(); link.send_end()
 
 A drafter's ACKs say whether it has finished a step (``first_step_done``; ``TargetLink.peer_stepped``):
@@ -40,7 +48,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -425,6 +433,15 @@ class _HeaderRecv:
     buf: Tensor
 
 
+@dataclass
+class _Staged:
+    """A packet whose header is in and validated and whose payload receive is posted."""
+
+    header: Header
+    bufs: list[Tensor]
+    works: list
+
+
 class DrafterLink(Endpoint):
     """A drafter's links to all the targets that feed it (the schedule says who sends packet g)."""
 
@@ -455,6 +472,7 @@ class DrafterLink(Endpoint):
             for t in self.targets
         }
         self._posted: dict[int, _HeaderRecv | None] = {t: None for t in self.targets}
+        self._staged: dict[int, _Staged | None] = {t: None for t in self.targets}
         self._deferred: dict[int, list[int]] = {t: [] for t in self.targets}
         self._acks: deque[tuple[int, int, object, Tensor]] = deque()
         self._ended: set[int] = set()
@@ -462,6 +480,13 @@ class DrafterLink(Endpoint):
         self.last_wait_s = 0.0
         self.total_wait_s = 0.0
         self.num_received = 0
+        self.num_staged_early = 0
+        """Packets whose payload receive ``prefetch`` posted before ``recv`` asked for them."""
+        self.link_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        """The stream this link issues its work from on CUDA (None on the CPU): see the module docstring."""
+
+    def _on_link_stream(self) -> Any:
+        return torch.cuda.stream(self.link_stream) if self.link_stream is not None else nullcontext()
 
     def _producer(self, g: int) -> int:
         if self.topology.consumer_of(g) != self.rank:
@@ -484,16 +509,25 @@ class DrafterLink(Endpoint):
         return rec
 
     def prefetch(self, g: int) -> None:
-        """Post the receive of packet g's header early (deferred until the same target's earlier payload is posted)."""
+        """Post what can be posted of packet g's receive without waiting: its header receive
+        (deferred until the same target's earlier payload is posted) and, once that header is in,
+        its payload receive. Call it again once the current packet's compute is queued."""
         self._check_usable()
-        t = self._producer(g)
-        rec = self._posted[t]
-        if (rec is not None and rec.g == g) or g in self._deferred[t]:
+        if self.stopped:
             return
-        if rec is None and not self._deferred[t] and (self._next[t] is None or g == self._next[t]):
-            self._post_header(t, g)
-        else:
-            self._deferred[t] = sorted({*self._deferred[t], g})
+        t = self._producer(g)
+        with self._on_link_stream():
+            staged, rec = self._staged[t], self._posted[t]
+            if (staged is not None and staged.header.g == g) or g in self._deferred[t]:
+                return
+            if rec is None and staged is None and (self._next[t] is None or g == self._next[t]):
+                rec = self._post_header(t, g)
+            elif rec is None or rec.g != g:
+                self._deferred[t] = sorted({*self._deferred[t], g})
+                return
+            if staged is None and self._done(rec.work, t, "recv header", g):
+                self._stage(t, g)
+                self.num_staged_early += 1
 
     def _take_header(self, t: int, g: int) -> tuple[Header, Tensor]:
         rec = self._posted[t]
@@ -528,7 +562,8 @@ class DrafterLink(Endpoint):
             )
         return h
 
-    def _recv_payload(self, t: int, h: Header) -> list[Tensor]:
+    def _post_payload(self, t: int, h: Header) -> _Staged:
+        """Post the receive of h's payload, then the header receive deferred behind it."""
         bufs = payload_buffers(h, self.device)
         # An empty packet (every sample dropped by the target) has no payload on the wire.
         works = [
@@ -540,29 +575,52 @@ class DrafterLink(Endpoint):
         ahead = self._deferred[t]
         if ahead and ahead[0] == self._next[t]:
             self._post_header(t, ahead.pop(0))
-        for w in works:
-            self._wait(w, t, "recv payload", h.g)
-        return bufs
+        return _Staged(h, bufs, works)
+
+    def _stage(self, t: int, g: int) -> _Staged:
+        """(On the link stream.) Packet g's header taken and validated, its payload receive posted."""
+        h, _ = self._take_header(t, g)
+        try:
+            validate_header(h, expect_g=g, spec=self.spec, sender=self.topology.describe(t))
+        except ProtocolError as e:
+            raise self._fail(e) from None
+        staged = self._staged[t] = self._post_payload(t, h)
+        return staged
+
+    def _wait_payload(self, t: int, staged: _Staged) -> None:
+        for w in staged.works:
+            self._wait(w, t, "recv payload", staged.header.g)
 
     def recv(self, g: int) -> Packet:
-        """Packet g from its target: header (validated), then payload (validated)."""
+        """Packet g from its target: header (validated), then payload (validated), ready for the
+        compute stream."""
         self._check_usable()
         if self.stopped:
             raise RuntimeError(f"{self.me}: recv({g}) after stop_all")
         t = self._producer(g)
         sender = self.topology.describe(t)
         t0 = time.perf_counter()
-        h, _ = self._take_header(t, g)
-        try:
-            validate_header(h, expect_g=g, spec=self.spec, sender=sender)
-        except ProtocolError as e:
-            raise self._fail(e) from None
-        packet = packet_from_payload(h, self._recv_payload(t, h))
-        host = host_fields(packet)  # the one read of the payload on the host
-        try:
-            validate_payload(h, host.seq_lens, host.sample_ids, host.loss_mask, sender=sender)
-        except ProtocolError as e:
-            raise self._fail(e) from None
+        with self._on_link_stream():
+            staged = self._staged[t]
+            if staged is None:
+                staged = self._stage(t, g)
+            elif staged.header.g != g:
+                raise ValueError(
+                    f"{self.me}: packet {staged.header.g} is being received from {sender}, asked for {g}"
+                )
+            self._staged[t] = None
+            self._wait_payload(t, staged)
+            packet = packet_from_payload(staged.header, staged.bufs)
+            host = host_fields(packet)  # the one read of the payload on the host
+            try:
+                validate_payload(staged.header, host.seq_lens, host.sample_ids, host.loss_mask, sender=sender)
+            except ProtocolError as e:
+                raise self._fail(e) from None
+        if self.link_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.link_stream)
+            for b in staged.bufs:
+                b.record_stream(compute)
         self.last_wait_s = time.perf_counter() - t0
         self.total_wait_s += self.last_wait_s
         self.num_received += 1
@@ -571,9 +629,10 @@ class DrafterLink(Endpoint):
 
     def _send_control(self, kind: int, g: int, t: int) -> None:
         flags = CTRL_FLAG_STEPPED if self._stepped else 0
-        msg = encode_control(kind, g, flags).to(self.device, non_blocking=True)
         op = "send ACK" if kind == CTRL_ACK else "send STOP"
-        self._acks.append((t, g, self._post(dist.isend, msg, t, self._groups[t].control, op, g), msg))
+        with self._on_link_stream():
+            msg = encode_control(kind, g, flags).to(self.device, non_blocking=True)
+            self._acks.append((t, g, self._post(dist.isend, msg, t, self._groups[t].control, op, g), msg))
 
     def _reap_acks(self) -> None:
         while self._acks and self._done(self._acks[0][2], self._acks[0][0], "send control", self._acks[0][1]):
@@ -590,6 +649,30 @@ class DrafterLink(Endpoint):
         self._send_control(CTRL_ACK, g, self._producer(g))
         self._reap_acks()
 
+    def _drain(self, t: int) -> int:
+        """(On the link stream, after STOP.) Receive target t's packets until its END; returns how many."""
+        sender = self.topology.describe(t)
+        discarded = 0
+        while t not in self._ended:
+            self._deferred[t] = []
+            nxt = self._next[t]
+            if nxt is None:  # nothing asked of this target yet: take its first header as is
+                h = self._first_header(t)
+                g = h.g
+            else:
+                g = nxt
+                h, _ = self._take_header(t, g)
+            try:
+                validate_header(h, expect_g=g, spec=self.spec, sender=sender, allow_end=True)
+            except ProtocolError as e:
+                raise self._fail(e) from None
+            if h.kind == KIND_END:
+                self._ended.add(t)
+                break
+            self._wait_payload(t, self._post_payload(t, h))
+            discarded += 1
+        return discarded
+
     def stop_all(self) -> int:
         """STOP every target, then drain each one's in-flight packets until its END; returns packets discarded."""
         self._check_usable()
@@ -598,27 +681,14 @@ class DrafterLink(Endpoint):
             if t not in self._ended:
                 nxt = self._next[t]
                 self._send_control(CTRL_STOP, -1 if nxt is None else nxt, t)
-        discarded = 0
-        for t in self.targets:
-            sender = self.topology.describe(t)
-            while t not in self._ended:
-                self._deferred[t] = []
-                nxt = self._next[t]
-                if nxt is None:  # nothing asked of this target yet: take its first header as is
-                    h = self._first_header(t)
-                    g = h.g
-                else:
-                    g = nxt
-                    h, _ = self._take_header(t, g)
-                try:
-                    validate_header(h, expect_g=g, spec=self.spec, sender=sender, allow_end=True)
-                except ProtocolError as e:
-                    raise self._fail(e) from None
-                if h.kind == KIND_END:
-                    self._ended.add(t)
-                    break
-                self._recv_payload(t, h)
-                discarded += 1
+        with self._on_link_stream():
+            discarded = 0
+            for t in self.targets:
+                staged, self._staged[t] = self._staged[t], None
+                if staged is not None:
+                    self._wait_payload(t, staged)
+                    discarded += 1
+                discarded += self._drain(t)
         while self._acks:
             t, g, work, _ = self._acks.popleft()
             self._wait(work, t, "send control", g)

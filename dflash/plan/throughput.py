@@ -18,6 +18,10 @@ Disaggregated ``N:M`` (``N`` targets, ``M`` drafters): packets/s
 ``= min(N / t_target, M / t_drafter, N * link / bytes, M * link / bytes)``, where ``bytes`` is
 what a packet carries and ``link`` one direction of the GPUs' link (NVLink, PCIe peer to peer, or
 PCIe through host memory: :mod:`dflash.plan.links`; the network share when the world spans hosts): each target sends, each drafter receives, its share of the packets.
+The link and compute bounds are separate because a drafter receives packet g+1 while it computes
+packet g (``DrafterLink.prefetch`` posts the payload receive from the link's own stream once the
+header is in; ``tests/unit/test_nccl_ordering.py`` checks the order), and a target computes its next
+packet while the previous one is on the wire (up to ``transport.max_in_flight`` un-ACKed).
 
 Tensor-parallel replicas ``NxK:M`` (``N`` replicas of ``K`` GPUs, world ``N*K + M``): ``t_target`` is
 a replica's time per packet, ``t_replica = t(rank_flop) + tp_bytes / link``:

@@ -351,12 +351,13 @@ class DrafterTrainer:
             on_phase=self.phases.mark,
         )
 
-    def _next_packet(self, step: int, i: int, packets: list[int]) -> None:
-        """Post the receive of the packet after ``packets[i]`` (double buffering)."""
+    def _next_packet(self, step: int, i: int, packets: list[int]) -> int | None:
+        """The packet this drafter trains on after ``packets[i]`` (None after the last step)."""
         if i + 1 < len(packets):
-            self.source.prefetch(packets[i + 1])
-        elif step + 1 < self.setup.num_steps:
-            self.source.prefetch(self.topology.packets_of_step(step + 1, self.ctx.rank)[0])
+            return packets[i + 1]
+        if step + 1 < self.setup.num_steps:
+            return self.topology.packets_of_step(step + 1, self.ctx.rank)[0]
+        return None
 
     def train_step(self, step: int) -> dict[str, float]:
         """Optimizer step ``step`` (0-based) over this drafter's packets; returns global metrics.
@@ -390,7 +391,9 @@ class DrafterTrainer:
             packet = self.source.recv(g)
             self.phases.mark("target_forward" if self.topology.self_produced else "recv_wait")
             self.source.ack(g)
-            self._next_packet(step, i, packets)
+            following = self._next_packet(step, i, packets)
+            if following is not None:
+                self.source.prefetch(following)  # double buffering: its header, or its payload if in
             self._count_packet(packet, local)
             if i == len(packets) - 1:
                 self.parallel.arm()  # the last backward of the step overlaps the gradient reduction
@@ -403,6 +406,8 @@ class DrafterTrainer:
                 loss = loss * float("nan")
             local.sums.count_nonfinite(loss)
             self.parallel.backward(loss)
+            if following is not None:
+                self.source.prefetch(following)  # the compute is queued: its payload moves beside it
             self.phases.mark("backward")
             local.sums.add(out)
         return local

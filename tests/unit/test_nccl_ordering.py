@@ -33,6 +33,8 @@ FORWARD_S = 0.004
 DRAFTER_S = 0.012
 STEPS = 8
 SPLITS = ["1:2", "1:3", "2:3", "3:5", "4:4", "7:1", "colocated:2", "2x2:1", "1x2:2", "2x3:3"]
+SHIPPED = ["2:1", "1:7", "2:6", "5:3", "6:2", "3x2:2", "3x4:4"]
+"""The shipped splits (conf/topology, conf/experiment) not in ``SPLITS``: one case each."""
 TP_REGION = "tensor-parallel forward"
 """Where the stub forward waits for the other ranks of its replica (its own collectives, not a peer)."""
 
@@ -93,12 +95,21 @@ class _ThreadEnv(dict):
         return key in getattr(self.local, "env", {})
 
 
-def _fake_objective(self, packet, local):
-    """Stands for ``dflash_loss``: the phases it marks, a loss through every drafter parameter."""
+def _fake_objective(sim: NcclSim):
+    """Stands for ``dflash_loss``: ``DRAFTER_S`` of compute queued on the current stream (the host
+    goes on, as with CUDA kernels), the phases it marks, a loss through every drafter parameter."""
+
+    def objective(self, packet, local):
+        sim.compute(DRAFTER_S)
+        return _objective_output(self)
+
+    return objective
+
+
+def _objective_output(self):
     from dflash.drafter.objective import ObjectiveOutput
     from dflash.train.step_stats import OBJECTIVE_SUMS
 
-    time.sleep(DRAFTER_S)
     self.phases.mark("drafter_forward")
     params = [p for p in self.model.parameters() if p.requires_grad]
     loss = torch.stack([p.float().sum() for p in params]).sum() * 1e-9
@@ -186,7 +197,7 @@ def run_job(
     monkeypatch.setattr(packets, "target_forward", fake_forward)
     monkeypatch.setattr(packets.PacketMaker, "make", make)
     monkeypatch.setattr(packets.PacketMaker, "forward_only", forward_only)
-    monkeypatch.setattr(trainer.DrafterTrainer, "_forward_packet", _fake_objective)
+    monkeypatch.setattr(trainer.DrafterTrainer, "_forward_packet", _fake_objective(sim))
 
     def rank_main(rank: int) -> dict:
         sim.local.env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
@@ -217,7 +228,28 @@ CASES = [
     for split in SPLITS
     for phases in (True, False)
     for stop in (None, 2)
-]
+] + [pytest.param(split, False, 2, id=f"{split}-shipped") for split in SHIPPED]
+
+
+def _split_of(topology) -> str:
+    if topology.mode == "colocated":
+        return "colocated"
+    tp = f"x{topology.target_tp}" if topology.target_tp > 1 else ""
+    return f"{topology.num_targets}{tp}:{topology.num_drafters}"
+
+
+def test_every_shipped_split_is_simulated():
+    """Every split a shipped topology or experiment runs is among the simulated ones."""
+    from dflash.cli import compose_config
+    from dflash.config import register_configs
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    overrides = [f"topology={p.stem}" for p in sorted((conf / "topology").glob("*.yaml"))]
+    overrides += [f"experiment={p.stem}" for p in sorted((conf / "experiment").glob("*.yaml"))]
+    shipped = {o: _split_of(compose_config("config", [o]).topology) for o in overrides}
+    simulated = {s.partition(":")[0] if s.startswith("colocated") else s for s in SPLITS + SHIPPED}
+    assert {o: s for o, s in shipped.items() if s not in simulated} == {}
 
 
 @pytest.mark.parametrize(("split", "time_phases", "stop_after"), CASES)
@@ -315,3 +347,33 @@ def _td(seconds: float):
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
+
+
+def _overlapped(timeline: list[tuple[str, str, float]]) -> list[bool]:
+    """For each packet after the first (in the order received; one compute each): could its payload
+    start before the previous packet's compute ended on the GPU?"""
+    computes = [t for kind, _, t in timeline if kind == "compute"]
+    starts: dict[str, float] = {}
+    for kind, label, t in timeline:
+        if kind == "payload":
+            starts[label] = max(starts.get(label, 0.0), t)
+    payloads = list(starts.values())
+    assert len(payloads) == len(computes), (len(payloads), len(computes))
+    return [p < c for p, c in zip(payloads[1:], computes[:-1], strict=True)]
+
+
+@pytest.mark.parametrize("split", ["2:1", "7:1", "2:3"])
+def test_drafter_receives_the_next_packet_while_computing(
+    split, base_setup, run_cache, tmp_path, monkeypatch, one_thread
+):
+    """The drafter posts packet g+1's payload receive while packet g's compute is still queued on
+    the GPU, from a stream of its own: the transfer runs beside the compute, as the planner prices
+    it. Reading the header on the compute stream (a device-to-host copy behind the queued compute)
+    would post the payload only after the compute ends: no packet would overlap."""
+    sim, setup, results, _ = run_job(split, False, None, base_setup, run_cache, tmp_path, monkeypatch)
+    assert all(r["code"] == 0 for r in results.values()), results
+    for d in setup.topology.drafter_ranks:
+        overlapped = _overlapped(sim.timeline[d])
+        assert len(overlapped) >= STEPS // 2, (d, sim.timeline[d])
+        share = sum(overlapped) / len(overlapped)
+        assert share >= 0.75, f"drafter rank {d}: {sum(overlapped)} of {len(overlapped)} payloads overlapped"
