@@ -1,5 +1,6 @@
 """The run's collectives: ``warm_up_links`` and ``agree_on_start`` (every rank); among the drafters
-``all_reduce_sum`` / ``all_reduce_max`` (step statistics) and ``gather_lists`` (the ledger); among
+``all_reduce_sum`` / ``all_reduce_max`` (step statistics), ``gather_lists`` (the ledger) and
+``broadcast_text`` (where a sharded checkpoint is written); among
 the ranks of a tensor-parallel target replica ``replica_next_packet`` (the packet they make next).
 
 ``warm_up_links`` runs right after the process groups start (``dflash.train``), before any model
@@ -139,6 +140,29 @@ def gather_lists(ctx: DistContext, values: list[int], timeout_s: float | None = 
     mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
     rows = _drafter_all_gather(ctx, mine, timeout_s)
     return [row[: int(k.item())].tolist() for row, k in zip(rows, lens, strict=True)]
+
+
+def broadcast_text(ctx: DistContext, text: str | None, timeout_s: float | None = None) -> str:
+    """The drafter leader's ``text`` on every drafter (the others pass None): two broadcasts over
+    the drafter group (the length, then the UTF-8 bytes); one drafter: ``text``."""
+    topo = ctx.topology
+    assert topo is not None
+    ranks = topo.drafter_ranks
+    leader = ctx.rank == topo.leader_rank
+    if leader and text is None:
+        raise ValueError("broadcast_text: the drafter leader passes the text")
+    if len(ranks) <= 1:
+        return text or ""
+    data = (text or "").encode() if leader else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=ctx.device)
+    work = dist.broadcast(size, src=topo.leader_rank, group=ctx.drafter_group, async_op=True)
+    _collective_wait(ctx, work, "broadcast (length)", ranks, timeout_s)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=ctx.device)
+    if leader:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    work = dist.broadcast(buf, src=topo.leader_rank, group=ctx.drafter_group, async_op=True)
+    _collective_wait(ctx, work, "broadcast", ranks, timeout_s)
+    return bytes(buf.cpu().tolist()).decode()
 
 
 def shared_run_dir_problems(ctx: DistContext, run_dir: Path, timeout_s: float | None = None) -> list[str]:

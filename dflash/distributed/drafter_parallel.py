@@ -7,34 +7,40 @@ The trainer holds one ``DrafterParallel`` and never branches on ``drafter.shard`
   replicas' weights can be compared (``check``). One drafter: no collective at all.
 - :class:`Sharded`: ``drafter.shard=optimizer|full`` over the drafter group
   (``dflash.distributed.sharding``): the forward's all-gathers and the backward's reduce-scatters are
-  collectives of every drafter, checkpoints and the export gather whole tensors (every drafter calls
-  ``model_state`` / ``optimizer_state`` / ``whole``, in the same order).
+  collectives of every drafter; a checkpoint holds each drafter's own shard, written by that drafter
+  (``dflash.distributed.sharded_state``, DCP: nothing is gathered whole), and the export gathers the
+  whole weights on the leader alone (every drafter calls ``checkpoint_state`` / ``export_model`` /
+  ``whole``, in the same order).
 
 Either way the gradients a step leaves are the plain sum over the drafters (the trainer divides them
-by the global weight sum) and a checkpoint holds whole tensors in the unsharded layout, so a run
-resumes across shard settings and drafter counts.
+by the global weight sum). A checkpoint of whole tensors (``load``) or of DCP shards
+(``load_shards``, resharded on load) goes into either, so a run resumes across shard settings and
+drafter counts.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from dflash.distributed.collectives import check_replicas
+from dflash.distributed.collectives import broadcast_text, check_replicas
 from dflash.distributed.grad_reducer import GradReducer
 from dflash.distributed.process_group import DistContext
+from dflash.distributed.sharded_state import read_shards, write_shards
 from dflash.distributed.sharding import (
     ShardedGradReducer,
     clip_grad_norm,
     drafter_collectives,
     drafter_mesh,
     full_model_state,
-    full_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
     shard_drafter,
@@ -43,6 +49,23 @@ from dflash.distributed.sharding import (
 from dflash.drafter.model import DFlashDraftModel
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class DrafterState:
+    """The drafter's model and optimizer state as a checkpoint takes it (``save_checkpoint``'s
+    arguments): whole tensors, which the leader writes, or ``shards``, a collective in which every
+    drafter writes its own shard (the leader passes the directory, the others None)."""
+
+    model_state: dict[str, Tensor] | None = None
+    optimizer_state: dict[str, Any] | None = None
+    shards: Callable[[Path | None], None] | None = None
+
+    def join(self) -> None:
+        """A drafter other than the leader, while the leader runs ``save_checkpoint``: its part of
+        the save (its shard; nothing for whole tensors)."""
+        if self.shards is not None:
+            self.shards(None)
 
 
 class DrafterParallel(Protocol):
@@ -68,14 +91,24 @@ class DrafterParallel(Protocol):
         """Clip the gradients by the norm of the whole gradient; returns that norm."""
         ...
 
-    def model_state(self) -> dict[str, Tensor]: ...
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> DrafterState:
+        """The state a checkpoint holds (every drafter calls it; no copy is made)."""
+        ...
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+    def load(self, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+        """Whole tensors (a checkpoint of format 1): every drafter passes the same."""
+        ...
 
-    def load(self, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None: ...
+    def load_shards(self, optimizer: torch.optim.Optimizer, state_dir: Path) -> None:
+        """DCP shards (format 2), written by any number of drafters, sharded or not."""
+        ...
 
     def whole(self) -> DFlashDraftModel:
-        """The model with whole weights (the export, the periodic eval)."""
+        """The model with whole weights on every drafter (the periodic eval)."""
+        ...
+
+    def export_model(self, keep: bool) -> DFlashDraftModel | None:
+        """The model with whole weights where ``keep`` (the leader, which exports it), else None."""
         ...
 
     def check(self, step: int) -> None:
@@ -109,18 +142,21 @@ class Replicated:
     def clip(self, max_norm: float) -> float:
         return clip_grad_norm(list(self.model.parameters()), max_norm)
 
-    def model_state(self) -> dict[str, Tensor]:
-        return self.model.state_dict()
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> DrafterState:
+        return DrafterState(self.model.state_dict(), optimizer.state_dict())
 
     def load(self, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
         self.model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
 
+    def load_shards(self, optimizer: torch.optim.Optimizer, state_dir: Path) -> None:
+        read_shards(state_dir, self.model, optimizer, group=None)  # each replica reads it whole
+
     def whole(self) -> DFlashDraftModel:
         return self.model
+
+    def export_model(self, keep: bool) -> DFlashDraftModel | None:
+        return self.model if keep else None
 
     def check(self, step: int) -> None:
         if self.reducer is not None:
@@ -157,18 +193,29 @@ class Sharded:
     def clip(self, max_norm: float) -> float:
         return clip_grad_norm(list(self.model.parameters()), max_norm)
 
-    def model_state(self) -> dict[str, Tensor]:
-        return full_model_state(self.model)
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> DrafterState:
+        return DrafterState(shards=partial(self._write_shards, optimizer))
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return full_optimizer_state(optimizer)
+    def _write_shards(self, optimizer: torch.optim.Optimizer, dest: Path | None) -> None:
+        """Every drafter: its shard into the leader's ``dest`` (the others pass None)."""
+        where = broadcast_text(self.ctx, None if dest is None else str(dest))
+        write_shards(Path(where), self.model, optimizer, self.ctx.drafter_group)
 
     def load(self, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
         load_full_model_state(self.model, model_state)
         load_full_optimizer_state(optimizer, optimizer_state)
 
+    def load_shards(self, optimizer: torch.optim.Optimizer, state_dir: Path) -> None:
+        read_shards(state_dir, self.model, optimizer, group=self.ctx.drafter_group)
+
     def whole(self) -> DFlashDraftModel:
         return whole_model(self.model).to(self.ctx.device)
+
+    def export_model(self, keep: bool) -> DFlashDraftModel | None:
+        if keep:
+            return whole_model(self.model)
+        full_model_state(self.model, keep=False)  # the others' part of the leader's gathers
+        return None
 
     def check(self, step: int) -> None:
         """Each drafter holds its own shard: nothing to compare."""

@@ -22,15 +22,15 @@ backward, :meth:`ShardedGradReducer.backward` for each backward (a failed collec
 ``PeerError`` naming the drafters; :func:`drafter_collectives` does the same for the forward's
 all-gathers), ``finish()`` after the last one (a rank that ran no backward in the
 step runs a zero one, so that every drafter issues the same collectives). :func:`clip_grad_norm`
-clips by the norm of the whole gradient. Checkpoints and the export read and write whole tensors:
-:func:`full_model_state`, :func:`full_optimizer_state` (the layout of an unsharded optimizer's
-``state_dict``), :func:`load_full_model_state`, :func:`load_full_optimizer_state`, :func:`whole_model`;
+clips by the norm of the whole gradient. Checkpoints hold the shards as they are
+(``dflash.distributed.sharded_state``); whole tensors are gathered for the periodic eval and the
+export (:func:`full_model_state`, :func:`whole_model`; the export's on the leader alone) and loaded
+from a checkpoint of whole tensors (:func:`load_full_model_state`, :func:`load_full_optimizer_state`);
 they are collectives: every drafter calls them in the same order.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -161,20 +161,17 @@ def _whole(t: Tensor, cpu: bool) -> Tensor:
     return whole.detach().to("cpu" if cpu else whole.device, copy=True)
 
 
-def full_model_state(model: nn.Module, cpu: bool = True) -> dict[str, Tensor]:
-    """The whole ``state_dict`` of a sharded (or plain) model, one tensor gathered at a time."""
-    return {name: _whole(t, cpu) for name, t in model.state_dict().items()}
-
-
-def full_optimizer_state(optimizer: torch.optim.Optimizer, cpu: bool = True) -> dict[str, Any]:
-    """The optimizer's ``state_dict`` with whole tensors: the layout of the same optimizer over the
-    unsharded model (states keyed by parameter index), loadable by either."""
-    sd = optimizer.state_dict()
-    state = {
-        i: {k: _whole(v, cpu) if isinstance(v, Tensor) else v for k, v in s.items()}
-        for i, s in sd["state"].items()
-    }
-    return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
+def full_model_state(model: nn.Module, cpu: bool = True, keep: bool = True) -> dict[str, Tensor]:
+    """The whole ``state_dict`` of a sharded (or plain) model, one tensor gathered at a time.
+    ``keep=False``: this drafter takes part in each gather and keeps nothing (returns ``{}``), so
+    only the drafters that keep ever hold more than one whole tensor."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if keep:
+            out[name] = _whole(t, cpu)
+        elif isinstance(t, DTensor):
+            t.full_tensor()
+    return out
 
 
 def _like(param: Tensor, whole: Tensor) -> Tensor:
@@ -207,7 +204,7 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str,
 
 
 def whole_model(model: DFlashDraftModel) -> DFlashDraftModel:
-    """An unsharded copy of ``model`` on the CPU with its whole weights (for the export)."""
+    """An unsharded copy of ``model`` on the CPU with its whole weights."""
     out = DFlashDraftModel(model.arch)
     out.load_state_dict(full_model_state(model))
     return out

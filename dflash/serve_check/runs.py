@@ -106,7 +106,13 @@ def load_run(run_dir: Path) -> TrainedRun:
     arch = DrafterArch(**loaded.contract["drafter.arch"])
     target_dir = Path(cfg.target.path)
     num_layers = int(json.loads((target_dir / "config.json").read_text())["num_hidden_layers"])
-    return TrainedRun(run_dir, cfg, arch, loaded.model_state, loaded.step, target_dir, num_layers)
+    state = loaded.model_state
+    if state is None:  # a sharded drafter's checkpoint: DCP shards
+        from dflash.distributed.sharded_state import read_model_state
+
+        assert loaded.state_dir is not None
+        state = read_model_state(loaded.state_dir)
+    return TrainedRun(run_dir, cfg, arch, state, loaded.step, target_dir, num_layers)
 
 
 def export_difference(run: TrainedRun) -> str | None:

@@ -1,19 +1,28 @@
 """Drafter checkpoints: atomic save, verified load, resume selection, retention.
 
-Only the drafter leader calls ``save_checkpoint``. Target ranks hold no training state; they
-restart from ``TrainState.next_packet``.
+Only the drafter leader calls ``save_checkpoint``; a sharded drafter's other drafters write their
+shards into the leader's temporary directory at the same time (``shards``, below). Target ranks
+hold no training state; they restart from ``TrainState.next_packet``.
 
 Layout of one checkpoint::
 
     root/step_00000012/
-        model.safetensors   drafter weights (safetensors, no pickle)
-        optimizer.pt        torch.save of tensors and primitives (loads with weights_only=True)
+        model.safetensors   drafter weights (safetensors, no pickle)           } whole tensors
+        optimizer.pt        torch.save of tensors and primitives (loads with   } (format 1: an
+                            weights_only=True)                                 } unsharded drafter)
+        state/              the model and optimizer state as DCP shards, one   } format 2: a sharded
+                            __<drafter>_0.distcp per drafter and .metadata     } drafter (drafter.shard)
         scheduler.json      LR scheduler state (scheduler.pt with weights_only=True if not JSON)
         train_state.json    TrainState
         rng.pt              python / numpy / torch CPU / CUDA generator states (dflash.train.rng_state)
         contract.json       what must not change across a resume (dflash.train.run_dir.check_contract)
         config.yaml         the resolved config of the run that wrote it
-        COMPLETE            JSON {"files": {name: {"size", "sha256"}}, ...}, written last
+        COMPLETE            JSON {"format", "files": {name: {"size", "sha256"}}, ...}, written last
+
+A sharded drafter's state is never gathered whole: each drafter writes its own shard
+(``dflash.distributed.sharded_state``), and any number of drafters, sharded or not, reads it back
+(DCP reshards on load). ``shards`` is the collective that writes them: the leader calls it with the
+temporary directory's ``state/`` inside ``save_checkpoint``, the others at the same time with None.
 
 The save is atomic (``dflash.files.atomic_directory``), and a checkpoint counts only once its
 COMPLETE marker exists:
@@ -25,8 +34,9 @@ COMPLETE marker exists:
 
 A crash at any point leaves either the previous state or the complete new checkpoint; a hidden
 temp directory or a ``step_*`` directory without COMPLETE is ignored. Loading checks the size and
-sha256 of every file against COMPLETE before deserialising anything. The only deserialisers used are safetensors, json and
-``torch.load(weights_only=True)``.
+sha256 of every file against COMPLETE before deserialising anything. The only deserialisers used are
+safetensors, json, ``torch.load(weights_only=True)`` and, for DCP's ``.metadata``, torch's
+weights-only unpickler with DCP's metadata records allowed.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import pickle  # only for pickle.UnpicklingError; nothing is unpickled outside w
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,9 +62,14 @@ from dflash.files import atomic_directory, file_digest, fsync_path
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+"""Whole tensors: ``model.safetensors`` and ``optimizer.pt``."""
+SHARDED_FORMAT = 2
+"""The model and optimizer state as DCP shards in ``state/`` (older dflash refuses it by its format)."""
 MARKER = "COMPLETE"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
+STATE_DIR = "state"
+STATE_INDEX = f"{STATE_DIR}/.metadata"
 SCHEDULER_JSON = "scheduler.json"
 SCHEDULER_PT = "scheduler.pt"
 TRAIN_STATE_FILE = "train_state.json"
@@ -62,6 +77,11 @@ RNG_FILE = "rng.pt"
 CONTRACT_FILE = "contract.json"
 CONFIG_FILE = "config.yaml"
 REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAIN_STATE_FILE, RNG_FILE, CONTRACT_FILE, CONFIG_FILE)
+SHARDED_REQUIRED_FILES = (STATE_INDEX, TRAIN_STATE_FILE, RNG_FILE, CONTRACT_FILE, CONFIG_FILE)
+
+ShardWriter = Callable[[Path | None], None]
+"""Writes a sharded drafter's model and optimizer state: a collective of every drafter, the leader
+passing the directory to write (``<checkpoint>/state``), the others None."""
 
 _STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 _STRAY_RE = re.compile(r"^\.step_(\d{8,})\.(tmp|old)-\d+(-[0-9a-f]+)?$")
@@ -102,14 +122,18 @@ class TrainState:
 
 @dataclass
 class LoadedCheckpoint:
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict
+    model_state: dict[str, torch.Tensor] | None
+    """Whole weights (format 1); None for DCP shards, which ``state_dir`` holds."""
+    optimizer_state: dict | None
     scheduler_state: dict
     train_state: TrainState
     rng_state: dict
     contract: dict
     path: Path
     config_yaml: str = ""
+    state_dir: Path | None = None
+    """The DCP shards of the model and optimizer state (format 2), read once the model exists
+    (``dflash.distributed.sharded_state.read_shards``); None for whole tensors."""
 
     @property
     def step(self) -> int:
@@ -242,8 +266,9 @@ def save_checkpoint(
     root: Path,
     step: int,
     *,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict | None = None,
+    shards: ShardWriter | None = None,
     scheduler_state: dict,
     train_state: TrainState,
     rng_state: dict,
@@ -253,6 +278,10 @@ def save_checkpoint(
 ) -> Path:
     """Write ``root/step_<step>`` atomically and return its path. Older checkpoints beyond the
     newest ``keep`` and leftovers of interrupted saves are removed after the new one is complete.
+
+    The drafter state is either whole (``model_state`` and ``optimizer_state``, format 1) or written
+    by ``shards`` into ``state/`` (format 2; the other drafters call their ``shards`` with None
+    meanwhile).
 
     Raises ``CheckpointError`` (the temporary directory is removed) when writing fails, e.g. on
     ENOSPC, and ``TypeError``/``ValueError`` for state that cannot be checkpointed safely.
@@ -264,9 +293,13 @@ def save_checkpoint(
     if train_state.step != step:
         raise ValueError(f"train_state.step={train_state.step} differs from the checkpoint step {step}")
 
+    whole = model_state is not None and optimizer_state is not None
+    if whole == (shards is not None) or (model_state is None) != (optimizer_state is None):
+        raise ValueError("save_checkpoint takes model_state and optimizer_state, or shards")
     # Validate everything before touching the disk.
-    optimizer_state = _plain(optimizer_state)
-    _check_weights_only_tree(optimizer_state, "optimizer_state")
+    if optimizer_state is not None:
+        optimizer_state = _plain(optimizer_state)
+        _check_weights_only_tree(optimizer_state, "optimizer_state")
     rng_state = _plain(rng_state)
     _check_weights_only_tree(rng_state, "rng_state")
     scheduler_state = _plain(scheduler_state)
@@ -275,7 +308,7 @@ def save_checkpoint(
         _check_weights_only_tree(scheduler_state, "scheduler_state")
     train_state_json = json.dumps(train_state.to_dict(), indent=1, sort_keys=True)
     contract_json = json.dumps(contract, indent=1, sort_keys=True)
-    tensors = _model_tensors(model_state)
+    tensors = _model_tensors(model_state) if model_state is not None else None
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -283,11 +316,15 @@ def save_checkpoint(
     t0 = time.perf_counter()
     try:
         with atomic_directory(final) as tmp:
-            from safetensors.torch import save_file
+            if shards is not None:
+                shards(tmp / STATE_DIR)
+            else:
+                from safetensors.torch import save_file
 
-            save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
-            del tensors
-            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+                assert tensors is not None
+                save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
+                del tensors
+                torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
             if scheduler_json is not None:
                 _write_bytes(tmp / SCHEDULER_JSON, scheduler_json.encode())
             else:
@@ -297,9 +334,11 @@ def save_checkpoint(
             _write_bytes(tmp / CONTRACT_FILE, contract_json.encode())
             _write_bytes(tmp / CONFIG_FILE, config_yaml.encode())
             files = {}
-            for p in sorted(tmp.iterdir()):
-                files[p.name] = file_digest(p)
-            marker = {"format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files}
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file():
+                    files[p.relative_to(tmp).as_posix()] = file_digest(p)
+            fmt = FORMAT_VERSION if shards is None else SHARDED_FORMAT
+            marker = {"format": fmt, "step": step, "created": time.time(), "files": files}
             _write_bytes(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
     except (TypeError, ValueError):
         raise
@@ -386,12 +425,23 @@ def _read_marker(path: Path) -> dict:
             raise ValueError("bad 'files' table")
     except Exception as e:
         raise CheckpointError(f"{marker}: unreadable marker ({e!r})") from e
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{marker}: format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+    if meta.get("format") not in (FORMAT_VERSION, SHARDED_FORMAT):
+        raise CheckpointError(
+            f"{marker}: format {meta.get('format')!r}, expected {FORMAT_VERSION} or {SHARDED_FORMAT} "
+            "(written by a newer dflash? resume it with that version)"
+        )
     step = _step_of(path)
     if step is not None and meta.get("step") != step:
         raise CheckpointError(f"{marker}: step {meta.get('step')!r} does not match directory {path.name}")
     return meta
+
+
+def _good_name(fname: str, sharded: bool) -> bool:
+    """A name COMPLETE may list: a plain file of the checkpoint, or (format 2) one inside ``state/``."""
+    parts = fname.split("/")
+    if sharded and len(parts) == 2 and parts[0] == STATE_DIR:
+        return parts[1] not in ("", ".", "..")
+    return len(parts) == 1 and not fname.startswith(".") and fname != ""
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -400,14 +450,15 @@ def verify_checkpoint(path: Path) -> dict:
     path = Path(path)
     meta = _read_marker(path)
     files: dict[str, dict] = meta["files"]
+    sharded = meta["format"] == SHARDED_FORMAT
     problems = []
-    for req in REQUIRED_FILES:
+    for req in SHARDED_REQUIRED_FILES if sharded else REQUIRED_FILES:
         if req not in files:
             problems.append(f"{path / req}: not listed in {MARKER}")
     if SCHEDULER_JSON not in files and SCHEDULER_PT not in files:
         problems.append(f"{path / SCHEDULER_JSON}: not listed in {MARKER}")
     for fname, expect in files.items():
-        if "/" in fname or fname.startswith("."):
+        if not _good_name(fname, sharded):
             problems.append(f"{path}: bad file name {fname!r} in {MARKER}")
             continue
         p = path / fname
@@ -457,12 +508,16 @@ def load_checkpoint(path: Path, *, map_location: Any = "cpu") -> LoadedCheckpoin
     from safetensors.torch import load_file
 
     device = str(map_location) if isinstance(map_location, str | torch.device) else "cpu"
-    model_state = _deserialise(
-        path / MODEL_FILE, "model weights", lambda: load_file(path / MODEL_FILE, device=device)
-    )
-    optimizer_state = _deserialise(
-        path / OPTIMIZER_FILE, "optimizer state", lambda: _torch_load(path / OPTIMIZER_FILE, map_location)
-    )
+    model_state, optimizer_state, state_dir = None, None, None
+    if meta["format"] == SHARDED_FORMAT:
+        state_dir = path / STATE_DIR
+    else:
+        model_state = _deserialise(
+            path / MODEL_FILE, "model weights", lambda: load_file(path / MODEL_FILE, device=device)
+        )
+        optimizer_state = _deserialise(
+            path / OPTIMIZER_FILE, "optimizer state", lambda: _torch_load(path / OPTIMIZER_FILE, map_location)
+        )
     if SCHEDULER_JSON in files:
         scheduler_state = _deserialise(
             path / SCHEDULER_JSON, "scheduler state", lambda: json.loads((path / SCHEDULER_JSON).read_text())
@@ -482,7 +537,7 @@ def load_checkpoint(path: Path, *, map_location: Any = "cpu") -> LoadedCheckpoin
     )
     config_yaml = _deserialise(path / CONFIG_FILE, "config", lambda: (path / CONFIG_FILE).read_text())
     if (
-        not isinstance(optimizer_state, dict)
+        not isinstance(optimizer_state, dict | None)
         or not isinstance(rng_state, dict)
         or not isinstance(contract, dict)
     ):
@@ -501,6 +556,7 @@ def load_checkpoint(path: Path, *, map_location: Any = "cpu") -> LoadedCheckpoin
         contract=contract,
         path=path,
         config_yaml=config_yaml,
+        state_dir=state_dir,
     )
 
 

@@ -280,7 +280,11 @@ class DrafterTrainer:
         self.stop_requested = True
 
     def _restore(self, loaded: LoadedCheckpoint) -> None:
-        self.parallel.load(self.optimizer, loaded.model_state, loaded.optimizer_state)
+        if loaded.state_dir is not None:  # DCP shards, of any number of drafters
+            self.parallel.load_shards(self.optimizer, loaded.state_dir)
+        else:
+            assert loaded.model_state is not None and loaded.optimizer_state is not None
+            self.parallel.load(self.optimizer, loaded.model_state, loaded.optimizer_state)
         self.scheduler.load_state_dict(loaded.scheduler_state)
         restore_rng_state(loaded.rng_state)
         self.state = loaded.train_state
@@ -630,19 +634,20 @@ class DrafterTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        """The leader writes the checkpoint (a sharded drafter's whole state is gathered by every
-        drafter first)."""
+        """The leader writes the checkpoint; a sharded drafter's other drafters write their own
+        shards into it meanwhile (nothing is gathered whole)."""
         if not self.cfg.train.save_weights:
             return
-        model_state = self.parallel.model_state()
-        optimizer_state = self.parallel.optimizer_state(self.optimizer)
+        state = self.parallel.checkpoint_state(self.optimizer)
         if not self.is_leader:
+            state.join()
             return
         save_checkpoint(
             self.run_dir / "checkpoints",
             self.state.step,
-            model_state=model_state,
-            optimizer_state=optimizer_state,
+            model_state=state.model_state,
+            optimizer_state=state.optimizer_state,
+            shards=state.shards,
             scheduler_state=self.scheduler.state_dict(),
             train_state=self.state,
             rng_state=capture_rng_state(),
@@ -742,8 +747,8 @@ class DrafterTrainer:
             discarded = self.source.stop_all()
         finished = self.state.step == self.setup.num_steps
         if finished and cfg.train.save_weights:
-            whole = self.parallel.whole()  # every drafter: gathered when sharded
-            if self.is_leader:
+            whole = self.parallel.export_model(keep=self.is_leader)  # sharded: gathered on the leader
+            if whole is not None:
                 out = export_drafter(
                     whole, self.run_dir / "drafter", target_num_layers=self.setup.meta.num_layers
                 )

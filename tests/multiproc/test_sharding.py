@@ -6,33 +6,38 @@ unsharded training: the real DFlashDraftModel, dflash_loss and AdamW on syntheti
   drafters' gradients;
 - 10 sharded steps (each drafter its own packet, the trainer's step: global weight sum, clip by the
   whole norm, AdamW) equal 10 unsharded steps of one process over both packets (weights to 1e-5);
-- checkpoints cross shard settings and drafter counts: the whole state of a sharded run after 5 steps,
-  loaded into one unsharded drafter, continues to the same weights, and the state of the unsharded
-  run, loaded into a sharded one, too;
+- checkpoints cross shard settings and drafter counts: the DCP shards of a sharded run after 5 steps
+  (each drafter writes its own, ``sharded_state``), loaded into one unsharded drafter, continue to
+  the same weights, and the whole state of the unsharded run, loaded into a sharded one, too; the
+  same shards loaded by 3 sharded drafters hold bitwise the state the 2 wrote (weights and the
+  optimizer's moments);
 - a drafter with no packet in a step still joins its peer's collectives (the resumed sharded run
   has one such step, as has its reference); a dead peer is named.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from ranks import finish_rank, rank_env, run_ranks
 from tiny_drafter import tiny_arch
+from torch.distributed.tensor import DTensor
 
 from dflash.config import LossConfig, OptimConfig
 from dflash.distributed.links import PeerError
 from dflash.distributed.process_group import DistContext
+from dflash.distributed.sharded_state import read_shards, write_shards
 from dflash.distributed.sharding import (
     ShardedGradReducer,
     clip_grad_norm,
     drafter_collectives,
     drafter_mesh,
     full_model_state,
-    full_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
     shard_drafter,
@@ -150,16 +155,19 @@ def _entry(rank: int, world: int, tmp: str, mode: str) -> None:
         ref = _fresh(arch)
         ref_opt = build_optimizer(list(ref.parameters()), OPTIM)
         grads = _unsharded_steps(ref, ref_opt, range(HALF), arch, embed, head, grads_at=0)["grad_sum"]
-        ref_half = (full_model_state(ref), full_optimizer_state(ref_opt))
+        ref_half = (full_model_state(ref), copy.deepcopy(ref_opt.state_dict()))  # a whole-tensor checkpoint
         _unsharded_steps(ref, ref_opt, range(HALF, STEPS), arch, embed, head)
         ref_end = full_model_state(ref)
 
-        # sharded from step 0; its whole state at HALF
+        # sharded from step 0; its shards at HALF (and, for the 3-drafter load, its whole state)
         model = shard_drafter(_fresh(arch), mesh, mode)
         opt = build_optimizer(list(model.parameters()), OPTIM)
         reducer = ShardedGradReducer(model, ctx)
         shard_grads = _sharded_steps(model, opt, reducer, range(HALF), rank, arch, embed, head)
-        half = (full_model_state(model), full_optimizer_state(opt))
+        write_shards(Path(tmp, "half"), model, opt, dist.group.WORLD)
+        whole = _whole_state(model, opt)
+        if rank == 0:
+            torch.save(whole, Path(tmp, "half.pt"))
         _sharded_steps(model, opt, reducer, range(HALF, STEPS), rank, arch, embed, head)
         out["sharded_vs_unsharded"] = _max_diff(full_model_state(model), ref_end)
         # the SUM: each local shard is that slice of the summed gradient (dim-0 shards, uneven allowed)
@@ -172,8 +180,8 @@ def _entry(rank: int, world: int, tmp: str, mode: str) -> None:
         # sharded state -> one unsharded drafter; unsharded state -> a sharded run (drafter 1 idle once)
         plain = _fresh(arch)
         plain_opt = build_optimizer(list(plain.parameters()), OPTIM)
-        load_full_model_state(plain, half[0])
-        load_full_optimizer_state(plain_opt, half[1])
+        read_shards(Path(tmp, "half"), plain, plain_opt, group=None)
+        out["shards_vs_whole"] = _max_diff(_whole_state(plain, plain_opt), whole)
         _unsharded_steps(plain, plain_opt, range(HALF, STEPS), arch, embed, head)
         out["sharded_to_unsharded"] = _max_diff(full_model_state(plain), ref_end)
         load_full_model_state(plain, ref_half[0])
@@ -194,6 +202,37 @@ def _entry(rank: int, world: int, tmp: str, mode: str) -> None:
     finish_rank(rank, tmp, body)
 
 
+def _whole_state(model, opt) -> dict[str, torch.Tensor]:
+    """The model's and the optimizer's tensors, whole (gathered when sharded), by parameter name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"model.{k}": v for k, v in full_model_state(model).items()}
+    for p, state in opt.state.items():
+        for key, v in state.items():
+            out[f"optim.{names[id(p)]}.{key}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
+    return out
+
+
+def _reshard_entry(rank: int, world: int, tmp: str, mode: str, src: str) -> None:
+    """``world`` sharded drafters load the shards 2 drafters wrote; their whole state."""
+    rank_env(rank, world)
+
+    def body() -> dict:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=world)
+        model = shard_drafter(_fresh(tiny_arch()), drafter_mesh(dist.group.WORLD, torch.device("cpu")), mode)
+        opt = build_optimizer(list(model.parameters()), OPTIM)
+        read_shards(Path(src, "half"), model, opt, dist.group.WORLD)
+        whole = _whole_state(model, opt)
+        written = torch.load(Path(src, "half.pt"), weights_only=True)
+        dist.destroy_process_group()
+        return {
+            "keys_equal": sorted(whole) == sorted(written),
+            "bitwise": all(torch.equal(whole[k], written[k]) for k in written if k in whole),
+            "tensors": len(written),
+        }
+
+    finish_rank(rank, tmp, body)
+
+
 def _shard_rows(n: int, rank: int, world: int) -> slice:
     """The rows of dim 0 that ``rank`` holds (torch.chunk's split, as DTensor's Shard(0))."""
     size = -(-n // world)
@@ -210,8 +249,14 @@ def test_sharded_training_equals_unsharded_and_resumes_across_settings(tmp_path,
         assert res[r]["grad_sum_diff"] < 1e-6
         assert res[r]["sharded_vs_unsharded"] < 1e-5
         assert res[r]["export_vs_state"] == 0.0
+        assert res[r]["shards_vs_whole"] == 0.0
         assert res[r]["sharded_to_unsharded"] < 1e-5
         assert res[r]["unsharded_to_sharded"] < 1e-5
+    three = run_ranks(tmp_path / "three", _reshard_entry, 3, (mode, str(tmp_path)), deadline_s=120.0)
+    for r in range(3):
+        assert three[r]["ok"], three[r].get("traceback")
+        assert three[r]["keys_equal"] and three[r]["bitwise"], three[r]
+        assert three[r]["tensors"] > 20, three[r]
 
 
 def _dead_peer_entry(rank: int, world: int, tmp: str) -> None:
