@@ -40,7 +40,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash.data.chat import MalformedConversation, validate_messages
 from dflash.data.embedded import build_embedded_corpus, embedded_corpus_path
@@ -57,7 +57,11 @@ _SHAREGPT_ROLES = {
     "assistant": "assistant",
     "system": "system",
     "tool": "tool",
+    "observation": "tool",
 }
+_SHAREGPT_CALL = "function_call"
+"""The ShareGPT ``from`` of an assistant turn that calls tools (LLaMA-Factory's format): its
+``value`` is the JSON of one call ``{"name", "arguments"}`` or a list of them."""
 
 
 @dataclass(frozen=True)
@@ -148,16 +152,31 @@ class _Part:
 
 def _drop_nones(row: Any) -> Any:
     """A ``datasets`` row without the ``None`` fields that schema unification adds (a ShareGPT row
-    of a folder that also holds chat files gets ``messages: None``), in messages too."""
+    of a folder that also holds chat files gets ``messages: None``), in messages too, and at any
+    depth in tool calls and tool definitions (Arrow gives every call the union of all calls'
+    argument names); an explicit null there survives only in a JSON string."""
     if not isinstance(row, dict):
         return row
     out = {k: v for k, v in row.items() if v is not None}
     for key in ("messages", "conversations"):
         if isinstance(out.get(key), list):
             out[key] = [
-                {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in out[key]
+                {k: _deep_drop_nones(v) if k == "tool_calls" else v for k, v in m.items() if v is not None}
+                if isinstance(m, dict)
+                else m
+                for m in out[key]
             ]
+    if "tools" in out:
+        out["tools"] = _deep_drop_nones(out["tools"])
     return out
+
+
+def _deep_drop_nones(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_drop_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_deep_drop_nones(v) for v in value]
+    return value
 
 
 class Source:
@@ -325,8 +344,20 @@ def load_conversations(path: str, split: str = "train", *, field: str = "data.pa
     return Source(path, split, field=field).records()
 
 
-def parse_messages(record: Any) -> list[dict]:
-    """A record's message list (``messages``, or ShareGPT ``conversations`` with from/value).
+class Conversation(NamedTuple):
+    """A record as the chat template gets it."""
+
+    messages: list[dict]
+    """Validated and in template form (``dflash.data.chat.validate_messages``)."""
+    tools: list[dict] | None
+    """The record's tool definitions (``{"type": "function", "function": {...}}`` each), or None."""
+
+
+def parse_conversation(record: Any) -> Conversation:
+    """A record's messages (``messages``, or ShareGPT ``conversations`` with from/value) and tool
+    definitions (``tools``: a list, or its JSON string as LLaMA-Factory writes it; a bare function
+    schema is wrapped as the OpenAI API sends it). ShareGPT ``function_call`` turns are assistant
+    tool calls and ``observation`` turns tool results.
 
     Raises :class:`MalformedConversation` on anything unusable.
     """
@@ -334,14 +365,48 @@ def parse_messages(record: Any) -> list[dict]:
         raise MalformedConversation(record.reason)
     if not isinstance(record, dict):
         raise MalformedConversation(f"record is a {type(record).__name__}, not an object")
+    tools = _tools(record.get("tools"))
     if "messages" in record:
-        return validate_messages(record["messages"])
+        return Conversation(validate_messages(record["messages"]), tools)
     conv = record.get("conversations")
     if isinstance(conv, list) and conv and all(isinstance(m, dict) and "from" in m for m in conv):
-        conv = [{"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")} for m in conv]
+        conv = [_sharegpt_message(i, m) for i, m in enumerate(conv)]
     if conv is None:
         raise MalformedConversation("record has no 'messages' (or 'conversations') field")
-    return validate_messages(conv)
+    return Conversation(validate_messages(conv), tools)
+
+
+def parse_messages(record: Any) -> list[dict]:
+    """A record's message list (:func:`parse_conversation` without the tools)."""
+    return parse_conversation(record).messages
+
+
+def _sharegpt_message(i: int, m: dict) -> dict:
+    if m["from"] != _SHAREGPT_CALL:
+        out = {"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
+        return {**out, **({"tool_calls": m["tool_calls"]} if "tool_calls" in m else {})}
+    value = m.get("value")
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except ValueError as exc:
+        raise MalformedConversation(f"message {i} (function_call) is not JSON ({exc})") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def _tools(value: Any) -> list[dict] | None:
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise MalformedConversation(f"'tools' is a string that is not JSON ({exc})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise MalformedConversation("'tools' must be a list of tool definitions (objects)")
+    return [
+        t if "function" in t or "name" not in t else {"type": "function", "function": t} for t in value
+    ] or None
 
 
 def cache_root(cfg: Any) -> Path:
