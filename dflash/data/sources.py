@@ -32,11 +32,13 @@ embedded corpus) recording the ``chat_template_kwargs`` its responses were gener
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
 import logging
 import os
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +109,7 @@ def _is_jsonl(path: Path) -> bool:
         return False
     with open(path, "rb") as fh:
         while chunk := fh.read(4096):
-            stripped = chunk.lstrip()
+            stripped = chunk.removeprefix(codecs.BOM_UTF8).lstrip()
             if stripped:
                 return not stripped.startswith(b"[")
     return True
@@ -234,6 +236,12 @@ class Source:
                 return [_Part(str(p), jsonl=p)]
         except OSError as exc:
             raise ValueError(f"{self.field}={str(p)!r} cannot be read ({exc}); check the file") from exc
+        except NotUtf8 as exc:
+            out = shlex.quote(str(p.with_name(p.stem + ".utf8" + p.suffix)))
+            raise NotUtf8(
+                f"{self.field}={str(p)!r} {exc} {shlex.quote(str(p))} > {out} and set {self.field} to it "
+                "(JSONL is read as UTF-8)"
+            ) from None
         builder = DATASETS_BUILDERS.get(p.suffix)
         if builder is None:
             raise ValueError(
@@ -274,15 +282,89 @@ def _parse_line(raw: bytes) -> Any:
         return BadRecord("invalid JSON (nested too deeply for the parser)")
 
 
+class NotUtf8(ValueError):
+    """A JSONL file in another encoding than UTF-8 (the message says which, and how to convert)."""
+
+
+_BOMS = (  # UTF-32 first: its little-endian mark starts with UTF-16's
+    (codecs.BOM_UTF32_LE, "UTF-32LE"),
+    (codecs.BOM_UTF32_BE, "UTF-32BE"),
+    (codecs.BOM_UTF16_LE, "UTF-16LE"),
+    (codecs.BOM_UTF16_BE, "UTF-16BE"),
+)
+_LEGACY = ("cp1252", "latin1")
+"""The single-byte encodings a non-UTF-8 line is tried in (Windows-1252 leaves 5 bytes undefined)."""
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """The UTF-16/32 encoding the first bytes of a file show (a byte-order mark, or the NUL bytes
+    of ASCII text such as ``{"``, as JSON's own detection reads them), else None."""
+    for bom, name in _BOMS:
+        if head.startswith(bom):
+            return f"{name} (byte-order mark {bom.hex(' ').upper()})"
+    if b"\0" in head[:4]:
+        name = json.detect_encoding(head[:4]).upper().replace("-LE", "LE").replace("-BE", "BE")
+        return f"{name} (NUL bytes between the characters, no byte-order mark)"
+    return None
+
+
+def _legacy_line(raw: bytes) -> tuple[str, int, str] | None:
+    """``(encoding, offset, character)`` of ``raw`` (not UTF-8) when it is a JSON line in a
+    single-byte encoding (Windows-1252, else Latin-1), at the first byte UTF-8 rejects; None for a
+    corrupt line that no encoding makes JSON."""
+    try:
+        raw.decode("utf-8")
+        return None
+    except UnicodeDecodeError as exc:
+        offset = exc.start
+    for encoding in _LEGACY:
+        try:
+            json.loads(raw.decode(encoding))
+        except ValueError:  # UnicodeDecodeError (cp1252's undefined bytes) and JSONDecodeError
+            continue
+        return encoding, offset, raw[offset : offset + 1].decode(encoding)
+    return None
+
+
 def _scan_jsonl(path: Path) -> tuple[str, int]:
-    """(``jsonl:`` + sha256 of the file bytes, number of non-blank lines)."""
+    """(``jsonl:`` + sha256 of the file bytes, number of non-blank lines).
+
+    Raises :class:`NotUtf8` for a file in another encoding: UTF-16 or UTF-32 (a byte-order mark, or
+    NUL bytes in its first characters), or a file whose non-ASCII lines are none of them UTF-8 while
+    one is JSON in Windows-1252 or Latin-1 (a file saved in a legacy encoding). A UTF-8 byte-order
+    mark is fine (JSON's own decoding skips it); in a file with UTF-8 text elsewhere, a line that is
+    not UTF-8 is a damaged record (malformed, counted), not the file's encoding."""
     h, n = hashlib.sha256(), 0
+    utf8_lines, legacy = 0, None
     with open(path, "rb") as fh:
-        for raw in fh:
+        for lineno, raw in enumerate(fh, 1):
+            if lineno == 1 and (wide := _wide_encoding(raw + fh.peek(4)[:4])) is not None:
+                raise NotUtf8(f"is {wide}, not UTF-8; convert it: iconv -f {wide.split()[0]} -t UTF-8")
             h.update(raw)
             if raw.strip():
                 n += 1
+            if not raw.isascii():
+                if _is_utf8(raw):
+                    utf8_lines += 1
+                elif legacy is None and (found := _legacy_line(raw)) is not None:
+                    legacy = (lineno, *found)
+    if legacy is not None and not utf8_lines:
+        lineno, encoding, offset, char = legacy
+        legacy_name = "Windows-1252" if encoding == "cp1252" else "Latin-1"
+        raise NotUtf8(
+            f"is {legacy_name}, not UTF-8: line {lineno}, column {offset + 1} has byte "
+            f"0x{char.encode(encoding)[0]:02X} ({char!r} in {legacy_name}) and no line holds UTF-8 text; convert it: "
+            f"iconv -f {encoding.upper()} -t UTF-8"
+        )
     return f"jsonl:{h.hexdigest()}", n
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _import_datasets(path: str, field: str) -> Any:
