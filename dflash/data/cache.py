@@ -47,7 +47,7 @@ from dflash.files import atomic_directory, digest_files, digest_problems, file_l
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: spans start after the generation prompt, character cap
+FORMAT_VERSION = 3  # 2: spans start after the generation prompt, character cap; 3: tool calls
 DATA_FILE, META_FILE = "data.safetensors", "meta.json"
 FULL_HASH_LIMIT = 4 << 30
 """Bytes of ``data.safetensors`` up to which every byte is hashed on load (above: sampled blocks)."""

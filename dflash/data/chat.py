@@ -16,10 +16,24 @@ the template closes it with an end-of-turn token the target never wrote there); 
 ``<think>`` block is supervised when the model writes it (thinking mode) and is prompt when the
 generation prompt already holds it (non-thinking mode), exactly as at serving time; the same
 ``template_kwargs`` must therefore be used here, in regeneration and when serving.
+
+Tool calls (agentic data) are trained as the template renders them. An assistant message may call
+tools in the OpenAI format (``"tool_calls": [{"type": "function", "function": {"name": ...,
+"arguments": "<JSON>"}}]``, ``"content": null`` allowed); ``role: tool`` messages carry the
+results, and a record's ``tools`` (the definitions a request sends) go to the template. Before
+rendering, the messages are put in the form a server hands the template (vLLM's chat path): null
+content as ``""``, each call's JSON ``arguments`` parsed into an object. A tool-call turn is
+supervised from the end of the generation prompt to the end-of-turn token that closes it (the
+tool-call text the target writes, in the template's own syntax: Qwen3's ``<tool_call>`` JSON,
+Llama 3.1's ``{"name": ..., "parameters": ...}``, ...); tool results, wherever the template puts
+them (a ``tool`` turn, Qwen3's ``<tool_response>`` inside a user turn), are prompt. A template that
+does not render a call (no tool branch: the call's name is not in its text) or raises on it (Llama
+3.1: one call per turn) makes the conversation a :class:`MalformedConversation` naming why.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -39,34 +53,103 @@ class MalformedConversation(ValueError):
 
 
 def validate_messages(messages: Any) -> list[dict]:
-    """Check ``messages`` is a non-empty list of ``{"role": str in ROLES, "content": str}`` dicts.
+    """Check ``messages`` is a non-empty list of ``{"role": str in ROLES, "content": str}`` dicts,
+    where an assistant message with ``tool_calls`` may have a null or missing content.
 
-    Returns it as a list (the dicts themselves, extra keys such as ``reasoning_content`` kept for
-    the template). Raises :class:`MalformedConversation` naming the first problem.
+    Returns the list in the form templates get (:func:`template_form`): the dicts themselves
+    (extra keys such as ``reasoning_content`` kept for the template), except that a message with
+    tool calls or a null content is a normalised copy. Raises :class:`MalformedConversation`
+    naming the first problem.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise MalformedConversation("'messages' must be a non-empty list")
+    out: list[dict] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise MalformedConversation(f"message {i} is a {type(msg).__name__}, not an object")
         role = msg.get("role")
         if role not in ROLES:
             raise MalformedConversation(f"message {i} has role {role!r}; expected one of {ROLES}")
-        if not isinstance(msg.get("content"), str):
+        calls = tool_calls_of(i, msg)
+        content = msg.get("content")
+        if not isinstance(content, str) and not (calls and content is None):
+            why = " (null only in an assistant message with tool_calls)" if content is None else ""
             raise MalformedConversation(
-                f"message {i} ({role}) has content of type {type(msg.get('content')).__name__}, not str"
+                f"message {i} ({role}) has content of type {type(content).__name__}, not str{why}"
             )
         if not isinstance(msg.get(CUT_AT_MAX_TOKENS, False), bool):
             raise MalformedConversation(
                 f"message {i} ({role}) has {CUT_AT_MAX_TOKENS}={msg[CUT_AT_MAX_TOKENS]!r}; expected true or false"
             )
-    return list(messages)
+        out.append(template_form(msg, calls) if calls or content is None or "tool_calls" in msg else msg)
+    return out
+
+
+def tool_calls_of(i: int, msg: dict) -> list[dict]:
+    """The tool calls of message ``i`` as ``[{"name": str, "arguments": object}]`` (the OpenAI
+    ``{"function": {...}}`` wrapper or a flat call; ``arguments`` a JSON string or an object) and
+    their ``id``s; [] without any. Raises :class:`MalformedConversation` on a call that is not one."""
+    calls = msg.get("tool_calls")
+    if calls is None or calls == []:
+        return []
+    if msg.get("role") != "assistant":
+        raise MalformedConversation(
+            f"message {i} ({msg.get('role')}) has tool_calls; only assistant messages call tools"
+        )
+    if not isinstance(calls, list):
+        raise MalformedConversation(f"message {i} has tool_calls of type {type(calls).__name__}, not a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise MalformedConversation(
+                f"message {i} tool call {j} has no function name; expected "
+                '{"type": "function", "function": {"name": ..., "arguments": ...}}'
+            )
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as exc:
+                raise MalformedConversation(
+                    f"message {i} tool call {j} ({fn['name']}) has arguments that are not JSON ({exc})"
+                ) from None
+        out.append(
+            {"name": fn["name"], "arguments": args, "id": call.get("id") if isinstance(call, dict) else None}
+        )
+    return out
+
+
+def template_form(msg: dict, calls: list[dict]) -> dict:
+    """``msg`` as a server hands it to a chat template (vLLM's chat path): null content as ``""``
+    and each call ``{"type": "function", "function": {"name", "arguments": <object>}}`` (its ``id``
+    kept), so ``| tojson`` and ``arguments is mapping`` in templates see what serving sees."""
+    out = {k: v for k, v in msg.items() if k != "tool_calls"}
+    out["content"] = msg.get("content") or ""
+    if calls:  # an empty list is dropped: templates test ``'tool_calls' in message``
+        out["tool_calls"] = [
+            {
+                **({"id": c["id"]} if c["id"] is not None else {}),
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for c in calls
+        ]
+    return out
 
 
 def render(
-    tokenizer: Any, messages: Sequence[dict], *, add_generation_prompt: bool = False, **kwargs: Any
+    tokenizer: Any,
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = False,
+    tools: list[dict] | None = None,
+    **kwargs: Any,
 ) -> str:
-    """The chat-template text of ``messages`` (no tokenization)."""
+    """The chat-template text of ``messages`` (no tokenization); ``tools``: the tool definitions
+    of the conversation (a record's ``tools``), passed to the template when given."""
+    if tools:
+        kwargs = {**kwargs, "tools": tools}
     text = tokenizer.apply_chat_template(
         list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
@@ -91,6 +174,9 @@ class TemplateMarkers:
     off); the model does not write it, so it is never supervised."""
     end: str | None
     """The special token that closes an assistant content (only whitespace between)."""
+    tool_end: str | None = None
+    """The first special token after a rendered tool call (what closes a tool-call turn); None
+    when the template does not render a probe call (no tool branch, or it raises on one)."""
 
 
 class Span(NamedTuple):
@@ -150,13 +236,18 @@ def _template_markers(tokenizer: Any, **kwargs: Any) -> TemplateMarkers:
             header, extra = h, g[len(h) :]
     end = None
     pos = last.rfind(_PROBE) if last is not None else -1
+    specials = sorted((t for t in special_token_texts(tokenizer) if t), key=len, reverse=True)
     if last is not None and pos >= 0:
         rest = last[pos + len(_PROBE) :].lstrip()
-        for text in sorted(special_token_texts(tokenizer), key=len, reverse=True):
-            if text and rest.startswith(text):
-                end = text
-                break
-    return TemplateMarkers(header, extra, end)
+        end = next((text for text in specials if rest.startswith(text)), None)
+    call = {"type": "function", "function": {"name": _PROBE, "arguments": {"q": "x"}}}
+    called = attempt(user + [{"role": "assistant", "content": "", "tool_calls": [call]}])
+    tool_end = None
+    if called is not None and _PROBE in called:
+        after = called.rfind(_PROBE) + len(_PROBE)
+        found = [(called.find(t, after), -len(t), t) for t in specials if called.find(t, after) >= 0]
+        tool_end = min(found)[2] if found else None
+    return TemplateMarkers(header, extra, end, tool_end)
 
 
 def _candidates(content: str) -> list[str]:
@@ -202,19 +293,25 @@ def _locate(
 
 
 def assistant_spans(
-    tokenizer: Any, messages: Sequence[dict], *, train_only_last_turn: bool = False, **template_kwargs: Any
+    tokenizer: Any,
+    messages: Sequence[dict],
+    *,
+    tools: list[dict] | None = None,
+    train_only_last_turn: bool = False,
+    **template_kwargs: Any,
 ) -> tuple[str, list[Span]]:
-    """Render ``messages`` and return ``(text, spans)``: the :class:`Span` of each supervised
-    assistant turn in ``text``, in order (only the last one with ``train_only_last_turn``). A span
-    starts where the generation prompt ends (after the header and ``gen_extra``, see
-    :class:`TemplateMarkers`) and ends with the content; it is open (``closed=False``) for a
-    message marked ``cut_at_max_tokens``; empty assistant contents have no span.
+    """Render ``messages`` (with the conversation's ``tools``) and return ``(text, spans)``: the
+    :class:`Span` of each supervised assistant turn in ``text``, in order (only the last one with
+    ``train_only_last_turn``). A span starts where the generation prompt ends (after the header
+    and ``gen_extra``, see :class:`TemplateMarkers`) and ends with the content, or for a turn with
+    tool calls at the special token that closes it; it is open (``closed=False``) for a message
+    marked ``cut_at_max_tokens``; empty assistant contents without tool calls have no span.
 
-    Raises :class:`MalformedConversation` on invalid messages or when an assistant content cannot
-    be found in the rendered text.
+    Raises :class:`MalformedConversation` on invalid messages, when an assistant content cannot
+    be found in the rendered text, or when the template does not render a tool call.
     """
     messages = validate_messages(messages)
-    text = render(tokenizer, messages, **template_kwargs)
+    text = render(tokenizer, messages, tools=tools, **template_kwargs)
     marks = template_markers(tokenizer, **template_kwargs)
     spans: list[Span] = []
     cursor = 0
@@ -229,6 +326,12 @@ def assistant_spans(
                         start = cursor = start + len(marks.gen_extra)
                     nxt = text.find(marks.header, cursor)  # the content ends before the next assistant turn
                     limit = nxt if nxt >= 0 else None
+            closed = msg.get(CUT_AT_MAX_TOKENS) is not True
+            if msg.get("tool_calls"):
+                end = _tool_call_turn_end(text, i, msg, marks, start, limit)
+                spans.append(Span(start if start is not None else end, end, closed))
+                cursor = end
+                continue
             if not msg["content"].strip():
                 continue
             span = _locate(text, msg["content"], cursor, marks.end, limit)
@@ -236,7 +339,6 @@ def assistant_spans(
                 raise MalformedConversation(
                     f"assistant message {i} is not in the chat-template text (the template rewrote it)"
                 )
-            closed = msg.get(CUT_AT_MAX_TOKENS) is not True
             spans.append(Span(span[0] if start is None else start, span[1], closed))
             cursor = span[1]
         elif msg["content"].strip():
@@ -246,6 +348,36 @@ def assistant_spans(
     if train_only_last_turn:
         spans = spans[-1:]
     return text, spans
+
+
+def _tool_call_turn_end(
+    text: str, i: int, msg: dict, marks: TemplateMarkers, start: int | None, limit: int | None
+) -> int:
+    """Where assistant message ``i`` (with tool calls, starting at ``start``) ends in ``text``: at
+    the special token that closes a tool-call turn, after every call's name in order. Raises
+    :class:`MalformedConversation` when the template does not render the calls."""
+    if marks.tool_end is None or start is None:
+        raise MalformedConversation(
+            f"assistant message {i} calls tools but the chat template does not render tool calls "
+            "(target.tokenizer's template has no tool-call branch); give the target's own chat template"
+        )
+    limit = len(text) if limit is None else limit
+    pos = start
+    for call in msg["tool_calls"]:
+        name = call["function"]["name"]
+        found = text.find(name, pos, limit)
+        if found < 0:
+            raise MalformedConversation(
+                f"assistant message {i}: the chat template does not render its tool call {name!r} "
+                "(target.tokenizer's template dropped it)"
+            )
+        pos = found + len(name)
+    end = text.find(marks.tool_end, pos, limit)
+    if end < 0:
+        raise MalformedConversation(
+            f"assistant message {i}: no {marks.tool_end!r} closes its tool calls in the chat-template text"
+        )
+    return end
 
 
 def mask_from_offsets(
@@ -292,7 +424,12 @@ def encode_with_offsets(
 
 
 def tokenize_conversation(
-    tokenizer: Any, messages: list[dict], *, train_only_last_turn: bool = False, **template_kwargs: Any
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    train_only_last_turn: bool = False,
+    **template_kwargs: Any,
 ) -> tuple[list[int], list[int]]:
     """Token ids and loss mask (same length) of one conversation.
 
@@ -304,7 +441,7 @@ def tokenize_conversation(
     (e.g. ``enable_thinking=False``). Raises :class:`MalformedConversation` (a ``ValueError``).
     """
     text, spans = assistant_spans(
-        tokenizer, messages, train_only_last_turn=train_only_last_turn, **template_kwargs
+        tokenizer, messages, tools=tools, train_only_last_turn=train_only_last_turn, **template_kwargs
     )
     (ids,), (offsets,) = encode_with_offsets(tokenizer, [text])
     mask = mask_from_offsets(offsets, ids, spans, set(special_token_texts(tokenizer).values()), text)
@@ -320,15 +457,21 @@ def prompt_messages(messages: list[dict]) -> list[dict]:
     return messages[:last]
 
 
-def generation_prompt_ids(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
-    """Chat-template ids of all of ``messages`` followed by the generation prompt: what a server
-    that applies the template feeds the model to write the next assistant turn."""
-    text = render(tokenizer, validate_messages(messages), add_generation_prompt=True, **template_kwargs)
+def generation_prompt_ids(
+    tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None, **template_kwargs: Any
+) -> list[int]:
+    """Chat-template ids of all of ``messages`` (and ``tools``) followed by the generation prompt:
+    what a server that applies the template feeds the model to write the next assistant turn."""
+    text = render(
+        tokenizer, validate_messages(messages), add_generation_prompt=True, tools=tools, **template_kwargs
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
+def prompt_ids(
+    tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None, **template_kwargs: Any
+) -> list[int]:
     """Chat-template ids of the conversation up to (excluding) the last assistant message, with
     ``add_generation_prompt=True``: what a server sees as the prompt (used by eval and the
     embedded corpus). ``template_kwargs`` go to ``apply_chat_template``."""
-    return generation_prompt_ids(tokenizer, prompt_messages(messages), **template_kwargs)
+    return generation_prompt_ids(tokenizer, prompt_messages(messages), tools=tools, **template_kwargs)

@@ -32,15 +32,17 @@ embedded corpus) recording the ``chat_template_kwargs`` its responses were gener
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
 import logging
 import os
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash.data.chat import MalformedConversation, validate_messages
 from dflash.data.embedded import build_embedded_corpus, embedded_corpus_path
@@ -57,7 +59,11 @@ _SHAREGPT_ROLES = {
     "assistant": "assistant",
     "system": "system",
     "tool": "tool",
+    "observation": "tool",
 }
+_SHAREGPT_CALL = "function_call"
+"""The ShareGPT ``from`` of an assistant turn that calls tools (LLaMA-Factory's format): its
+``value`` is the JSON of one call ``{"name", "arguments"}`` or a list of them."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ def _is_jsonl(path: Path) -> bool:
         return False
     with open(path, "rb") as fh:
         while chunk := fh.read(4096):
-            stripped = chunk.lstrip()
+            stripped = chunk.removeprefix(codecs.BOM_UTF8).lstrip()
             if stripped:
                 return not stripped.startswith(b"[")
     return True
@@ -148,16 +154,31 @@ class _Part:
 
 def _drop_nones(row: Any) -> Any:
     """A ``datasets`` row without the ``None`` fields that schema unification adds (a ShareGPT row
-    of a folder that also holds chat files gets ``messages: None``), in messages too."""
+    of a folder that also holds chat files gets ``messages: None``), in messages too, and at any
+    depth in tool calls and tool definitions (Arrow gives every call the union of all calls'
+    argument names); an explicit null there survives only in a JSON string."""
     if not isinstance(row, dict):
         return row
     out = {k: v for k, v in row.items() if v is not None}
     for key in ("messages", "conversations"):
         if isinstance(out.get(key), list):
             out[key] = [
-                {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in out[key]
+                {k: _deep_drop_nones(v) if k == "tool_calls" else v for k, v in m.items() if v is not None}
+                if isinstance(m, dict)
+                else m
+                for m in out[key]
             ]
+    if "tools" in out:
+        out["tools"] = _deep_drop_nones(out["tools"])
     return out
+
+
+def _deep_drop_nones(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_drop_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_deep_drop_nones(v) for v in value]
+    return value
 
 
 class Source:
@@ -215,6 +236,12 @@ class Source:
                 return [_Part(str(p), jsonl=p)]
         except OSError as exc:
             raise ValueError(f"{self.field}={str(p)!r} cannot be read ({exc}); check the file") from exc
+        except NotUtf8 as exc:
+            out = shlex.quote(str(p.with_name(p.stem + ".utf8" + p.suffix)))
+            raise NotUtf8(
+                f"{self.field}={str(p)!r} {exc} {shlex.quote(str(p))} > {out} and set {self.field} to it "
+                "(JSONL is read as UTF-8)"
+            ) from None
         builder = DATASETS_BUILDERS.get(p.suffix)
         if builder is None:
             raise ValueError(
@@ -255,15 +282,89 @@ def _parse_line(raw: bytes) -> Any:
         return BadRecord("invalid JSON (nested too deeply for the parser)")
 
 
+class NotUtf8(ValueError):
+    """A JSONL file in another encoding than UTF-8 (the message says which, and how to convert)."""
+
+
+_BOMS = (  # UTF-32 first: its little-endian mark starts with UTF-16's
+    (codecs.BOM_UTF32_LE, "UTF-32LE"),
+    (codecs.BOM_UTF32_BE, "UTF-32BE"),
+    (codecs.BOM_UTF16_LE, "UTF-16LE"),
+    (codecs.BOM_UTF16_BE, "UTF-16BE"),
+)
+_LEGACY = ("cp1252", "latin1")
+"""The single-byte encodings a non-UTF-8 line is tried in (Windows-1252 leaves 5 bytes undefined)."""
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """The UTF-16/32 encoding the first bytes of a file show (a byte-order mark, or the NUL bytes
+    of ASCII text such as ``{"``, as JSON's own detection reads them), else None."""
+    for bom, name in _BOMS:
+        if head.startswith(bom):
+            return f"{name} (byte-order mark {bom.hex(' ').upper()})"
+    if b"\0" in head[:4]:
+        name = json.detect_encoding(head[:4]).upper().replace("-LE", "LE").replace("-BE", "BE")
+        return f"{name} (NUL bytes between the characters, no byte-order mark)"
+    return None
+
+
+def _legacy_line(raw: bytes) -> tuple[str, int, str] | None:
+    """``(encoding, offset, character)`` of ``raw`` (not UTF-8) when it is a JSON line in a
+    single-byte encoding (Windows-1252, else Latin-1), at the first byte UTF-8 rejects; None for a
+    corrupt line that no encoding makes JSON."""
+    try:
+        raw.decode("utf-8")
+        return None
+    except UnicodeDecodeError as exc:
+        offset = exc.start
+    for encoding in _LEGACY:
+        try:
+            json.loads(raw.decode(encoding))
+        except ValueError:  # UnicodeDecodeError (cp1252's undefined bytes) and JSONDecodeError
+            continue
+        return encoding, offset, raw[offset : offset + 1].decode(encoding)
+    return None
+
+
 def _scan_jsonl(path: Path) -> tuple[str, int]:
-    """(``jsonl:`` + sha256 of the file bytes, number of non-blank lines)."""
+    """(``jsonl:`` + sha256 of the file bytes, number of non-blank lines).
+
+    Raises :class:`NotUtf8` for a file in another encoding: UTF-16 or UTF-32 (a byte-order mark, or
+    NUL bytes in its first characters), or a file whose non-ASCII lines are none of them UTF-8 while
+    one is JSON in Windows-1252 or Latin-1 (a file saved in a legacy encoding). A UTF-8 byte-order
+    mark is fine (JSON's own decoding skips it); in a file with UTF-8 text elsewhere, a line that is
+    not UTF-8 is a damaged record (malformed, counted), not the file's encoding."""
     h, n = hashlib.sha256(), 0
+    utf8_lines, legacy = 0, None
     with open(path, "rb") as fh:
-        for raw in fh:
+        for lineno, raw in enumerate(fh, 1):
+            if lineno == 1 and (wide := _wide_encoding(raw + fh.peek(4)[:4])) is not None:
+                raise NotUtf8(f"is {wide}, not UTF-8; convert it: iconv -f {wide.split()[0]} -t UTF-8")
             h.update(raw)
             if raw.strip():
                 n += 1
+            if not raw.isascii():
+                if _is_utf8(raw):
+                    utf8_lines += 1
+                elif legacy is None and (found := _legacy_line(raw)) is not None:
+                    legacy = (lineno, *found)
+    if legacy is not None and not utf8_lines:
+        lineno, encoding, offset, char = legacy
+        legacy_name = "Windows-1252" if encoding == "cp1252" else "Latin-1"
+        raise NotUtf8(
+            f"is {legacy_name}, not UTF-8: line {lineno}, column {offset + 1} has byte "
+            f"0x{char.encode(encoding)[0]:02X} ({char!r} in {legacy_name}) and no line holds UTF-8 text; convert it: "
+            f"iconv -f {encoding.upper()} -t UTF-8"
+        )
     return f"jsonl:{h.hexdigest()}", n
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _import_datasets(path: str, field: str) -> Any:
@@ -325,8 +426,20 @@ def load_conversations(path: str, split: str = "train", *, field: str = "data.pa
     return Source(path, split, field=field).records()
 
 
-def parse_messages(record: Any) -> list[dict]:
-    """A record's message list (``messages``, or ShareGPT ``conversations`` with from/value).
+class Conversation(NamedTuple):
+    """A record as the chat template gets it."""
+
+    messages: list[dict]
+    """Validated and in template form (``dflash.data.chat.validate_messages``)."""
+    tools: list[dict] | None
+    """The record's tool definitions (``{"type": "function", "function": {...}}`` each), or None."""
+
+
+def parse_conversation(record: Any) -> Conversation:
+    """A record's messages (``messages``, or ShareGPT ``conversations`` with from/value) and tool
+    definitions (``tools``: a list, or its JSON string as LLaMA-Factory writes it; a bare function
+    schema is wrapped as the OpenAI API sends it). ShareGPT ``function_call`` turns are assistant
+    tool calls and ``observation`` turns tool results.
 
     Raises :class:`MalformedConversation` on anything unusable.
     """
@@ -334,14 +447,48 @@ def parse_messages(record: Any) -> list[dict]:
         raise MalformedConversation(record.reason)
     if not isinstance(record, dict):
         raise MalformedConversation(f"record is a {type(record).__name__}, not an object")
+    tools = _tools(record.get("tools"))
     if "messages" in record:
-        return validate_messages(record["messages"])
+        return Conversation(validate_messages(record["messages"]), tools)
     conv = record.get("conversations")
     if isinstance(conv, list) and conv and all(isinstance(m, dict) and "from" in m for m in conv):
-        conv = [{"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")} for m in conv]
+        conv = [_sharegpt_message(i, m) for i, m in enumerate(conv)]
     if conv is None:
         raise MalformedConversation("record has no 'messages' (or 'conversations') field")
-    return validate_messages(conv)
+    return Conversation(validate_messages(conv), tools)
+
+
+def parse_messages(record: Any) -> list[dict]:
+    """A record's message list (:func:`parse_conversation` without the tools)."""
+    return parse_conversation(record).messages
+
+
+def _sharegpt_message(i: int, m: dict) -> dict:
+    if m["from"] != _SHAREGPT_CALL:
+        out = {"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
+        return {**out, **({"tool_calls": m["tool_calls"]} if "tool_calls" in m else {})}
+    value = m.get("value")
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except ValueError as exc:
+        raise MalformedConversation(f"message {i} (function_call) is not JSON ({exc})") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def _tools(value: Any) -> list[dict] | None:
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise MalformedConversation(f"'tools' is a string that is not JSON ({exc})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise MalformedConversation("'tools' must be a list of tool definitions (objects)")
+    return [
+        t if "function" in t or "name" not in t else {"type": "function", "function": t} for t in value
+    ] or None
 
 
 def cache_root(cfg: Any) -> Path:

@@ -2,7 +2,7 @@
 
 Bad input is skipped and counted, never raised, and the result is deterministic:
 ``malformed`` (bad JSON or UTF-8, nesting too deep, not an object, no/empty messages, bad role or
-content, a template that does not render an assistant content, text the tokenizer rejects such as
+content, a template that does not render an assistant content or a tool call, text the tokenizer rejects such as
 a lone surrogate, a pre-tokenized id outside int64), ``too_long`` (``overlong=skip``, or a record
 over the character cap that cannot be cut), ``token_out_of_vocab``, ``no_supervised_pair`` (no two
 consecutive loss-mask-1 tokens after truncation). Truncated samples are kept and counted
@@ -22,6 +22,7 @@ are (not cached; the cached training set is built by ``dflash.data.cache``).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import multiprocessing
@@ -42,7 +43,7 @@ from dflash.data.chat import (
     mask_from_offsets,
     special_token_texts,
 )
-from dflash.data.sources import BadRecord, Source, parse_messages, resolve_source, split_ranges
+from dflash.data.sources import BadRecord, Source, parse_conversation, resolve_source, split_ranges
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,12 @@ def require_chat_template(tokenizer: Any, where: str, field: str = "data.path") 
 
 def _chars(msg: dict) -> int:
     reasoning = msg.get("reasoning_content")
-    return len(msg["content"]) + (len(reasoning) if isinstance(reasoning, str) else 0)
+    calls = msg.get("tool_calls")
+    return (
+        len(msg["content"])
+        + (len(reasoning) if isinstance(reasoning, str) else 0)
+        + (len(json.dumps(calls, ensure_ascii=False)) if calls else 0)
+    )
 
 
 def cap_messages(messages: list[dict], cap: int, overlong: str) -> tuple[list[dict], bool, bool]:
@@ -158,7 +164,8 @@ def cap_messages(messages: list[dict], cap: int, overlong: str) -> tuple[list[di
     Under the cap: unchanged. Over it with ``overlong=skip``: :class:`TooLong`. Otherwise the
     messages after the cap are dropped; an assistant message straddling it is cut there (its
     reasoning first, then its content, the order Qwen3-style templates render them), any other
-    straddling message is dropped. Raises :class:`TooLong` when no assistant turn starts before the
+    straddling message is dropped (so is a straddling tool-call turn: a call cut short is not one
+    the target wrote). Raises :class:`TooLong` when no assistant turn starts before the
     cap (nothing supervised would be left).
     """
     total = sum(_chars(m) for m in messages)
@@ -174,7 +181,7 @@ def cap_messages(messages: list[dict], cap: int, overlong: str) -> tuple[list[di
             out.append(msg)
             used += n
             continue
-        if msg["role"] == "assistant":
+        if msg["role"] == "assistant" and not msg.get("tool_calls"):
             room = cap - used
             cut = dict(msg)
             reasoning = msg.get("reasoning_content")
@@ -278,12 +285,14 @@ class _RecordTokenizer:
                 if isinstance(record, BadRecord):
                     raise ValueError(record.reason)
                 require_chat_template(self.tokenizer, where)
+                conversation = parse_conversation(record)
                 messages, cut, cut_inside = cap_messages(
-                    parse_messages(record), self.s.char_cap, self.s.overlong
+                    conversation.messages, self.s.char_cap, self.s.overlong
                 )
                 text, spans = assistant_spans(
                     self.tokenizer,
                     messages,
+                    tools=conversation.tools,
                     train_only_last_turn=self.s.train_only_last_turn,
                     **self.s.template_kwargs,
                 )
@@ -292,11 +301,10 @@ class _RecordTokenizer:
             except TooLong as exc:
                 part.skip("too_long", idx, where, str(exc))
                 continue
-            except (
-                ValueError,
-                TypeError,
-                jinja2.TemplateError,
-            ) as exc:  # bad data or a template rejecting it
+            except jinja2.TemplateError as exc:  # e.g. Llama 3.1's raise_exception on two tool calls
+                part.skip("malformed", idx, where, f"the chat template cannot render it ({exc})")
+                continue
+            except (ValueError, TypeError) as exc:  # bad data, or a template failing on it
                 part.skip("malformed", idx, where, f"{type(exc).__name__}: {exc}")
                 continue
             batch.append(_Pending(idx, where, text, spans, cut, cut_inside))
@@ -449,6 +457,10 @@ def check_skip_fraction(ds: TokenizedDataset, max_skip_fraction: float) -> None:
     if ds.skipped.get("token_out_of_vocab"):
         fixes.append("check that the tokenizer matches the target (target.tokenizer)")
     if ds.skipped.get("malformed"):
+        if "chat template" in ds.skip_examples.get("malformed", ""):
+            fixes.append(
+                "give the target's own chat template, one that renders tool calls (target.tokenizer)"
+            )
         fixes.append('make each record {"messages": [{"role": ..., "content": ...}, ...]}')
     if len(ds) == 0:
         raise ValueError(

@@ -125,7 +125,7 @@ def prompt_from_record(record: Any, tokenizer: Any, template_kwargs: dict[str, A
     message), or for a pretokenized record (input_ids + loss_mask, no messages) the ids before the
     first supervised token. Raises ValueError (MalformedConversation) on unusable records."""
     from dflash.data.chat import prompt_ids
-    from dflash.data.sources import parse_messages
+    from dflash.data.sources import parse_conversation
     from dflash.data.tokenize import pretokenized
 
     if isinstance(record, dict) and "input_ids" in record and "messages" not in record:
@@ -134,7 +134,8 @@ def prompt_from_record(record: Any, tokenizer: Any, template_kwargs: dict[str, A
         if first == 0:
             raise ValueError("pretokenized record supervises its first token: no prompt")
         return [int(i) for i in token_ids[:first]]
-    ids = prompt_ids(tokenizer, parse_messages(record), **template_kwargs)
+    conversation = parse_conversation(record)
+    ids = prompt_ids(tokenizer, conversation.messages, tools=conversation.tools, **template_kwargs)
     if not ids:
         raise ValueError("empty prompt")
     return ids

@@ -44,7 +44,7 @@ def good(i: int) -> dict:
 INJECTED = {
     "malformed": [
         '{"messages": [ broken json',
-        b'{"messages": "\xff\xfe not utf-8"}',
+        b'{"messages": \xff\xfe "not utf-8, not JSON in any encoding: a damaged line"}',
         "[1, 2, 3]",
         '{"text": "no messages field"}',
         '{"messages": []}',

@@ -40,6 +40,11 @@ class Regeneration:
 
     def __post_init__(self) -> None:
         for i, msg in enumerate(self.source):
+            if msg.get("tool_calls"):  # its results came from tools that are not run here
+                raise MalformedConversation(
+                    f"message {i} calls tools: regenerate does not run tools, so a conversation with tool "
+                    "calls cannot be regenerated turn by turn; train on it as it is (data.path)"
+                )
             try:
                 msg["content"].encode("utf-8")
             except UnicodeEncodeError as exc:  # e.g. a lone surrogate: no server or JSON line can carry it
