@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import secrets as stdlib_secrets
 import sys
 import threading
@@ -176,6 +177,24 @@ def compose_config(config_name: str, overrides: Sequence[str]) -> DictConfig:
     Thread-safe: Hydra's global state is held for the call."""
     with _COMPOSE_LOCK, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name=config_name, overrides=list(overrides))
+
+
+_HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_.+:@%-]*/[A-Za-z0-9_/.+:@%-]*")
+"""A path Hydra reads unquoted as that string: ASCII letters, digits, ``_/.+:@%-`` and a slash (so
+never a number, a boolean or null)."""
+
+
+def hydra_quote(value: str) -> str:
+    """``value`` written as a Hydra override value that composes to exactly the string ``value``: as
+    it is when it is a plain path (``_HYDRA_PLAIN``), else single-quoted with Hydra's escapes
+    (a quote, and backslashes before a quote or the closing one) and ``${`` escaped for OmegaConf
+    (no interpolation). For a path given on a command line: ``run_dir=`` + ``hydra_quote(path)``."""
+    if _HYDRA_PLAIN.fullmatch(value):
+        return value
+    body = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)  # OmegaConf's escape
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", body)  # then Hydra's quoting
+    body = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body)
+    return f"'{body}'"
 
 
 def _app_module() -> str:

@@ -6,6 +6,11 @@ estimates against the real speculative-decoding eval, and throughput, each again
 
     python -m dflash.report outputs/tiny_cpu/<run id>            # -> <run dir>/report.html
     python -m dflash.report run_dir=<dir> out=/tmp/curves.html
+    python -m dflash.report -- 'outputs/my run=1'                 # after --: a path, whatever it holds
+
+The run directory may come first by position: an existing path is always taken as one (even with
+``=`` in it, as in ``hydra.run.dir='outputs/lr=3e-4'``), as is anything after ``--``, or a first
+argument without ``=``; ``key=value`` arguments are overrides.
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ from __future__ import annotations
 import html
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from dflash.config import UserError
+from dflash.config import EXIT_USER_ERROR, UserError
 from dflash.files import atomic_write
 from dflash.loss.terms import metric_keys
 from dflash.train.steplog import StepLog
@@ -167,11 +173,28 @@ def report_task(dcfg: DictConfig, _hydra_dir: Path) -> int:
     return 0
 
 
+def positional_run_dir(args: list[str]) -> list[str]:
+    """The command line with the run directory given by position written as the ``run_dir=``
+    override (Hydra-quoted): the argument after ``--``, else a first argument that is an existing
+    path or holds no ``=``; every other argument is left as it is."""
+    from dflash.cli import hydra_quote
+
+    if "--" in args:
+        k = args.index("--")
+        before, after = args[:k], args[k + 1 :]
+        if len(after) != 1:
+            print(f"dflash: error: give one run directory after --, not {len(after)}", file=sys.stderr)
+            raise SystemExit(EXIT_USER_ERROR)
+        return [*before, f"run_dir={hydra_quote(after[0])}"]
+    if args and not args[0].startswith("-") and (os.path.exists(args[0]) or "=" not in args[0]):
+        return [f"run_dir={hydra_quote(args[0])}", *args[1:]]
+    return args
+
+
 def main() -> None:
     from dflash.cli import run_app
 
-    if len(sys.argv) > 1 and "=" not in sys.argv[1] and not sys.argv[1].startswith("-"):
-        sys.argv[1] = f"run_dir={sys.argv[1]}"  # python -m dflash.report <run dir>
+    sys.argv[1:] = positional_run_dir(sys.argv[1:])
     register_report_schema()
     run_app("report", ReportAppConfig, report_task)
 

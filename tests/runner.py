@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ranks import RANK_SERVER_ENV, RankExit, World, as_main, free_port, rank_server, rank_specs, torchrun_env
 from testpaths import REPO
 
+from dflash.cli import hydra_quote
 from dflash.train.faults import FAULTS_ENV
 from dflash.train.job import main as job_main  # the entry point `python -m dflash.train` runs
 
@@ -188,7 +189,7 @@ def torchrun_cmd(
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
         str(REPO / "tests" / "rank_exit.py"),
-        *([f"hydra.run.dir={run_dir}"] if run_dir is not None else []),
+        *([f"hydra.run.dir={hydra_quote(str(run_dir))}"] if run_dir is not None else []),
         *FAST,
         *overrides,
     ]
@@ -331,7 +332,7 @@ def _launch_in_process(
         error_file = str(stdio / f"rank{r}.error.json")
         return {**base, **torchrun_env(r, nproc, port), "TORCHELASTIC_ERROR_FILE": error_file}
 
-    argv = [f"hydra.run.dir={run_dir}", *FAST, *overrides]
+    argv = [f"hydra.run.dir={hydra_quote(str(run_dir))}", *FAST, *overrides]
     world = World(rank_specs(nproc, job_rank, (argv,), rank_env, cwd, stdio))
     signalled_after = None
     started_at, t0 = time.time(), time.perf_counter()

@@ -16,6 +16,7 @@ adds ``measured_gib`` and ``estimated_gib`` to the JSON line.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,15 @@ def plan_config(dcfg: DictConfig) -> Config:
     return cfg
 
 
-def run(dcfg: DictConfig) -> dict[str, Any]:
-    """Plan ``dcfg``: print the table, then the JSON summary as the last line; returns the summary."""
+def run(dcfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Plan ``dcfg`` (composed from ``overrides``, which the printed launch command repeats): print
+    the table, then the JSON summary as the last line; returns the summary."""
     cfg = plan_config(dcfg)
     inputs = resolve_inputs(cfg)
     plan = make_plan(cfg, inputs)
     fixes = fitting_overrides(cfg, plan)
     caps = anchor_caps(cfg, inputs, plan.capacity_gib, plan.world_size)
-    print(render(plan, cfg.name, fixes) + "\n\n" + render_anchor_caps(caps), flush=True)
+    print(render(plan, cfg, fixes, overrides) + "\n\n" + render_anchor_caps(caps), flush=True)
     out = summary(plan, cfg.name, cfg.plan.gpu, fixes)
     out["largest_anchors"] = anchor_caps_summary(caps)
     if cfg.plan.measure:
@@ -103,7 +105,9 @@ def run(dcfg: DictConfig) -> dict[str, Any]:
 
 
 def plan_task(dcfg: DictConfig, _run_dir: Path) -> int:
-    run(dcfg)
+    from hydra.core.hydra_config import HydraConfig
+
+    run(dcfg, list(HydraConfig.get().overrides.task))
     return 0
 
 

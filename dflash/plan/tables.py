@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
 from dflash.plan.fit import LEVERS, AnchorCaps
 from dflash.plan.inputs import attention_kinds, typical_packet
+from dflash.plan.launch import launch_command
 from dflash.plan.links import intranode_link, link_for
 from dflash.plan.planner import ROLES, Plan, make_plan
 from dflash.plan.throughput import Split, placement
@@ -303,24 +305,24 @@ def override(split: Split) -> str:
 _ROLE_WORDS = {"target": "a target", "drafter": "a drafter", "colocated": "a co-located rank"}
 
 
-def _verdict_lines(plan: Plan, name: str, fixes: dict[str, str]) -> list[str]:
+def _verdict_lines(plan: Plan, cfg: Config, overrides: Sequence[str], fixes: dict[str, str]) -> list[str]:
     b, spp = plan.best, plan.samples_per_packet
     fit = [f"To fit {_ROLE_WORDS[role]}: {fix}" for role, fix in fixes.items()]
+    gpn = plan.inputs.gpu.gpus_per_node
+    command = f"  {launch_command(b, cfg.topology, overrides, plan.world_size, gpn)}"
+    if not cfg.data.path:
+        command += "  # + data.path=<your data>"
     if b is plan.colocated and not plan.splits:
         return [
             f"One GPU: co-located only (topology=colocated): {b.packets_per_s * spp:.2f} "
             f"samples/s{'' if b.fits else ' (does not fit: see below)'}",
+            command,
             *fit,
         ]
-    gpn = plan.inputs.gpu.gpus_per_node
-    nodes = -(-plan.world_size // gpn)
-    launch = (
-        f"--nnodes {nodes} --nproc_per_node {gpn}" if nodes > 1 else f"--nproc_per_node {plan.world_size}"
-    )
     return [
         f"Recommended split: {b.label} ({override(b)}): {b.packets_per_s * spp:.2f} samples/s"
         f"{'' if b.fits else ' (a role does not fit: see below)'}",
-        f"  torchrun {launch} -m dflash.train experiment={name} {override(b)}",
+        command,
         *(f"  {line}" for line in placement(b, gpn)),
         f"Co-located (topology=colocated, the whole target on every GPU): "
         f"{plan.colocated.packets_per_s * spp:.2f} samples/s{'' if plan.colocated.fits else ' (does not fit)'}; "
@@ -329,12 +331,15 @@ def _verdict_lines(plan: Plan, name: str, fixes: dict[str, str]) -> list[str]:
     ]
 
 
-def render(plan: Plan, name: str, fixes: dict[str, str] | None = None) -> str:
-    """The table: inputs, per-packet FLOPs and bytes, memory per role, the tensor-parallel replicas,
-    every split, the verdict; ``fixes`` (:func:`fitting_overrides`): with which value each role that
-    does not fit would."""
-    lines = _inputs_lines(plan, name) + _packet_lines(plan) + _memory_lines(plan) + _tp_lines(plan)
-    lines += _split_lines(plan) + _verdict_lines(plan, name, fixes or {})
+def render(
+    plan: Plan, cfg: Config, fixes: dict[str, str] | None = None, overrides: Sequence[str] = ()
+) -> str:
+    """The table of ``cfg``'s plan: inputs, per-packet FLOPs and bytes, memory per role, the
+    tensor-parallel replicas, every split, the verdict with the launch command (``overrides``: the
+    command line the plan was asked with, :func:`dflash.plan.launch.launch_command`); ``fixes``
+    (:func:`fitting_overrides`): with which value each role that does not fit would."""
+    lines = _inputs_lines(plan, cfg.name) + _packet_lines(plan) + _memory_lines(plan) + _tp_lines(plan)
+    lines += _split_lines(plan) + _verdict_lines(plan, cfg, overrides, fixes or {})
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines)
 

@@ -5,7 +5,8 @@ The drafter leader writes every logged metrics row to ``metrics.jsonl`` in the r
 and, when the run ends, a short table to the console and the log (``summary_table``): where the
 run stands, the final loss and acceptance estimates, the last real eval, throughput, where the
 exported drafter is and how to look at the W&B run offline. ``python -m dflash.report`` draws the
-curves from the same ``metrics.jsonl``.
+curves from the same ``metrics.jsonl``. Every command in the table is shell-quoted: pasted, it runs
+as printed whatever the run directory holds (spaces, ``=``, non-ASCII).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from shlex import quote
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
@@ -110,9 +112,11 @@ def summary_table(
     )
     if checkpoint is not None:
         rows.append(("checkpoint", str(checkpoint)))
-    rows.append(("metrics", f"{run_dir / METRICS_FILE}; curves: python -m dflash.report {run_dir}"))
+    rows.append(
+        ("metrics", f"{run_dir / METRICS_FILE}; curves: python -m dflash.report {quote(str(run_dir))}")
+    )
     if wandb_mode == "offline":
-        runs = run_dir / "wandb"
+        runs = quote(str(run_dir / "wandb"))  # the glob after it stays outside the quotes
         rows.append(
             ("W&B", f"offline: wandb leet {runs} (terminal UI); upload: wandb sync {runs}/offline-run-*")
         )
