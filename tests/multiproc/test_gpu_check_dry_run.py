@@ -59,17 +59,21 @@ def _check_loss_part(b: dict) -> None:
     assert {(c["case"], c["chunk"]) for c in b["cases"]} == {
         *(
             (case, chunk)
-            for case in ("limit", "limit_ce", "chunked", "chunked_ce", "torch_lce")
+            for case in ("limit", "limit_ce", "chunked", "chunked_ce", "chunked_dpace", "torch_lce")
             for chunk in (64, 256)
         ),
         ("naive", None),
         ("naive_ce", None),
     }
     assert all(c["time_s"] > 0 and c["tflops"] is not None for c in b["cases"])
-    # every case computed the loss and gradient of the naive case of its terms (same seeded inputs)
+    # every case computed the loss and gradient of the naive case of its terms (same seeded inputs);
+    # D-PACE weighs the slots otherwise: its two chunk sizes agree with each other
     naive = {c["terms"]: c for c in b["cases"] if c["case"] in ("naive", "naive_ce")}
+    dpace = [c for c in b["cases"] if c["case"] == "chunked_dpace"]
+    assert dpace[0]["loss"] == pytest.approx(dpace[1]["loss"], rel=1e-5)
+    assert dpace[0]["loss"] != pytest.approx(naive["ce"]["loss"], rel=1e-3)
     for c in b["cases"]:
-        if not c["case"].startswith("limit"):
+        if not c["case"].startswith("limit") and c["case"] != "chunked_dpace":
             ref = naive[c["terms"]]
             assert c["loss"] == pytest.approx(ref["loss"], rel=1e-5), c
             assert c["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), c
