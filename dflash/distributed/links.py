@@ -480,8 +480,6 @@ class DrafterLink(Endpoint):
         self.last_wait_s = 0.0
         self.total_wait_s = 0.0
         self.num_received = 0
-        self.num_staged_early = 0
-        """Packets whose payload receive ``prefetch`` posted before ``recv`` asked for them."""
         self.link_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         """The stream this link issues its work from on CUDA (None on the CPU): see the module docstring."""
 
@@ -527,7 +525,6 @@ class DrafterLink(Endpoint):
                 return
             if staged is None and self._done(rec.work, t, "recv header", g):
                 self._stage(t, g)
-                self.num_staged_early += 1
 
     def _take_header(self, t: int, g: int) -> tuple[Header, Tensor]:
         rec = self._posted[t]
