@@ -219,10 +219,11 @@ def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:
     d = cfg.drafter
     budget, bs = cfg.data.token_budget, d.block_size
     docs: tuple[float, ...]
+    doc_lengths: tuple[int, ...] | None
     if cfg.target.pack and stats.lengths is not None:
-        doc_lengths: tuple[int, ...] | None = packed_lengths(stats.lengths, budget, cfg.data.max_length)
-        docs = tuple(float(x) for x in doc_lengths)
-        tokens = computed = row = sum(doc_lengths)
+        real = packed_lengths(stats.lengths, budget, cfg.data.max_length)
+        doc_lengths, docs = real, tuple(float(x) for x in real)
+        tokens = computed = row = sum(real)
     elif cfg.target.pack:
         length = max(2.0, min(stats.mean_sample_tokens, float(cfg.data.max_length)))
         n = max(1, int(budget // length))
