@@ -93,7 +93,8 @@ class PacketShape:
     - ``anchor_context``: mean context keys a real block sees (default ``tokens / num_seqs / 2``:
       anchors uniform over documents of equal length);
     - ``doc_lengths``: the documents' own lengths when they differ (padded rows planned from the
-      data plan); None: ``num_seqs`` documents of equal length.
+      data plan, a packed row from the prepared dataset's lengths); None: ``num_seqs`` documents of
+      equal length.
     """
 
     tokens: int
@@ -209,10 +210,12 @@ def target_seconds(
 
 
 def target_keys_per_query(packet: PacketShape, attention: AttentionKind) -> float:
-    """Mean keys a target query attends to: ``(L + 1)/2`` causal within its document (sparse) or
-    the whole row (dense)."""
+    """Mean keys a target query attends to: ``(L + 1)/2`` causal within its document (sparse; a
+    packed row of documents of their own lengths: ``sum L(L+1)/2 / sum L``) or the whole row (dense)."""
     if attention == "dense":
         return float(packet.target_row_tokens or packet.tokens)
+    if packet.doc_lengths is not None and packet.target_tokens in (None, packet.tokens):
+        return sum(n * (n + 1) / 2 for n in packet.doc_lengths) / packet.tokens
     return (packet.mean_doc_tokens + 1) / 2
 
 

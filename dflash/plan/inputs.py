@@ -201,7 +201,10 @@ def run_dtypes(cfg: Config) -> RunDtypes:
 def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:
     """The packet the planner models for ``cfg``.
 
-    A packed target (one row): ``n = token_budget // L`` samples of the mean length ``L``. A target
+    A packed target (one row): ``n = token_budget // L`` samples of the mean length ``L``; with the
+    prepared dataset's lengths (``stats.lengths``), those ``n`` samples at evenly spaced quantiles of
+    the real distribution (:func:`packed_lengths`), so that anchors, attention and context follow
+    its spread, not only its mean. A target
     of padded rows (``target.pack=false``) computes ``rows x longest`` tokens, so its packet is the
     data plan's own (:func:`padded_packets`): the packet of the most computed tokens, with its
     samples' real lengths.
@@ -215,10 +218,16 @@ def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:
     """
     d = cfg.drafter
     budget, bs = cfg.data.token_budget, d.block_size
-    if cfg.target.pack:
+    docs: tuple[float, ...]
+    doc_lengths: tuple[int, ...] | None
+    if cfg.target.pack and stats.lengths is not None:
+        real = packed_lengths(stats.lengths, budget, cfg.data.max_length)
+        doc_lengths, docs = real, tuple(float(x) for x in real)
+        tokens = computed = row = sum(real)
+    elif cfg.target.pack:
         length = max(2.0, min(stats.mean_sample_tokens, float(cfg.data.max_length)))
         n = max(1, int(budget // length))
-        docs: tuple[float, ...] = (length,) * n
+        docs = (length,) * n
         tokens, computed, row = round(n * length), round(n * length), round(n * length)
         doc_lengths = None
     else:
@@ -254,6 +263,19 @@ def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:
         anchor_context=context / anchors if anchors else docs[0] * (1 - stats.supervised_fraction / 2),
         doc_lengths=doc_lengths,
     )
+
+
+def packed_lengths(lengths: tuple[int, ...], budget: int, max_length: int) -> tuple[int, ...]:
+    """The sample lengths of a typical packed packet drawn from a dataset's ``lengths``: as many
+    samples as the budget holds at their mean, taken at evenly spaced quantiles of the lengths
+    (each cut to ``max_length`` and the budget), then the middle ones dropped while the packet is
+    over ``budget``. Sorted; deterministic."""
+    xs = sorted(min(max(1, int(x)), max_length, budget) for x in lengths)
+    n = max(1, int(budget // (sum(xs) / len(xs))))
+    picked = [xs[min(len(xs) - 1, int((i + 0.5) * len(xs) / n))] for i in range(n)]
+    while sum(picked) > budget and len(picked) > 1:
+        picked.pop(len(picked) // 2)
+    return tuple(picked)
 
 
 @dataclass(frozen=True)

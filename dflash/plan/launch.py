@@ -29,10 +29,11 @@ def split_overrides(split: Split, topology: TopologyConfig) -> list[str]:
     """The ``topology.*`` overrides that run ``split`` on top of ``topology`` (the planned config's):
     the counts always, the mode, ``target_tp`` and ``drafter_nodes`` when they change."""
     colocated = split.mode == "colocated"
+    tp = 1 if colocated else split.target_tp
     want: dict[str, str | int | None] = {
         "mode": "colocated" if colocated else "split",
         "num_targets": 0 if colocated else split.num_targets,
-        "target_tp": 1 if colocated else split.target_tp,
+        "target_tp": tp,
         "num_drafters": None if colocated else split.num_drafters,
         "drafter_nodes": None,
     }
@@ -40,9 +41,7 @@ def split_overrides(split: Split, topology: TopologyConfig) -> list[str]:
     return [
         f"topology.{key}={'null' if want[key] is None else want[key]}"
         for key in SPLIT_FIELDS
-        if key in always
-        or want[key] != getattr(topology, key)
-        or (key == "target_tp" and not colocated and split.target_tp > 1)
+        if key in always or want[key] != getattr(topology, key) or (key == "target_tp" and tp > 1)
     ]
 
 

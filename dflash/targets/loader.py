@@ -89,8 +89,8 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
     local = path.startswith(("/", "./", "../", "~")) or os.path.isabs(path) or os.path.exists(path)
     if local and not os.path.isdir(os.path.expanduser(path)):
         raise ValueError(
-            f"target.path={path}: no such directory; give a local directory with config.json and *.safetensors, "
-            f"or a hub id with network access"
+            f"target.path={path}: no such directory; give a local directory with config.json (+ the tokenizer "
+            f"for prepare and plan, + *.safetensors to train), or a hub id with network access"
         )
     if local and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
         raise ValueError(
@@ -109,8 +109,9 @@ def _load_config(path: str, revision: str | None, trust_remote_code: bool):
         raise ValueError(
             f"target.path={path} is not a local directory and the hub "
             f"{'is off (HF_HUB_OFFLINE=1)' if offline else 'has no such model or cannot be reached'}: give a local "
-            f"directory with config.json and *.safetensors, or a hub id with network access "
-            f"(e.g. download it first: huggingface-cli download {path} --local-dir <dir>)"
+            f"directory with config.json (+ the tokenizer for prepare and plan, + *.safetensors to train), or a hub "
+            f"id with network access (e.g. download it first: huggingface-cli download {path} --local-dir <dir>; "
+            f"prepare and plan need only config.json and the tokenizer files)"
         ) from None
     text, raw_text = config.get_text_config(decoder=True), raw.get("text_config") or raw
     if (

@@ -85,3 +85,29 @@ def test_the_printed_command_composes_the_planned_config_with_its_split(name):
         assert trained.data.token_budget == 65536 and trained.drafter.shard == "optimizer"
         assert trained.data.path == "/data/my chat=1/ü.jsonl"
         assert trained.data.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "outputs/my run=1/ü",
+        "plain/run-1.2",
+        "it's",
+        "a\\b",
+        "end\\",
+        "x\\'y",
+        "${oc.env:HOME}",
+        "a\\${x}",
+        "a,b",
+        "[1,2]",
+    ]
+    + ["null", "true", "1e3", "5", " lead", "", 'say "hi"', "x#y"],
+)
+def test_hydra_quote_composes_to_exactly_the_string(value):
+    """What dflash.report writes for a run directory given by position: Hydra parses it and
+    OmegaConf resolves it back to the very string (no list, sweep, number, null or interpolation)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parsed = OverridesParser.create().parse_override(f"run_dir={hydra_quote(value)}").value()
+    assert OmegaConf.create({"run_dir": parsed}).run_dir == value
