@@ -47,21 +47,47 @@ def _topology_problems(cfg: Config, world_size: int, p: _Problems) -> None:
     )
 
 
+TAP_ORDER = (
+    "not in increasing order: the taps are concatenated in list order, while vLLM and SGLang collect "
+    "them in layer order, so a served drafter would read its context features permuted"
+)
+"""Why tap ids must increase (the refusal of an unsorted ``target.layer_ids`` or export)."""
+
+
+def tap_ids_problem(ids: list[int], num_layers: int) -> str | None:
+    """Why ``ids`` cannot be the tap ids of a ``num_layers``-layer target (None when they can): none,
+    a layer outside ``[0, num_layers)``, a layer listed twice, or not in increasing order."""
+    if not ids:
+        return "no layer"
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        return f"layers {bad} outside the target's {num_layers} decoder layers [0, {num_layers - 1}]"
+    if len(set(ids)) != len(ids):
+        return f"layers {sorted({i for i in ids if ids.count(i) > 1})} listed more than once"
+    return TAP_ORDER if list(ids) != sorted(ids) else None
+
+
 def _target_problems(cfg: Config, p: _Problems) -> None:
     """Tap ids and the remote-code pin."""
     tg = cfg.target
     if tg.layer_ids is not None:
+        ids = [int(i) for i in tg.layer_ids]
+        fix = f"target.layer_ids={sorted({i for i in ids if i >= 0})}"  # valid once each is in the target
         p.need(
-            len(tg.layer_ids) > 0,
+            len(ids) > 0,
             "target.layer_ids=[] is empty; list at least one tapped layer or set target.layer_ids=null",
         )
         p.need(
-            min(tg.layer_ids, default=0) >= 0,
-            f"target.layer_ids={tg.layer_ids} has a negative id; tap ids are decoder layer indices >= 0",
+            min(ids, default=0) >= 0,
+            f"target.layer_ids={ids} has a negative id; tap ids are decoder layer indices >= 0",
         )
         p.need(
-            len(set(tg.layer_ids)) == len(tg.layer_ids),
-            f"target.layer_ids={tg.layer_ids} has duplicates; list each tapped layer once",
+            len(set(ids)) == len(ids),
+            f"target.layer_ids={ids} has duplicates; list each tapped layer once ({fix})",
+        )
+        p.need(
+            len(set(ids)) != len(ids) or min(ids, default=0) < 0 or ids == sorted(ids),
+            f"target.layer_ids={ids} is {TAP_ORDER}; set {fix}",
         )
         if tg.num_taps is not None:
             p.need(

@@ -47,6 +47,12 @@ class DrafterArch:
     """W of the sliding layers (None iff there is none)."""
 
     def __post_init__(self) -> None:
+        ids = [int(i) for i in self.target_layer_ids]
+        if not ids or min(ids) < 0 or ids != sorted(set(ids)):
+            raise ValueError(
+                f"target_layer_ids={self.target_layer_ids}: tap ids must be distinct decoder layers >= 0 in "
+                "increasing order (vLLM and SGLang collect the taps in layer order)"
+            )
         if not self.layer_types:
             self.layer_types = [FULL_ATTENTION] * self.num_layers
         bad = sorted({t for t in self.layer_types if t not in DRAFTER_LAYER_TYPES})
@@ -124,44 +130,65 @@ def rope_from_config(config: dict) -> tuple[dict[str, Any], float]:
     return {k: v for k, v in rope.items() if k not in ROPE_KEYS_DROPPED}, partial
 
 
+def mask_token_problem(tid: int, tokenizer: Any, vocab_size: int) -> str | None:
+    """Why ``tid`` cannot be the MASK token of a target with this tokenizer and ``vocab_size`` embedding
+    rows (None when it can). A MASK is the tokenizer's mask token, another special token, or an embedding
+    row past the tokenizer; never pad, eos or bos, nor a token of ordinary text, whose embedding the
+    drafter would read as that text in every MASK slot (tau drops, silently)."""
+    if not 0 <= tid < vocab_size:
+        return f"outside the target vocabulary [0, {vocab_size})"
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        if getattr(tokenizer, name, None) == tid:
+            return f"the tokenizer's {name} ({tokenizer.convert_ids_to_tokens(tid)!r})"
+    if tid >= len(tokenizer) or tid == getattr(tokenizer, "mask_token_id", None):
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}).get(tid)
+    if added is not None and getattr(added, "special", False):
+        return None
+    return f"the text token {tokenizer.convert_ids_to_tokens(tid)!r} (not a special token)"
+
+
+def default_mask_token_id(tokenizer: Any, vocab_size: int) -> int | None:
+    """The MASK a run picks when neither the config nor a warm start names one: the tokenizer's mask
+    token, else the first embedding row past the tokenizer (None: neither is usable)."""
+    for tid in (getattr(tokenizer, "mask_token_id", None), len(tokenizer)):
+        if tid is not None and mask_token_problem(tid, tokenizer, vocab_size) is None:
+            return int(tid)
+    return None
+
+
 def resolve_mask_token_id(
     configured: int | None, from_checkpoint: int | None, tokenizer: Any, vocab_size: int
 ) -> int:
-    """Config, then the drafter checkpoint, then the tokenizer's mask token, then the first embedding row
-    past the tokenizer's vocabulary. Never pad, eos or bos: ValueError if that is all there is."""
-    forbidden = {
-        name: tid
-        for name in ("pad_token_id", "eos_token_id", "bos_token_id")
-        if (tid := getattr(tokenizer, name, None)) is not None
-    }
-    candidates = [
-        ("drafter.mask_token_id", configured),
-        ("the drafter.init_from checkpoint", from_checkpoint),
-        ("the tokenizer's mask token", getattr(tokenizer, "mask_token_id", None)),
-        (
-            "the first embedding row past the tokenizer",
-            len(tokenizer) if len(tokenizer) < vocab_size else None,
-        ),
-    ]
-    for source, tid in candidates:
-        if tid is None:
-            continue
-        if not 0 <= tid < vocab_size:
-            raise ValueError(
-                f"mask token id {tid} from {source} is outside the target vocabulary [0, {vocab_size}); "
-                f"set drafter.mask_token_id to an unused embedding row"
-            )
-        clash = [n for n, f in forbidden.items() if f == tid]
-        if clash:
-            raise ValueError(
-                f"mask token id {tid} from {source} is the tokenizer's {clash[0]}; a pad/eos/bos MASK silently "
-                f"degrades acceptance: set drafter.mask_token_id to an unused embedding row"
-            )
-        return int(tid)
-    raise ValueError(
-        f"no MASK token: the tokenizer has {len(tokenizer)} tokens and the target embedding {vocab_size} rows, "
-        f"so there is no unused row; set drafter.mask_token_id=<an unused, non-pad/eos/bos id>"
+    """Config, then the drafter checkpoint, then ``default_mask_token_id``; ValueError naming the source
+    and the fix when the first of them that is set fails ``mask_token_problem``. A saved id that fails
+    it is passed over when the config names a valid one (the warm start then learns the new MASK)."""
+    default = default_mask_token_id(tokenizer, vocab_size)
+    fix = (
+        f"set drafter.mask_token_id={default}"
+        if default is not None
+        else "set drafter.mask_token_id=<an unused row>"
     )
+    if configured is not None:
+        problem = mask_token_problem(configured, tokenizer, vocab_size)
+        if problem:
+            raise ValueError(f"mask token id {configured} from drafter.mask_token_id is {problem}; {fix}")
+        return int(configured)
+    if from_checkpoint is not None:
+        problem = mask_token_problem(from_checkpoint, tokenizer, vocab_size)
+        if problem:
+            raise ValueError(
+                f"mask token id {from_checkpoint} from the drafter.init_from checkpoint (dflash_config.mask_token_id) "
+                f"is {problem}, a MASK that degrades acceptance silently; {fix} to warm-start with a new MASK "
+                "(learned anew), or warm-start from an export with a valid one"
+            )
+        return int(from_checkpoint)
+    if default is None:
+        raise ValueError(
+            f"no MASK token: the tokenizer has {len(tokenizer)} tokens and the target embedding {vocab_size} rows, "
+            f"so there is no unused row; set drafter.mask_token_id=<a special token that is not pad/eos/bos>"
+        )
+    return default
 
 
 def build_arch(

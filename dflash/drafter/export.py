@@ -28,12 +28,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
-from dflash.drafter.arch import DrafterArch, rope_from_config
+from dflash.config.checks import tap_ids_problem
+from dflash.drafter.arch import DrafterArch, mask_token_problem, rope_from_config
 from dflash.drafter.model import DFlashDraftModel
 from dflash.files import atomic_directory
 
@@ -131,6 +133,45 @@ def _layout_of(config: dict, num_layers: int) -> tuple[list[str], int | None]:
     return types, window
 
 
+def _block_size_of(config: dict) -> int:
+    """The export's block size: top-level ``block_size`` and ``dflash_config.block_size`` (servers read
+    one or the other) must agree when both are written."""
+    top, inner = config.get("block_size"), (config.get("dflash_config") or {}).get("block_size")
+    if top is not None and inner is not None and top != inner:
+        raise ValueError(
+            f"block_size={top} (top level) and dflash_config.block_size={inner} differ: servers read one or the "
+            "other; set both to the block size the drafter was trained with (its run's drafter.block_size)"
+        )
+    size = top if top is not None else inner
+    if size is None:
+        raise KeyError("block_size")
+    if not isinstance(size, int) or size < 2:
+        raise ValueError(f"block_size={size}: must be an integer >= 2 (the drafter's drafter.block_size)")
+    return size
+
+
+def _tap_ids_of(config: dict) -> list[int]:
+    """``dflash_config.target_layer_ids``: distinct layers of the ``num_target_layers``-layer target (when
+    the export says how many) in increasing order, the order servers collect the taps in."""
+    ids = (config.get("dflash_config") or {})["target_layer_ids"]
+    where = f"dflash_config.target_layer_ids={ids}"
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{where}: must be a list of decoder layer indices")
+    num_layers = config.get("num_target_layers")
+    if isinstance(num_layers, int):
+        problem = tap_ids_problem(ids, num_layers)
+    elif any(i < 0 for i in ids):
+        problem = f"layers {[i for i in ids if i < 0]} are negative"
+    else:  # the target's layer count is checked where the target is known
+        problem = tap_ids_problem(ids, max(ids, default=0) + 1)
+    if problem:
+        raise ValueError(
+            f"{where}: {problem}; restore the ids the drafter was trained on (its run's target.layer_ids, which "
+            "dflash exports in increasing order), or retrain it with increasing target.layer_ids"
+        )
+    return ids
+
+
 def arch_from_export(config: dict) -> DrafterArch:
     """The DrafterArch described by an exported ``config.json`` (ValueError naming a missing or bad field)."""
     if ARCHITECTURE not in config.get("architectures", []):
@@ -138,9 +179,8 @@ def arch_from_export(config: dict) -> DrafterArch:
     dcfg = config.get("dflash_config") or {}
     try:
         num_layers = config["num_hidden_layers"]
-        block_size = config.get("block_size", dcfg.get("block_size"))
-        if block_size is None:
-            raise KeyError("block_size")
+        block_size = _block_size_of(config)
+        layer_ids = _tap_ids_of(config)
         rope, partial = rope_from_config(config)
         layer_types, window = _layout_of(config, num_layers)
         return DrafterArch(
@@ -151,7 +191,7 @@ def arch_from_export(config: dict) -> DrafterArch:
             num_kv_heads=config["num_key_value_heads"],
             head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
             vocab_size=config["vocab_size"],
-            target_layer_ids=list(dcfg["target_layer_ids"]),
+            target_layer_ids=layer_ids,
             block_size=int(block_size),
             mask_token_id=dcfg["mask_token_id"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
@@ -173,7 +213,39 @@ def exported_arch(path: str | os.PathLike) -> DrafterArch:
         raise ValueError(
             f"drafter.init_from={str(d)!r} is not an exported drafter (needs config.json and model.safetensors)"
         )
-    return arch_from_export(json.loads((d / "config.json").read_text()))
+    try:
+        return arch_from_export(json.loads((d / "config.json").read_text()))
+    except ValueError as e:
+        raise ValueError(f"drafter.init_from={str(d)!r}: {e}") from None
+
+
+def recorded_mask_token_id(export_dir: str | os.PathLike) -> int | None:
+    """The mask token id the export's own tokenizer records (``mask_token`` in its
+    ``tokenizer_config.json``); None when the export ships no tokenizer (dflash's do not) or its
+    tokenizer names no mask token."""
+    d = Path(export_dir)
+    if not (d / "tokenizer_config.json").is_file():
+        return None
+    if not json.loads((d / "tokenizer_config.json").read_text()).get("mask_token"):
+        return None
+    from transformers import AutoTokenizer
+
+    tid = AutoTokenizer.from_pretrained(str(d)).mask_token_id
+    return int(tid) if tid is not None else None
+
+
+def export_mask_problem(
+    export_dir: str | os.PathLike, tid: int, tokenizer: Any, vocab_size: int
+) -> str | None:
+    """Why ``tid`` (an export's ``dflash_config.mask_token_id``) is not a MASK the drafter can have been
+    trained with (None when it can): not the id the export's own tokenizer records, when it ships one;
+    else ``mask_token_problem`` against the target's tokenizer."""
+    recorded = recorded_mask_token_id(export_dir)
+    if recorded is not None and tid != recorded:
+        return f"not {recorded}, the mask token the export's own tokenizer records"
+    if recorded is not None and 0 <= tid < vocab_size:
+        return None
+    return mask_token_problem(tid, tokenizer, vocab_size)
 
 
 def load_exported(path: str | os.PathLike) -> tuple[DrafterArch, dict[str, torch.Tensor]]:
@@ -203,13 +275,24 @@ def tensor_problems(path: str | os.PathLike, arch: DrafterArch) -> list[str]:
     return p[:8] + ([f"... and {len(p) - 8} more"] if len(p) > 8 else [])
 
 
-def warm_start_problems(saved: DrafterArch, current: DrafterArch) -> list[str]:
-    """Why a saved drafter cannot initialise the current one (empty when it can)."""
+def warm_start_problems(
+    saved: DrafterArch, current: DrafterArch, target_num_layers: int | None = None
+) -> list[str]:
+    """Why a saved drafter cannot initialise the current one (empty when it can); each fix names a
+    value that passes the checks (the saved tap ids only when they are layers of a
+    ``target_num_layers``-layer target)."""
+    taps_fit = target_num_layers is None or tap_ids_problem(saved.target_layer_ids, target_num_layers) is None
     p = []
     for field, fix in (
         ("hidden_size", "train a drafter for this target instead"),
-        ("target_layer_ids", "set target.layer_ids to the saved ids"),
-        ("mask_token_id", "set drafter.mask_token_id to the saved id"),
+        (
+            "target_layer_ids",
+            f"set target.layer_ids={saved.target_layer_ids}"
+            if taps_fit
+            else f"its taps are not layers of this {target_num_layers}-layer target: warm-start from a drafter "
+            "trained on this target",
+        ),
+        ("mask_token_id", f"set drafter.mask_token_id={saved.mask_token_id} (or null: the saved one)"),
         ("num_layers", "set drafter.num_layers to the saved value"),
         ("intermediate_size", "set drafter.intermediate_size to the saved value"),
         ("num_heads", "set drafter.num_heads to the saved value"),

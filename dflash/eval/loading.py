@@ -104,20 +104,47 @@ def drafter_problems(arch: DrafterArch, exported_cfg: dict, meta: Any, cfg: Eval
             f"{where}: the drafter's tap ids (dflash_config.target_layer_ids={arch.target_layer_ids}) "
             f"include {bad}, outside the {meta.num_layers} decoder layers of {tgt}; {fix}"
         )
-    if cfg.target.layer_ids is not None and [int(i) for i in cfg.target.layer_ids] != list(
-        arch.target_layer_ids
+    if (
+        cfg.target.layer_ids is not None
+        and [int(i) for i in cfg.target.layer_ids] != list(arch.target_layer_ids)
+        and not bad  # then the export itself is wrong for this target (above): no override fixes it
     ):
         p.append(
             f"target.layer_ids={list(cfg.target.layer_ids)} but the drafter was trained on taps "
             f"{arch.target_layer_ids}; set target.layer_ids={list(arch.target_layer_ids)} "
             f"(or target.layer_ids=null to use the drafter's)"
         )
-    if not 0 <= arch.mask_token_id < meta.vocab_size:
-        p.append(
-            f"{where}: the drafter's mask_token_id={arch.mask_token_id} is outside the target vocabulary "
-            f"[0, {meta.vocab_size}); {fix}"
-        )
     return p
+
+
+def mask_problems(
+    cfg: EvalAppConfig, drafter_dir: Path, arch: DrafterArch, tokenizer: Any, vocab_size: int
+) -> list[str]:
+    """Why the export's ``dflash_config.mask_token_id`` cannot be the MASK the drafter was trained with
+    (``dflash.drafter.export.export_mask_problem``); a warning when it is an unused row other than the
+    one dflash picks by default (possible, but an edited id looks the same)."""
+    from dflash.drafter.arch import default_mask_token_id
+    from dflash.drafter.export import export_mask_problem, recorded_mask_token_id
+
+    tid = arch.mask_token_id
+    default = default_mask_token_id(tokenizer, vocab_size)
+    problem = export_mask_problem(drafter_dir, tid, tokenizer, vocab_size)
+    if problem:
+        return [
+            f"drafter_path={cfg.drafter_path}: dflash_config.mask_token_id={tid} is {problem}, a MASK that "
+            "degrades acceptance silently; set dflash_config.mask_token_id in its config.json to the MASK the "
+            "drafter was trained with (its run's drafter.mask_token_id"
+            + (f", or {default} where that is null)" if default is not None else ")")
+        ]
+    if tid != default and tid >= len(tokenizer) and recorded_mask_token_id(drafter_dir) is None:
+        log.warning(
+            "drafter_path=%s: dflash_config.mask_token_id=%d is an unused embedding row but not %s, the one "
+            "dflash picks by default; if the drafter was trained with another MASK, tau drops silently",
+            cfg.drafter_path,
+            tid,
+            default,
+        )
+    return []
 
 
 def prompt_from_record(record: Any, tokenizer: Any, template_kwargs: dict[str, Any]) -> list[int]:
@@ -313,18 +340,18 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
     drafter_size = drafter_weights_problem(  # built in fp32, then cast
         f"drafter_path={drafter_dir}/config.json", arch, 4, *device_capacity(device)
     )
+    tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
+    tokenizer = AutoTokenizer.from_pretrained(
+        tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
     raise_problems(
         drafter_problems(arch, exported_cfg, meta, cfg)
+        + mask_problems(cfg, drafter_dir, arch, tokenizer, meta.vocab_size)
         + target_size_problems(meta, f"target.path={target_path} (config.json)", dtype, device)
         + ([drafter_size] if drafter_size else [])
     )
     _, state = load_exported(drafter_dir)
     block_size = cfg.block_size or arch.block_size
-
-    tok_path = resolve_path(cfg.target.tokenizer) if cfg.target.tokenizer else target_path
-    tokenizer = AutoTokenizer.from_pretrained(
-        tok_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
-    )
     prompts = _prompt_file(cfg, prompts_path, tokenizer, meta, block_size) if prompts_path is not None else []
 
     tcfg = type(cfg.target)(**{**asdict(cfg.target), "path": target_path})

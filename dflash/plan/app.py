@@ -86,8 +86,11 @@ def plan_config(dcfg: DictConfig) -> Config:
 def run(dcfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Plan ``dcfg`` (composed from ``overrides``, which the printed launch command repeats): print
     the table, then the JSON summary as the last line; returns the summary."""
+    from dflash.cli import value_errors_are_user_errors
+
     cfg = plan_config(dcfg)
-    inputs = resolve_inputs(cfg)
+    with value_errors_are_user_errors():  # the target's config.json against the config (e.g. tap ids)
+        inputs = resolve_inputs(cfg)
     plan = make_plan(cfg, inputs)
     fixes = fitting_overrides(cfg, plan)
     caps = anchor_caps(cfg, inputs, plan.capacity_gib, plan.world_size)

@@ -34,6 +34,8 @@ from dflash.serve_check.exports import (
     relayout,
     relayout_export,
     sliding_layout,
+    swapped_taps_copy,
+    trained_difference,
 )
 from dflash.serve_check.reference import Reference
 from dflash.serve_check.runs import REPO, TrainedRun, ensure_run, load_run
@@ -104,6 +106,9 @@ def build_cases(cfg: ServeCheckConfig, run: TrainedRun, check_dir: Path) -> list
         copy = exports / f"corrupt{i}"
         old = corrupted_copy(run.export_dir, copy, key, value)
         cases.append(Case(f"corrupt{i}", "corrupt", f"{key} {old} -> {value}", copy, arch))
+    if cfg.swap_taps and arch.num_taps >= 2:
+        what = swapped_taps_copy(run.export_dir, exports / "swapped_taps")
+        cases.append(Case("swapped_taps", "corrupt", what, exports / "swapped_taps", arch))
     if cfg.mixed and arch.num_layers >= 2:
         layout = mixed_layout(arch.num_layers)
         a = relayout(arch, layout, cfg.sliding_window or 2 * arch.block_size)
@@ -189,6 +194,10 @@ def check(cfg: ServeCheckConfig, check_dir: Path, step: Any) -> tuple[Outcome, T
     out.notes.append(f"run          {run.dir}: step {run.step} ({how}, {out.seconds['run']:.0f} s)")
     step("run")
     cases = build_cases(cfg, run, check_dir)
+    static = {  # every export against the drafter as trained, before any server sees it
+        c.name: trained_difference(c.drafter_dir, c.arch, run.state, target_num_layers=run.target_num_layers)
+        for c in cases
+    }
     ref = Reference(run, cfg.num_prompts, cfg.max_new_tokens)
     step("exports")
     served, out.seconds["vllm"] = decode_with_vllm(
@@ -220,7 +229,16 @@ def check(cfg: ServeCheckConfig, check_dir: Path, step: Any) -> tuple[Outcome, T
         )
         outputs = [r.output_ids for r in rep.results] if rep else None
         out.cases.append(
-            judge(c.name, c.kind, c.description, served[c.name], outputs, accept, cfg.tau_rel_tol)
+            judge(
+                c.name,
+                c.kind,
+                c.description,
+                served[c.name],
+                outputs,
+                accept,
+                cfg.tau_rel_tol,
+                differs_from_trained=static[c.name],
+            )
         )
     step("dflash")
     if cfg.regenerate:

@@ -78,9 +78,45 @@ def judge(
     reference_outputs: list[list[int]] | None,
     reference: Acceptance | None,
     tau_rel_tol: float,
+    *,
+    differs_from_trained: str | None = None,
 ) -> CaseResult:
     """The verdict on one case. ``reference_outputs`` / ``reference``: dflash's outputs and acceptance
-    on the same prompt ids and block size (None when there is none, e.g. for a refused mixed export)."""
+    on the same prompt ids and block size (None when there is none, e.g. for a refused mixed export).
+    ``differs_from_trained``: how the export differs from the drafter as trained (``trained_difference``);
+    such an export fails a ``check`` case and is caught as a ``corrupt`` one whatever vLLM decodes: a
+    drafter whose acceptance barely depends on what changed (a permuted tap order, on the tiny demo)
+    would pass the comparison of tau."""
+    r = _judge_served(name, kind, description, vllm_case, reference_outputs, reference, tau_rel_tol)
+    if differs_from_trained is None or kind == "mixed":
+        return r
+    r.passed = kind == "corrupt"
+    served = ""
+    if r.vllm_error:
+        served = f"; vLLM refused it ({r.vllm_error})"
+    elif r.vllm is not None and r.dflash is not None:
+        served = (
+            f"; served by vLLM: {r.num_equal}/{r.num_prompts} outputs identical, tau {r.vllm.tau:.3f} vs "
+            f"{r.dflash.tau:.3f} as trained"
+        )
+    r.verdict = (
+        f"caught before serving: {differs_from_trained}{served}"
+        if r.passed
+        else f"FAILED: the export is not the drafter as trained: {differs_from_trained}{served}"
+    )
+    return r
+
+
+def _judge_served(
+    name: str,
+    kind: str,
+    description: str,
+    vllm_case: dict[str, Any],
+    reference_outputs: list[list[int]] | None,
+    reference: Acceptance | None,
+    tau_rel_tol: float,
+) -> CaseResult:
+    """The verdict of vLLM's decode against dflash's (see ``judge``)."""
     r = CaseResult(name, kind, description, vllm_error=vllm_case.get("error"))
     if not vllm_case.get("ok"):
         if kind == "mixed":

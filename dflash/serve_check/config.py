@@ -53,6 +53,9 @@ class ServeCheckConfig:
     corrupt: list[str] = field(default_factory=lambda: ["dflash_config.mask_token_id=2049"])
     """``key=value`` (dotted config.json key, JSON value): each served from a copy of the export with
     that key changed; the check must report it as a mismatch, else it fails."""
+    swap_taps: bool = True
+    """Also serve a copy of the export whose ``fc.weight`` column blocks of its first two taps are swapped
+    (a permuted tap order); the check must report it, else it fails."""
     regenerate: bool = True
     """Also run regeneration against the vLLM OpenAI server, killed and restarted mid-run (pytest)."""
     progress_bar: bool = True

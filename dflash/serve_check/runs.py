@@ -20,21 +20,18 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_file
 
 from dflash.config import Config, register_configs, to_config
 from dflash.config.checks import known_keys_only
 from dflash.distributed.launch import torchrun_command
 from dflash.drafter.arch import DrafterArch
-from dflash.drafter.export import export_drafter
-from dflash.serve_check.exports import build_drafter
+from dflash.serve_check.exports import trained_difference
 
 log = logging.getLogger(__name__)
 
@@ -118,20 +115,7 @@ def load_run(run_dir: Path) -> TrainedRun:
 def export_difference(run: TrainedRun) -> str | None:
     """How the run's ``drafter/`` differs from what the current exporter writes from its final
     checkpoint (None when identical: same config.json, same tensor names, shapes and values)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        fresh = export_drafter(
-            build_drafter(run.arch, run.state), Path(tmp) / "drafter", target_num_layers=run.target_num_layers
-        )
-        old_cfg = json.loads((run.export_dir / "config.json").read_text())
-        new_cfg = json.loads((fresh / "config.json").read_text())
-        if old_cfg != new_cfg:
-            keys = sorted(k for k in old_cfg.keys() | new_cfg.keys() if old_cfg.get(k) != new_cfg.get(k))
-            return f"config.json differs in {keys}"
-        old, new = load_file(run.export_dir / "model.safetensors"), load_file(fresh / "model.safetensors")
-        if old.keys() != new.keys():
-            return f"tensor names differ: {sorted(old.keys() ^ new.keys())}"
-        bad = [k for k in old if old[k].shape != new[k].shape or not torch.equal(old[k], new[k])]
-        return f"tensors differ: {bad}" if bad else None
+    return trained_difference(run.export_dir, run.arch, run.state, target_num_layers=run.target_num_layers)
 
 
 def train(run_dir: Path, overrides: list[str], nproc: int, timeout_s: float) -> None:

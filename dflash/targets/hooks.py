@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from dflash.targets.loader import check_tap_ids, decoder_layers
+from dflash.targets.loader import check_tap_ids, decoder_layers, tap_ids_fix
 
 
 def layer_output(output) -> torch.Tensor:
@@ -36,7 +36,7 @@ def check_layer_ids(model: nn.Module, layer_ids: list[int]) -> nn.ModuleList:
         list(layer_ids),
         len(layers),
         f"target.layer_ids={list(layer_ids)}",
-        f"use distinct decoder layers in [0, {len(layers) - 1}]",
+        tap_ids_fix(list(layer_ids), len(layers)),
     )
     return layers
 

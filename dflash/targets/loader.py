@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dflash.config import DEFAULT_NUM_TAPS, TargetConfig
+from dflash.config.checks import tap_ids_problem
 from dflash.config.resolve import target_attention
 from dflash.metrics import human_count
 from dflash.targets.families import TargetMeta, meta_from_config, target_weights_problem
@@ -190,7 +191,7 @@ def resolve_layer_ids(cfg: TargetConfig, meta: TargetMeta) -> list[int]:
     )
     where = f"target.layer_ids={ids}" if explicit else f"target.num_taps={num_taps} (default layer ids {ids})"
     fix = (
-        f"set target.layer_ids to distinct decoder layers in [0, {meta.num_layers - 1}]"
+        tap_ids_fix(ids, meta.num_layers)
         if explicit
         else f"set target.layer_ids explicitly or a smaller target.num_taps for this {meta.num_layers}-layer target"
     )
@@ -198,15 +199,21 @@ def resolve_layer_ids(cfg: TargetConfig, meta: TargetMeta) -> list[int]:
     return ids
 
 
+def tap_ids_fix(ids: list[int], num_layers: int) -> str:
+    """The override that makes ``ids`` valid tap ids of a ``num_layers``-layer target: its layers
+    inside the target, each once, in increasing order (the default when none is)."""
+    kept = sorted({i for i in ids if 0 <= i < num_layers})
+    if kept:
+        return f"set target.layer_ids={kept}"
+    return f"set target.layer_ids=null (the default taps of this {num_layers}-layer target)"
+
+
 def check_tap_ids(ids: list[int], num_layers: int, where: str, fix: str) -> None:
-    """Raise ``ValueError`` (``"{where}: ...; {fix}"``) unless ``ids`` are distinct layers in ``[0, num_layers)``."""
-    if not ids:
-        raise ValueError(f"{where}: need at least one tap; {fix}")
-    bad = [i for i in ids if not 0 <= int(i) < num_layers]
-    if bad:
-        raise ValueError(f"{where}: layers {bad} outside the target's {num_layers} decoder layers; {fix}")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{where}: duplicate layers; {fix}")
+    """Raise ``ValueError`` (``"{where}: ...; {fix}"``) unless ``ids`` are distinct layers in
+    ``[0, num_layers)`` in increasing order (``dflash.config.checks.tap_ids_problem``)."""
+    problem = tap_ids_problem([int(i) for i in ids], num_layers)
+    if problem:
+        raise ValueError(f"{where}: {problem}; {fix}")
 
 
 def check_remote_code(cfg: TargetConfig) -> None:

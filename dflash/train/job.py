@@ -103,7 +103,14 @@ def _setup_phase(cfg: Config, world_size: int, topology: Topology, rank: int, ru
         resume = None
         if topology.role_of(rank) == "drafter":
             is_leader = rank == topology.leader_rank
-            resume = resume_checkpoint(run_dir, cfg.train, setup.contract, resolve_path, is_leader=is_leader)
+            resume = resume_checkpoint(
+                run_dir,
+                cfg.train,
+                setup.contract,
+                resolve_path,
+                is_leader=is_leader,
+                num_drafters=topology.num_drafters,
+            )
     return setup, resume
 
 

@@ -130,11 +130,18 @@ def move_aside(run_dir: Path) -> Path:
 
 
 def resume_checkpoint(
-    run_dir: Path, train: TrainConfig, contract: dict[str, Any], resolve: Any, *, is_leader: bool
+    run_dir: Path,
+    train: TrainConfig,
+    contract: dict[str, Any],
+    resolve: Any,
+    *,
+    is_leader: bool,
+    num_drafters: int | None = None,
 ) -> LoadedCheckpoint | None:
     """The checkpoint this launch continues from (None: from scratch), per ``train.resume``.
 
-    ``resolve`` turns a user path into an absolute one. Only the leader moves files (``overwrite``).
+    ``resolve`` turns a user path into an absolute one; ``num_drafters`` (this launch's) makes the advice
+    on a changed ``topology.packets_per_step`` concrete. Only the leader moves files (``overwrite``).
     Raises ``UserError`` (printed by the leader) for a refused directory, a missing or damaged
     checkpoint path and a contract change.
     """
@@ -174,7 +181,13 @@ def resume_checkpoint(
         if refused:
             raise UserError(refused, scope=scope)
         try:
-            changes = check_contract(loaded.contract, contract, allow_change=train.allow_contract_change)
+            changes = check_contract(
+                loaded.contract,
+                contract,
+                allow_change=train.allow_contract_change,
+                num_drafters=num_drafters,
+                run_dir=run_dir,
+            )
         except ValueError as e:
             raise UserError(f"resuming from {loaded.path}: {e}", scope=scope) from None
         for c in changes:
@@ -238,12 +251,50 @@ def _show(v: Any) -> str:
         return repr(v)
 
 
-def check_contract(saved: dict, current: dict, *, allow_change: bool) -> list[str]:
+FIXED_KEYS = ("topology.packets_per_step",)
+"""Contract entries no resume may change, even with train.allow_contract_change=true: packets are
+numbered step x packets_per_step from the start of the run, so after a change the targets (restarting
+at the checkpoint's next packet) and the drafters (expecting step x the new packets_per_step) would
+disagree on every packet."""
+
+
+def _packets_per_step_fix(saved: Any, num_drafters: int | None, run_dir: Path | None) -> str:
+    """How to resume with the checkpoint's packets per step (only values that keep it), or start anew
+    from the run's export when it has one."""
+    ways = []
+    if isinstance(saved, int) and saved >= 1:
+        splits = [d for d in range(1, saved + 1) if saved % d == 0]
+        splits.sort(key=lambda d: d != num_drafters)  # this launch's drafters first, when they divide it
+        ways = [f"topology.num_drafters={d} optim.grad_accum_steps={saved // d}" for d in splits[:4]]
+    export = Path(run_dir) / "drafter" if run_dir is not None else None
+    anew = (
+        f"; or start a new run (another directory, a new schedule) from its export: drafter.init_from={export}"
+        if export is not None and (export / "config.json").is_file()
+        else ""
+    )
+    return (
+        "\ntopology.packets_per_step (topology.num_drafters x optim.grad_accum_steps) cannot change on a resume, "
+        "even with train.allow_contract_change=true: packets are numbered step x packets_per_step, so the "
+        "targets (restarting at the checkpoint's next packet) and the drafters would disagree on every packet. "
+        f"Resume with {saved} packets per step ({' or '.join(ways)}, and topology.num_targets for the rest of "
+        f"the ranks){anew}."
+    )
+
+
+def check_contract(
+    saved: dict,
+    current: dict,
+    *,
+    allow_change: bool,
+    num_drafters: int | None = None,
+    run_dir: Path | None = None,
+) -> list[str]:
     """Differences between the contract saved in a checkpoint and the current run's, as
     ``"field: saved=X current=Y"`` (nested fields dotted); a field the checkpoint predates matches
     when the run leaves it at its default (``contract_defaults``: a new loss term at 0). Raises
     ``ValueError`` naming every changed field unless ``allow_change``; then returns the list for
-    the caller to log."""
+    the caller to log. A change of a ``FIXED_KEYS`` entry is refused either way, with the values
+    that resume (``num_drafters``: this launch's) and the export of ``run_dir`` to start anew from."""
     a = _flatten(tuples_to_lists(saved))
     b = _flatten(tuples_to_lists(current))
     defaults = contract_defaults()
@@ -254,6 +305,13 @@ def check_contract(saved: dict, current: dict, *, allow_change: bool) -> list[st
             continue
         if va is _MISSING or vb is _MISSING or va != vb:
             diffs.append(f"{key}: saved={_show(va)} current={_show(vb)}")
+    fixed = [d for d in diffs if d.split(":", 1)[0] in FIXED_KEYS]
+    if fixed:
+        raise ValueError(
+            "the checkpoint was written by a run with a different contract:\n  "
+            + "\n  ".join(diffs)
+            + _packets_per_step_fix(a.get(FIXED_KEYS[0]), num_drafters, run_dir)
+        )
     if diffs and not allow_change:
         only_schedule = all(d.split(":", 1)[0] in SCHEDULE_KEYS for d in diffs)
         hint = (

@@ -410,3 +410,24 @@ def test_train_state_rejects_unknown_fields():
     with pytest.raises(ValueError, match="unknown"):
         TrainState.from_dict({"step": 1, "next_packet": 2, "bogus": 3})
     assert TrainState.from_dict({"step": 1, "next_packet": 2}).skipped == {}
+
+
+def test_a_change_of_packets_per_step_is_refused_even_when_changes_are_allowed(tmp_path):
+    """Allowed, it crashed every drafter (targets and drafters disagree on the next packet); refused, the
+    advice names only splits that keep the saved packets per step, and the run's export when it has one."""
+    saved = {"topology.packets_per_step": 4, "train.num_steps": 10}
+    now = {"topology.packets_per_step": 6, "train.num_steps": 7}
+    for allow in (False, True):
+        with pytest.raises(ValueError) as ei:
+            check_contract(saved, now, allow_change=allow, num_drafters=2, run_dir=tmp_path)
+        msg = str(ei.value)
+        assert (
+            "topology.packets_per_step: saved=4 current=6" in msg
+            and "even with train.allow_contract_change" in msg
+        )
+        assert "topology.num_drafters=2 optim.grad_accum_steps=2 or topology.num_drafters=1" in msg
+        assert "set train.allow_contract_change=true" not in msg and "init_from" not in msg  # no export yet
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"drafter.init_from={tmp_path}/drafter"):
+        check_contract(saved, now, allow_change=True, num_drafters=3, run_dir=tmp_path)

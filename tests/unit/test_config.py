@@ -135,6 +135,7 @@ BAD = [
     (["target.layer_ids=[]"], 3, "target.layer_ids", "at least one"),
     (["target.layer_ids=[1,-2]"], 3, "target.layer_ids", "negative"),
     (["target.layer_ids=[1,1]"], 3, "target.layer_ids", "duplicates"),
+    (["target.layer_ids=[4,1,2]"], 3, "not in increasing order", "set target.layer_ids=[1, 2, 4]"),
     (["drafter.block_size=1"], 3, "drafter.block_size", ">= 2"),
     (["data.max_length=0"], 3, "data.max_length", ">= 2"),
     (["data.token_budget=100", "data.max_length=200"], 3, "data.token_budget", "data.token_budget=200"),

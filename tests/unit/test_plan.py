@@ -75,7 +75,7 @@ def test_flops_of_a_tiny_shape_by_hand():
         num_kv_heads=1,
         head_dim=4,
         vocab_size=10,
-        target_layer_ids=[0, 0],
+        target_layer_ids=[0, 1],
         block_size=4,
         mask_token_id=0,
     )
@@ -440,6 +440,29 @@ def test_the_app_reports_a_bad_value_in_one_line():
     assert proc.returncode == 2, proc.stderr
     assert "plan.world_size=0" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("ids", "needle"),
+    [
+        (
+            "[1,1,4]",
+            "target.layer_ids=[1, 1, 4]: layers [1] listed more than once; set target.layer_ids=[1, 4]",
+        ),
+        (
+            "[1,2,9]",
+            "target.layer_ids=[1, 2, 9]: layers [9] outside the target's 6 decoder layers [0, 5]; "
+            "set target.layer_ids=[1, 2]",
+        ),
+    ],
+)
+def test_bad_tap_ids_are_one_line_naming_a_fix_that_passes(ids, needle):
+    """Duplicate tap ids were a traceback (exit 1); every hint names ids that are layers of the target."""
+    proc = _plan_app(f"target.layer_ids={ids}")
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    fixed = needle.rsplit("set ", 1)[1]
+    assert _plan_app(fixed.replace(" ", "")).returncode == 0
 
 
 def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_training_takes(capsys):

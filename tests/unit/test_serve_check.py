@@ -192,7 +192,7 @@ def test_cases_give_each_corruption_its_own_copy(tmp_path):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     run = TrainedRun(tmp_path / "run", Config(), model.arch, state, 10, tmp_path / "target", 6)
     taps = ["dflash_config.target_layer_ids=[1,2,5]", "dflash_config.target_layer_ids=[0,1,3]"]
-    cfg = ServeCheckConfig(corrupt=taps, sliding_window=8)
+    cfg = ServeCheckConfig(corrupt=taps, sliding_window=8, swap_taps=False)
     cases = build_cases(cfg, run, tmp_path / "check")
     assert [(c.name, c.kind) for c in cases] == [
         ("default", "check"),
@@ -205,3 +205,47 @@ def test_cases_give_each_corruption_its_own_copy(tmp_path):
     assert [d["target_layer_ids"] for d in served] == [[1, 2, 5], [0, 1, 3]]
     assert cases[2].description == "dflash_config.target_layer_ids [1, 3, 5] -> [1, 2, 5]"
     assert cases[1].arch.layer_types == ["sliding_attention"] * 2 and cases[4].arch.sliding_window == 8
+
+
+def test_an_export_with_swapped_tap_blocks_is_caught_without_vllm(tmp_path):
+    """The case the demo drafter's tau cannot show (its acceptance barely depends on the taps): every
+    export is compared with the drafter as trained before vLLM serves it, so a copy whose fc.weight
+    column blocks of two taps are swapped (or whose tap ids are permuted) fails a `check` case and is
+    caught as a `corrupt` one even when vLLM's tau agrees."""
+    from dflash.config import Config
+    from dflash.serve_check.app import build_cases
+    from dflash.serve_check.config import ServeCheckConfig
+    from dflash.serve_check.exports import swapped_taps_copy, trained_difference
+    from dflash.serve_check.runs import TrainedRun
+
+    src, model = export_tiny(tmp_path / "run")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert trained_difference(src, model.arch, state, target_num_layers=6) is None
+    what = swapped_taps_copy(src, tmp_path / "swapped")
+    assert what == "fc.weight column blocks of taps 1 and 3 swapped"
+    found = trained_difference(tmp_path / "swapped", model.arch, state, target_num_layers=6)
+    assert "order of layers [3, 1, 5]" in found and "permuted" in found
+    corrupted_copy(src, tmp_path / "unsorted", "dflash_config.target_layer_ids", [3, 1, 5])
+    found = trained_difference(tmp_path / "unsorted", model.arch, state, target_num_layers=6)
+    assert "target_layer_ids=[3, 1, 5]: not in increasing order" in found
+
+    ref = Acceptance.of_lengths(LENGTHS, 7)
+    outs = [[5, 6, 7], [8, 9]]
+    agreeing = vllm_case(outs, ref)  # vLLM's tau equal to dflash's: only the static check sees it
+    caught = judge("swapped_taps", "corrupt", what, agreeing, outs, ref, 0.05, differs_from_trained=found)
+    assert caught.passed and caught.verdict.startswith("caught before serving")
+    served = judge("default", "check", "", agreeing, outs, ref, 0.05, differs_from_trained=found)
+    assert not served.passed and "not the drafter as trained" in served.verdict
+
+    run = TrainedRun(tmp_path / "run", Config(), model.arch, state, 10, tmp_path / "target", 6)
+    cases = build_cases(ServeCheckConfig(sliding_window=None, mixed=False), run, tmp_path / "check")
+    assert [(c.name, c.kind) for c in cases] == [
+        ("default", "check"),
+        ("corrupt0", "corrupt"),
+        ("swapped_taps", "corrupt"),
+    ]
+    assert [trained_difference(c.drafter_dir, c.arch, state, target_num_layers=6) is None for c in cases] == [
+        True,
+        False,
+        False,
+    ]

@@ -205,3 +205,71 @@ def test_a_hostile_target_config_is_refused_on_every_rank_before_anything_is_all
     text = str(err.value)
     assert "intermediate_size=1000000000" in text and "GiB of target weights" in text
     assert "GiB of drafter weights" in text and "nothing was allocated" in text
+
+
+def _warm_start_from(tmp_path: Path, target: Path, edit: dict) -> Path:
+    """An export of a drafter for ``target`` (a tiny one, taps [1, 2, 4], MASK 2048) whose
+    ``dflash_config`` ``edit`` changed."""
+    import json
+
+    from suite_fixtures import export_tiny_drafter
+
+    d = export_tiny_drafter(target, tmp_path / "drafter")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"].update(edit)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _resolve(target: Path, overrides: list[str]):
+    from dflash.drafter.resolve import resolve_drafter
+    from dflash.targets.info import resolve_target
+
+    cfg = _cfg(
+        target, ["drafter.num_layers=1", "drafter.intermediate_size=256", "drafter.block_size=4", *overrides]
+    )
+    return resolve_drafter(cfg, resolve_target(cfg.target))
+
+
+def test_a_warm_start_from_an_export_with_eos_as_mask_is_one_consistent_message(weightless_target, tmp_path):
+    """Before: "is the tokenizer's eos_token_id" and "set drafter.mask_token_id to the saved id", both."""
+    d = _warm_start_from(tmp_path, weightless_target, {"mask_token_id": 2})
+    with pytest.raises(ValueError) as err:
+        _resolve(weightless_target, [f"drafter.init_from={d}"])
+    msg = str(err.value)
+    assert (
+        "1 config problem" in msg and "dflash_config.mask_token_id=2 is the tokenizer's eos_token_id" in msg
+    )
+    assert "set drafter.mask_token_id=2048 to warm-start with a new MASK" in msg and "saved" not in msg
+    # the fix it names passes: the warm start then learns the new MASK
+    _, arch = _resolve(weightless_target, [f"drafter.init_from={d}", "drafter.mask_token_id=2048"])
+    assert arch.mask_token_id == 2048
+    text = _warm_start_from(tmp_path / "text", weightless_target, {"mask_token_id": 5})
+    with pytest.raises(ValueError, match="mask_token_id=5 is the text token '#'"):
+        _resolve(weightless_target, [f"drafter.init_from={text}"])
+
+
+def test_a_warm_start_refuses_unsorted_taps_and_a_second_block_size(weightless_target, tmp_path):
+    unsorted = _warm_start_from(tmp_path / "u", weightless_target, {"target_layer_ids": [4, 1, 2]})
+    with pytest.raises(
+        ValueError, match=r"dflash_config.target_layer_ids=\[4, 1, 2\]: not in increasing order"
+    ):
+        _resolve(weightless_target, [f"drafter.init_from={unsorted}"])
+    block = _warm_start_from(tmp_path / "b", weightless_target, {"block_size": 16})
+    with pytest.raises(
+        ValueError, match=r"block_size=4 \(top level\) and dflash_config.block_size=16 differ"
+    ):
+        _resolve(weightless_target, [f"drafter.init_from={block}"])
+
+
+def test_warm_start_hints_name_only_ids_that_pass(weightless_target, tmp_path):
+    """The saved taps are suggested when they are layers of this target, never otherwise."""
+    d = _warm_start_from(tmp_path, weightless_target, {})
+    with pytest.raises(ValueError, match=r"set target.layer_ids=\[1, 2, 4\]") as err:
+        _resolve(weightless_target, [f"drafter.init_from={d}", "target.layer_ids=[1,2,3]"])
+    assert "mask" not in str(err.value)
+    _, arch = _resolve(weightless_target, [f"drafter.init_from={d}", "target.layer_ids=[1,2,4]"])
+    assert arch.target_layer_ids == [1, 2, 4]
+    saved = replace(arch, target_layer_ids=[1, 2, 9])
+    (problem,) = warm_start_problems(saved, arch, 6)
+    assert "not layers of this 6-layer target" in problem and "[1, 2, 9]" not in problem.split(";")[1]
