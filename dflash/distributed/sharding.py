@@ -204,7 +204,11 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str,
 
 
 def whole_model(model: DFlashDraftModel) -> DFlashDraftModel:
-    """An unsharded copy of ``model`` on the CPU with its whole weights."""
+    """An unsharded copy of ``model`` on the CPU with its whole weights, each gathered straight into
+    the copy (host memory: the copy and one whole tensor)."""
     out = DFlashDraftModel(model.arch)
-    out.load_state_dict(full_model_state(model))
+    own = out.state_dict()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            own[name].copy_(t.full_tensor() if isinstance(t, DTensor) else t)
     return out
