@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from dflash.config import OptimConfig
 from dflash.distributed.drafter_parallel import Sharded
 from dflash.distributed.process_group import DistContext
-from dflash.distributed.sharding import full_model_state
+from dflash.distributed.sharding import whole_model
 from dflash.distributed.topology import Topology
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.model import DFlashDraftModel
@@ -91,7 +91,10 @@ def _save(method: str, parallel: Sharded, optimizer: torch.optim.Optimizer, root
         else:
             state.join()
     elif method == "gather":
-        model_state, optimizer_state = full_model_state(parallel.model), _gathered_optimizer(optimizer)
+        model_state, optimizer_state = (
+            whole_model(parallel.model).state_dict(),
+            _gathered_optimizer(optimizer),
+        )
         if leader:
             save_checkpoint(root, 1, model_state=model_state, optimizer_state=optimizer_state, **common)
     else:

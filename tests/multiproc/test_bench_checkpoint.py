@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.extended]
 
 
 def test_the_sharded_save_holds_no_whole_state():
-    cmd = [sys.executable, "scripts/bench_checkpoint.py", "--hidden", "1024", "--layers", "1"]
+    cmd = [sys.executable, "scripts/bench_checkpoint.py", "--hidden", "1024", "--layers", "3"]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
