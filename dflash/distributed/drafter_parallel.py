@@ -40,7 +40,7 @@ from dflash.distributed.sharding import (
     clip_grad_norm,
     drafter_collectives,
     drafter_mesh,
-    full_model_state,
+    gather_weights,
     load_full_model_state,
     load_full_optimizer_state,
     shard_drafter,
@@ -214,7 +214,7 @@ class Sharded:
     def export_model(self, keep: bool) -> DFlashDraftModel | None:
         if keep:
             return whole_model(self.model)
-        full_model_state(self.model, keep=False)  # the others' part of the leader's gathers
+        gather_weights(self.model, into=None)  # the others' part of the leader's gathers
         return None
 
     def check(self, step: int) -> None:

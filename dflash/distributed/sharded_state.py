@@ -122,16 +122,17 @@ def _alone(alone: bool) -> Iterator[None]:
 def write_shards(dest: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> None:
     """Every drafter of ``group``: its shard of the model and optimizer state into ``dest`` (the
     same directory on every drafter, on a file system they all see; ``group=None``: this process
-    alone writes the whole state). A collective: returns on
-    every drafter once the leader has written ``.metadata``; a failed write on any drafter raises
-    ``ShardIOError`` on every one. Each tensor is staged and written one at a time."""
+    alone writes the whole state). A collective: returns on every drafter once the leader has
+    written ``.metadata``; a failed write on any drafter raises ``ShardIOError`` on every one. Each
+    tensor is staged (copied to the host from a GPU) and written one at a time."""
     writer = dcp.FileSystemWriter(dest, single_file_per_rank=True, sync_files=True)
     with _named_failures(f"writing the drafter shards to {dest}"), _alone(group is None):
         dcp.save(_split(model, optimizer), storage_writer=writer, process_group=group, no_dist=group is None)
 
 
 class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with ``.metadata`` read by the weights-only unpickler."""
+    """DCP's file reader with ``.metadata`` read by :class:`_MetadataUnpickler`, its data files
+    only inside the directory."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         if kwargs.get("rank") is not None:
@@ -141,6 +142,14 @@ class _SafeReader(dcp.FileSystemReader):
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise ShardIOError(
                 f"{Path(self.path) / METADATA_FILE} holds a {type(metadata).__name__}, not DCP metadata"
+            )
+        outside = sorted(
+            {info.relative_path for info in (metadata.storage_data or {}).values()}
+            - {p.name for p in Path(self.path).iterdir()}
+        )
+        if outside:
+            raise ShardIOError(
+                f"{Path(self.path) / METADATA_FILE} names data files not in {self.path}: {outside}"
             )
         if metadata.storage_meta is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()

@@ -24,7 +24,7 @@ all-gathers), ``finish()`` after the last one (a rank that ran no backward in th
 step runs a zero one, so that every drafter issues the same collectives). :func:`clip_grad_norm`
 clips by the norm of the whole gradient. Checkpoints hold the shards as they are
 (``dflash.distributed.sharded_state``); whole tensors are gathered for the periodic eval and the
-export (:func:`full_model_state`, :func:`whole_model`; the export's on the leader alone) and loaded
+export (:func:`whole_model`, :func:`gather_weights`; the export's on the leader alone) and loaded
 from a checkpoint of whole tensors (:func:`load_full_model_state`, :func:`load_full_optimizer_state`);
 they are collectives: every drafter calls them in the same order.
 """
@@ -155,25 +155,6 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     return float(clip_grad_norm_(params, max_norm))
 
 
-def _whole(t: Tensor, cpu: bool) -> Tensor:
-    """A whole copy of ``t`` (gathered when sharded), on the CPU with ``cpu``."""
-    whole = t.full_tensor() if isinstance(t, DTensor) else t
-    return whole.detach().to("cpu" if cpu else whole.device, copy=True)
-
-
-def full_model_state(model: nn.Module, cpu: bool = True, keep: bool = True) -> dict[str, Tensor]:
-    """The whole ``state_dict`` of a sharded (or plain) model, one tensor gathered at a time.
-    ``keep=False``: this drafter takes part in each gather and keeps nothing (returns ``{}``), so
-    only the drafters that keep ever hold more than one whole tensor."""
-    out = {}
-    for name, t in model.state_dict().items():
-        if keep:
-            out[name] = _whole(t, cpu)
-        elif isinstance(t, DTensor):
-            t.full_tensor()
-    return out
-
-
 def _like(param: Tensor, whole: Tensor) -> Tensor:
     """A copy of ``whole`` laid out as ``param``: its local shard (every rank holds ``whole``) or whole;
     never a view of the caller's tensor (an optimizer would update it in place)."""
@@ -203,8 +184,21 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str,
     optimizer.load_state_dict({"state": moments, "param_groups": state["param_groups"]})
 
 
+def gather_weights(model: nn.Module, into: nn.Module | None) -> None:
+    """Copy each whole tensor of ``model``'s state (gathered when sharded, one at a time: a
+    collective of every drafter) into the same-named tensor of ``into``; ``into=None``: take part
+    in the gathers, keep nothing (only the drafter that keeps ever holds the whole weights)."""
+    own = into.state_dict() if into is not None else None
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            if own is not None:
+                own[name].copy_(whole)
+
+
 def whole_model(model: DFlashDraftModel) -> DFlashDraftModel:
-    """An unsharded copy of ``model`` on the CPU with its whole weights."""
+    """An unsharded copy of ``model`` on the CPU with its whole weights (host memory: the copy and
+    one whole tensor)."""
     out = DFlashDraftModel(model.arch)
-    out.load_state_dict(full_model_state(model))
+    gather_weights(model, out)
     return out

@@ -144,6 +144,18 @@ def test_a_crafted_metadata_pickle_is_refused_without_running_it(tmp_path):
     assert not pwned.exists()
 
 
+def test_an_index_pointing_outside_its_directory_is_refused(tmp_path):
+    model, opt = _trained(seed=0)
+    state = _save(tmp_path, 3, model, opt) / "state"
+    with open(state / ".metadata", "rb") as f:
+        index = pickle.load(f)  # written by this test
+    for info in index.storage_data.values():
+        info.relative_path = "../../secret.distcp"
+    (state / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(ShardIOError, match=r"names data files not in .*\['../../secret.distcp'\]"):
+        read_shards(state, model, opt, group=None)
+
+
 def test_a_crafted_entry_is_refused_by_weights_only(tmp_path):
     """Non-tensor entries (the optimizer's hyperparameters) load with ``weights_only=True`` (DCP's own
     planner uses ``weights_only=False``)."""
