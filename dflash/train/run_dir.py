@@ -10,7 +10,7 @@
   ``replaced/<time>/`` (nothing is deleted). The checkpoint's run contract is compared with this
   run's (``check_contract``): a different contract is refused unless
   ``train.allow_contract_change=true``; another number of packets per step is refused in any case
-  (``packet_order_problem``).
+  (``FIXED_KEYS``); the number of drafters itself may change (a sharded state is resharded).
 """
 
 from __future__ import annotations
@@ -177,9 +177,6 @@ def resume_checkpoint(
         except CheckpointError as e:
             raise UserError(f"train.resume={train.resume}: {e}", scope=scope) from None
     if loaded is not None:
-        refused = packet_order_problem(loaded, contract)
-        if refused:
-            raise UserError(refused, scope=scope)
         try:
             changes = check_contract(
                 loaded.contract,
@@ -193,27 +190,6 @@ def resume_checkpoint(
         for c in changes:
             log.warning("resuming with a changed contract (train.allow_contract_change=true): %s", c)
     return loaded
-
-
-def packet_order_problem(loaded: LoadedCheckpoint, contract: dict[str, Any]) -> str | None:
-    """Why this launch cannot continue ``loaded``'s packet order, in one line (None: it can).
-
-    Step s trains packets s x P to (s+1) x P - 1, P = topology.num_drafters x optim.grad_accum_steps
-    (``topology.packets_per_step``); the checkpoint stopped at packet ``next_packet``. Another P
-    would start its next step elsewhere (data skipped or trained twice, the targets and the
-    drafters disagreeing on the next packet), which ``train.allow_contract_change`` cannot accept.
-    The number of drafters itself may change (the state is resharded) when P stays."""
-    state = loaded.train_state
-    per_step = int(contract["topology.packets_per_step"])
-    if state.next_packet == state.step * per_step:
-        return None
-    saved = loaded.contract.get("topology.packets_per_step", "?")
-    return (
-        f"resuming from {loaded.path}: it stopped after step {state.step} at packet {state.next_packet} "
-        f"({saved} packets per step), this launch takes {per_step} per step (topology.num_drafters x "
-        f"optim.grad_accum_steps) and would not continue its packet order; keep num_drafters x grad_accum_steps "
-        f"= {saved} (e.g. topology.num_drafters=1 optim.grad_accum_steps={saved})"
-    )
 
 
 # --------------------------------------------------------------------------------------------
