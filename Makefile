@@ -74,7 +74,7 @@ serve-check: $(BIN)/.installed
 bench-loss: $(BIN)/.installed
 	$(BIN)/python scripts/bench_loss.py
 
-# On a GPU host: everything that needs a GPU, in one go (docs/gpu-check.md; under 8 minutes on one
+# On a GPU host: everything that needs a GPU, in one go (docs/gpu-check.md; about 10 minutes on one
 # H200). The JSON summary goes to $(GPU_CHECK_OUT); `python scripts/gpu_check.py --dry-run` is the CPU rehearsal.
 GPU_CHECK_OUT ?= gpu_check.json
 gpu-check: $(BIN)/.installed

@@ -1,23 +1,25 @@
-"""The check's orchestrator: detects the device, plans the time budgets, runs parts kernels, loss, colocated,
-split and tp (one method each, a crash or hang in one reported while the others still run) and writes the
-JSON summary."""
+"""The check's orchestrator: detects the device, plans the time budgets, runs parts kernels, loss and the
+training parts (colocated, hybrid, split, tp, allreduce, fsdp, two_targets, sigterm: one method each, a
+crash or hang in one reported while the others still run) and writes the JSON summary."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from dflash.distributed.launch import torchrun_command
 from dflash.gpu_check.figures import loss_figures, metrics_rows, pytest_counts, step_figures
-from dflash.gpu_check.inputs import Inputs, write_chat_data, write_target_dir
+from dflash.gpu_check.inputs import Inputs, target_shape, write_chat_data, write_target_dir
 from dflash.gpu_check.planner import (
     colocated_anchor_cap,
     find_gpu_spec,
@@ -28,8 +30,10 @@ from dflash.gpu_check.planner import (
 from dflash.gpu_check.probe import probe_target
 from dflash.gpu_check.procs import Proc, child_env, run_proc
 from dflash.gpu_check.profiles import DRY, EXPERIMENT, GPU, PARTS, REPO, TRAIN_PARTS
+from dflash.gpu_check.stop import judge_resume, judge_stop, last_step
 from dflash.gpu_check.table import render
 from dflash.gpu_check.targets import judged_targets
+from dflash.gpu_check.topo import farthest_pair, read_topology
 
 
 def linear_attention_kernels(cuda: bool) -> str:
@@ -46,6 +50,25 @@ def linear_attention_kernels(cuda: bool) -> str:
     delta = "flash-linear-attention (varlen)" if fast else "torch, per document"
     conv = "causal-conv1d" if cuda and importlib.util.find_spec("causal_conv1d") is not None else "torch"
     return f"delta rule {delta}; convolution {conv} (zero gaps between documents)"
+
+
+def merged(base: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """``base`` then ``extra``, without the ``base`` overrides of a key that ``extra`` sets."""
+    keys = {o.split("=", 1)[0] for o in extra}
+    return [o for o in base if o.split("=", 1)[0] not in keys] + list(extra)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def rank_logs(run_dir: Path) -> dict[str, list[str]]:
+    """The last 25 lines of every rank's log (a worker's own traceback: torchrun's output ends with
+    its summary)."""
+    return {
+        p.stem: [ln for ln in _read(p).splitlines() if ln.strip()][-25:]
+        for p in sorted(run_dir.glob("rank*.log"))
+    }
 
 
 class Check:
@@ -74,8 +97,8 @@ class Check:
         self.total_s = 0.0
         self.lock, self.setup_lock = threading.Lock(), threading.Lock()
         self.concurrent = self.dry and not args.serial
-        """A dry run runs the parts side by side (its figures mean nothing, its wall time is CI's);
-        on a GPU each part runs alone, so that it measures alone."""
+        """A dry run runs the parts side by side, as many as the host has cores (its figures mean
+        nothing, its wall time is CI's); on a GPU each part runs alone, so that it measures alone."""
 
     # ------------------------------------------------------------- budgets
     def plan_budget(self) -> None:
@@ -86,20 +109,15 @@ class Check:
             steps.append("kernels")
         if "loss" in self.parts:
             steps.append("loss")
-        if {"colocated", "split", "tp"} & set(self.parts):
+        if set(TRAIN_PARTS) & set(self.parts):
             steps.append("setup")
         if "colocated" in self.parts:
             steps += ["target_probe", "colocated"]
-        for part in ("split", "tp"):
-            if part in self.parts and self.gpus_for(part):
+        for part in TRAIN_PARTS:
+            if part != "colocated" and part in self.parts and self.gpus_for(part):
                 steps.append(part)
         self.plan = steps
         self.total_s = self.args.total_budget or sum(b[s] for s in steps)
-
-    @property
-    def multi_gpu(self) -> bool:
-        """Whether part split can run: 2+ GPUs, or a dry run (gloo on CPU)."""
-        return self.gpus_for("split")
 
     def gpus_for(self, part: str) -> bool:
         """Whether training part ``part`` can run: one GPU per rank, or a dry run (gloo on CPU)."""
@@ -199,9 +217,9 @@ class Check:
             return {**res, "status": "failed", "tail": proc.tail()}
         return res
 
-    # ------------------------------------------------------------- the colocated and split parts
+    # ------------------------------------------------------------- the training parts
     def base_overrides(self, inputs: Inputs) -> list[str]:
-        """The training overrides of the colocated and split parts before their topology and step count."""
+        """The training overrides of the training parts before their topology and step count."""
         return [
             f"experiment={EXPERIMENT}",
             f"target.path={inputs.target_dir}",
@@ -219,15 +237,16 @@ class Check:
         ]
 
     def setup(self) -> Inputs:
-        """The target directory and the chat data, shared by the colocated and split parts (in-process)."""
+        """The target directory and the chat data, shared by the training parts (in-process)."""
         t0 = time.perf_counter()
         target_dir, data_path = self.work / "target", self.work / "chat.jsonl"
-        shape, how = write_target_dir(target_dir, self.profile)
+        shape = target_shape(self.profile.target)
+        how = write_target_dir(target_dir, shape, self.profile.max_position_embeddings)
         probe_cfg = training_config(self.base_overrides(Inputs(target_dir, data_path, 0, shape, 0)))
         sample = self.profile.prompt_tokens + self.profile.response_tokens + 12  # + chat template
         per_packet = max(1, probe_cfg.data.token_budget // sample)
-        steps = max(self.profile.steps.values())
-        num_samples = int(steps * per_packet * 1.25) + per_packet
+        packets = max(n * TRAIN_PARTS[part].drafters for part, n in self.profile.steps.items())
+        num_samples = int(packets * per_packet * 1.25) + per_packet
         vocab_used = write_chat_data(
             data_path, target_dir, num_samples, self.profile.prompt_tokens, self.profile.response_tokens
         )
@@ -288,27 +307,46 @@ class Check:
             )
         return res
 
-    def train_part(self, part: str, inputs: Inputs) -> dict[str, Any]:
-        """A torchrun training run of part colocated (co-located, 1 rank), split (1 target + 1 drafter)
-        or tp (1 target replica of 2 ranks + 1 drafter): its steady-state figures, the planner's
-        figures on it, and on failure the ranks' logs."""
-        colocated = part == "colocated"
-        nproc, topo = TRAIN_PARTS[part].nproc, TRAIN_PARTS[part].topology
-        steps = self.profile.steps[part]
-        run_dir = self.work / f"run_{part}"
-        overrides = [*self.base_overrides(inputs), *topo, f"train.max_steps={steps}"]
-        cmd = torchrun_command(nproc, [f"hydra.run.dir={run_dir}", *overrides])
-        # Dynamo logs every recompilation (flex_attention and its block mask must compile once).
-        proc = self.run(part, cmd, env={**self.env, "TORCH_LOGS": self.env.get("TORCH_LOGS", "recompiles")})
-        rows = metrics_rows(run_dir)
-        res: dict[str, Any] = {
-            "mode": TRAIN_PARTS[part].mode,
-            "backend": "gloo" if self.dry else "nccl",
-            "command": "torchrun --standalone --nproc_per_node "
-            + f"{nproc} -m dflash.train "
+    def part_overrides(self, part: str, inputs: Inputs, extra: Sequence[str] = ()) -> list[str]:
+        """Training part ``part``'s overrides: the base ones, its topology and settings, its step count,
+        then ``extra`` (each replacing a base override of the same key)."""
+        tp = TRAIN_PARTS[part]
+        base = [
+            *self.base_overrides(inputs),
+            *tp.topology,
+            *tp.overrides,
+            f"train.max_steps={self.profile.steps[part]}",
+        ]
+        return merged(base, extra)
+
+    def command_text(self, part: str, overrides: list[str]) -> str:
+        """The part's torchrun command as the table shows it (the work dir's paths left out)."""
+        return (
+            f"torchrun --standalone --nproc_per_node {TRAIN_PARTS[part].nproc} -m dflash.train "
             + " ".join(
                 o for o in overrides if not o.startswith(("target.path=", "data.path=", "data.cache_dir="))
-            ),
+            )
+        )
+
+    def train_part(
+        self, part: str, inputs: Inputs, extra: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """A torchrun training run of training part ``part`` (``TRAIN_PARTS``) with ``extra`` overrides
+        and ``env``: its steady-state figures, the planner's figures on it, and on failure the ranks'
+        logs."""
+        tp = TRAIN_PARTS[part]
+        steps = self.profile.steps[part]
+        run_dir = self.work / f"run_{part}"
+        overrides = self.part_overrides(part, inputs, extra)
+        cmd = torchrun_command(tp.nproc, [f"hydra.run.dir={run_dir}", *overrides])
+        env = env or self.env
+        # Dynamo logs every recompilation (flex_attention and its block mask must compile once).
+        proc = self.run(part, cmd, env={**env, "TORCH_LOGS": env.get("TORCH_LOGS", "recompiles")})
+        rows = metrics_rows(run_dir)
+        res: dict[str, Any] = {
+            "mode": tp.mode,
+            "backend": "gloo" if self.dry else "nccl",
+            "command": self.command_text(part, overrides),
             "wall_s": round(proc.seconds, 1),
             "steps_requested": steps,
             "recompiles": (proc.stdout + proc.stderr).count("Recompiling function"),
@@ -322,7 +360,7 @@ class Check:
             )
         if rows:
             try:
-                res.update(step_figures(rows, self.profile.warmup_steps, packets_per_step=1))
+                res.update(step_figures(rows, self.profile.warmup_steps, packets_per_step=tp.drafters))
                 res["planner"] = planner_figures(
                     overrides,
                     self.gpu,
@@ -335,18 +373,20 @@ class Check:
             peaks = res.get("peak_mem_gib", {})
             res["peak_mem_gib_by_role"] = (  # a replica's memory: its sender's (rank 0)
                 {"colocated": peaks.get("0")}
-                if colocated
-                else {"target": peaks.get("0"), "drafter": peaks.get(str(nproc - 1))}
+                if tp.nproc == 1
+                else {"target": peaks.get("0"), "drafter": peaks.get(str(tp.nproc - 1))}
             )
         if proc.timed_out or proc.rc != 0 or len(rows) != steps or "figures_error" in res:
             if proc.out_of_memory():
                 res["note"] = "out of memory: lower drafter.max_anchors_per_packet or data.token_budget"
-            res["rank_logs"] = {  # a worker's own traceback: torchrun's output ends with its summary
-                p.stem: [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()][-25:]
-                for p in sorted(run_dir.glob("rank*.log"))
-            }
             status = "timeout" if proc.timed_out else "failed"
-            return {**res, "status": status, "rc": proc.rc, "tail": proc.tail(20)}
+            return {
+                **res,
+                "status": status,
+                "rc": proc.rc,
+                "rank_logs": rank_logs(run_dir),
+                "tail": proc.tail(20),
+            }
         return {**res, "status": "passed"}
 
     def part_colocated(self) -> dict[str, Any]:
@@ -362,24 +402,147 @@ class Check:
             res["status"] = probe["status"]
         return res
 
+    def part_hybrid(self) -> dict[str, Any]:
+        """A co-located training run with a hybrid target (the profile's Qwen3.5/3.6-style shape,
+        random weights): packed rows through its Gated DeltaNet layers, and the kernels the
+        target's loader says they ran (flash-linear-attention's varlen delta rule on CUDA with the
+        GPU extra, else the torch fallback one document at a time)."""
+        inputs = self.ensure_inputs()
+        target_dir = self.ensure_hybrid_target()
+        taps = ",".join(str(i) for i in self.profile.hybrid_layer_ids)
+        res = self.train_part("hybrid", inputs, [f"target.path={target_dir}", f"target.layer_ids=[{taps}]"])
+        shape = self.profile.hybrid_shape
+        res["target"] = (
+            f"{shape['model_type']}: {shape['num_layers']} layers ({shape['num_linear_layers']} linear attention), "
+            f"H {shape['hidden_size']}, V {shape['vocab_size']}"
+        )
+        log = _read(self.work / "run_hybrid" / "rank0.log")
+        kernels = re.findall(r"linear-attention layers on packed rows: (.+)", log)
+        loaded = re.findall(r"loaded target \S+ \((\w+), (\w+) attention\)", log)
+        res["linear_attention"] = kernels[-1].strip() if kernels else None
+        if loaded:
+            res["target_model"] = f"{loaded[-1][0]}, {loaded[-1][1]} attention in the full-attention layers"
+        if res["status"] == "passed" and not kernels:
+            return {
+                **res,
+                "status": "failed",
+                "note": "the target's loader installed no linear-attention kernels",
+            }
+        return res
+
+    def skipped(self, part: str) -> dict[str, Any]:
+        """The row of a training part this host has too few GPUs for (NCCL holds one rank per GPU)."""
+        need = TRAIN_PARTS[part].nproc
+        return {
+            "status": "skipped",
+            "note": f"{self.device.get('count', 0)} GPU: needs {need}+",
+            "ran": False,
+        }
+
     def part_split(self) -> dict[str, Any]:
-        """The 1 target + 1 drafter training run; skipped with fewer than 2 GPUs."""
-        if not self.multi_gpu:
-            return {"status": "skipped", "note": f"{self.device.get('count', 0)} GPU: needs 2+", "ran": False}
-        return self.train_part("split", self.ensure_inputs())
+        """The 1 target + 1 drafter training run; with more than 2 GPUs on the pair farthest apart
+        (``nvidia-smi topo -m``); skipped with fewer than 2 GPUs."""
+        if not self.gpus_for("split"):
+            return self.skipped("split")
+        env, where = self.env, "CPU (gloo)" if self.dry else "GPUs 0,1"
+        if not self.dry and self.device.get("count", 0) > 2:
+            (a, b), why = farthest_pair(
+                self.device["count"], os.environ.get("CUDA_VISIBLE_DEVICES"), read_topology()
+            )
+            env = {**self.env, "CUDA_VISIBLE_DEVICES": f"{a},{b}"}
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # nvidia-smi's numbering
+            where = f"GPUs {a},{b} ({why})"
+        return {**self.train_part("split", self.ensure_inputs(), env=env), "gpus": where}
 
     def part_tp(self) -> dict[str, Any]:
         """The training run with a tensor-parallel target replica (the random target sharded over 2
         GPUs with transformers' TP plan, NCCL) + 1 drafter; skipped with fewer than 3 GPUs (NCCL
         holds one rank per GPU: the replica's 2 and the drafter's)."""
         if not self.gpus_for("tp"):
-            count = self.device.get("count", 0)
             return {
-                "status": "skipped",
-                "note": f"{count} GPU: needs 3+ (a 2-GPU replica + a drafter)",
-                "ran": False,
+                **self.skipped("tp"),
+                "note": f"{self.device.get('count', 0)} GPU: needs 3+ (a 2-GPU replica + a drafter)",
             }
         return self.train_part("tp", self.ensure_inputs())
+
+    def part_allreduce(self) -> dict[str, Any]:
+        """1 target + 2 unsharded drafters: their gradients summed by the bucketed all-reduce over the
+        drafter group, the replicas' weights compared every 2 steps (a difference stops the run)."""
+        if not self.gpus_for("allreduce"):
+            return self.skipped("allreduce")
+        res = self.train_part("allreduce", self.ensure_inputs())
+        if res["status"] == "passed":
+            res["replicas"] = "equal at every check (train.check_replicas_every=2)"
+        return res
+
+    def part_fsdp(self) -> dict[str, Any]:
+        """1 target + 2 drafters sharding the drafter with FSDP2 (``drafter.shard=full``: weights,
+        gradients and AdamW state split over the drafters, weights gathered one layer at a time)."""
+        if not self.gpus_for("fsdp"):
+            return self.skipped("fsdp")
+        return self.train_part("fsdp", self.ensure_inputs())
+
+    def part_two_targets(self) -> dict[str, Any]:
+        """2 targets feeding one drafter (packet g from target g mod 2): the drafter receives from
+        both links in turn."""
+        if not self.gpus_for("two_targets"):
+            return self.skipped("two_targets")
+        return self.train_part("two_targets", self.ensure_inputs())
+
+    def part_sigterm(self) -> dict[str, Any]:
+        """1 target + 1 drafter with checkpoints and W&B offline on, sent SIGTERM (to torchrun's
+        process group, as a scheduler preempting the job does) once its ledger holds step
+        ``sigterm_at_step``; then the same command again, which must resume from the stop's checkpoint
+        and train the rest (``dflash.gpu_check.stop`` judges both)."""
+        if not self.gpus_for("sigterm"):
+            return self.skipped("sigterm")
+        inputs = self.ensure_inputs()
+        tp, steps, at = TRAIN_PARTS["sigterm"], self.profile.steps["sigterm"], self.profile.sigterm_at_step
+        run_dir = self.work / "run_sigterm"
+        drafter = tp.nproc - 1
+        overrides = self.part_overrides(
+            "sigterm",
+            inputs,
+            [
+                "train.save_weights=true",
+                f"train.save_every={steps}",
+                "logging=offline",
+                "logging.progress_bar=false",
+            ],
+        )
+        cmd = torchrun_command(tp.nproc, [f"hydra.run.dir={run_dir}", *overrides])
+        env = {**self.env, "WANDB_MODE": "offline"}
+        deadline = time.perf_counter() + self.timeout("sigterm")
+        res: dict[str, Any] = {
+            "mode": tp.mode,
+            "backend": "gloo" if self.dry else "nccl",
+            "command": self.command_text("sigterm", overrides),
+        }
+        first = run_proc(
+            cmd, deadline - time.perf_counter(), self.logs, "sigterm", env, lambda: last_step(run_dir) >= at
+        )
+        res.update(judge_stop(run_dir, first, steps, at, drafter))
+        problems = res.pop("problems")
+        if not problems:
+            log_from = len(_read(run_dir / f"rank{drafter}.log"))
+            second = run_proc(cmd, deadline - time.perf_counter(), self.logs, "sigterm_resume", env)
+            resumed = judge_resume(
+                run_dir, second, res["stopped_at_step"], steps, tp.drafters, drafter, log_from
+            )
+            problems = resumed.pop("problems")
+            res.update(resumed)
+            if problems:
+                res["tail"] = second.tail(20)
+        else:
+            res["tail"] = first.tail(20)
+        res["wall_s"] = round(first.seconds + res.get("resume_wall_s", 0.0), 1)
+        rows = metrics_rows(run_dir)
+        res["steps"] = len(rows)
+        if rows:
+            res["final_loss"] = round(float(rows[-1]["train/loss"]), 4)
+        if problems:
+            return {**res, "status": "failed", "errors": problems, "rank_logs": rank_logs(run_dir)}
+        return {**res, "status": "passed"}
 
     # ------------------------------------------------------------- output
     def summary(self, done: bool) -> dict[str, Any]:
@@ -420,6 +583,15 @@ class Check:
                 self.inputs = self.setup()
             return self.inputs
 
+    def ensure_hybrid_target(self) -> Path:
+        """Part hybrid's target directory: config.json of the profile's hybrid shape + the tokenizer
+        (the main target's, so the chat data serves both)."""
+        out = self.work / "target_hybrid"
+        with self.setup_lock:
+            if not (out / "config.json").is_file():
+                write_target_dir(out, self.profile.hybrid_shape, self.profile.max_position_embeddings)
+        return out
+
     def run_part(self, part: str) -> None:
         """Run one part and record its result (a crash becomes status ``error``)."""
         t0 = time.perf_counter()
@@ -447,12 +619,17 @@ class Check:
             )
             where = f"{d.get('name')} x{d.get('count')} ({spec}), torch {d.get('torch')}, CUDA {d.get('cuda_version')}"
         budgets = ", ".join(f"{s} {self.profile.budgets[s]:g}" for s in self.plan)
-        skipped = [p for p in self.parts if p in ("split", "tp") and not self.gpus_for(p)]
+        skipped = [p for p in self.parts if p in TRAIN_PARTS and not self.gpus_for(p)]
         return (
             f"dflash GPU check: {where}\n"
             f"budgets (s): {budgets}; total {self.total_s:g} "
             + ("(parts side by side)" if self.concurrent else "(unused time passes to the next part)")
-            + "".join(f"; part {p} skipped: {self.device.get('count', 0)} GPU" for p in skipped)
+            + (
+                f"; skipped ({self.device.get('count', 0)} GPU, NCCL needs one per rank): "
+                + ", ".join(f"{p} ({TRAIN_PARTS[p].nproc})" for p in skipped)
+                if skipped
+                else ""
+            )
             + f"\nwork dir: {self.work}"
         )
 
@@ -463,9 +640,11 @@ class Check:
         self.plan_budget()
         print(self.header(), flush=True)
         self.t0 = time.perf_counter()  # the budgets start with the first part
-        if self.concurrent:
-            with ThreadPoolExecutor(max_workers=len(self.parts)) as pool:
-                list(pool.map(self.run_part, self.parts))
+        if self.concurrent:  # the longest first, at most one part per core (4 at least)
+            workers = min(len(self.parts), max(4, os.cpu_count() or 1))
+            longest = sorted(self.parts, key=lambda p: -self.profile.budgets.get(p, 0))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(self.run_part, longest))
         else:
             for part in self.parts:
                 self.run_part(part)

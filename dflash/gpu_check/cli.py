@@ -7,10 +7,11 @@
 
 Parts, each run as a subprocess with its own time budget (printed up front and enforced: a hang or a
 crash in one part is reported and the other parts still run; time a part leaves unused goes to the
-next ones; on one H200 the budgets add up to 8 minutes):
+next ones; on one H200 the budgets add up to 10 minutes, on 8 GPUs to 31 at most):
 
 kernels. ``pytest -m gpu tests/gpu``: the CUDA tests (chunked loss fp32/bf16/compiled, compiled flex_attention
-   against dense SDPA) and their pass/fail/skip counts. On CPU all of them skip: reported, not a failure.
+   against dense SDPA, hybrid targets' linear attention) and their pass/fail/skip counts. On CPU all of
+   them skip: reported, not a failure.
 loss. ``scripts/bench_loss.py --device cuda --dtype bf16 --rows 32768 --hidden 4096`` (V = 151,936): the
    chunked CE and CE+KL at 2 chunk sizes against the naive path (full logits), ``F.linear_cross_entropy``
    and the bare GEMMs: time, peak memory, useful TFLOP/s and their fraction of the GPU's dense bf16 peak
@@ -18,7 +19,7 @@ loss. ``scripts/bench_loss.py --device cuda --dtype bf16 --rows 32768 --hidden 4
 colocated. A co-located training run at real size (``topology=colocated``, ``experiment=qwen3_8b_8gpu``): a
    Qwen3-8B-shaped target (the ``shape:`` of ``conf/target/qwen3_8b.yaml`` as config.json, the tiny
    tokenizer) built with random weights directly on the GPU (``target.random_weights=true``, no
-   download), the experiment's drafter (5 layers, block 16, 512 anchors per sample, 2048 per packet)
+   download), the experiment's drafter (5 layers, block 16, 512 anchors per sample, 8192 per packet)
    and token budget (16,384), chat data cut from CPython's stdlib sources, 30 steps with
    ``train.time_phases=true``: samples/s, tokens/s, the step split, the flex_attention compile time
    (step 1 minus the median step), peak memory, and MFU per role = the planner's FLOP per packet
@@ -26,15 +27,28 @@ colocated. A co-located training run at real size (``topology=colocated``, ``exp
    Before it, a probe of the target's headless forward alone on one packet: peak memory above the
    weights, the largest tensor it makes and every tensor with a vocabulary-sized last dimension (none:
    the lm_head never runs), against ``model(...)`` on the same packet.
-split. With 2+ GPUs: the disaggregated 1 target + 1 drafter over NCCL for 20 steps, the same figures.
+hybrid. The same co-located run for 12 steps with a small Qwen3.6-style hybrid target (8 layers, 6 of
+   them Gated DeltaNet linear attention, H 2048, Qwen3.6's vocabulary; random weights): packed rows
+   through the linear-attention kernels, the row naming the ones that ran.
+split. With 2+ GPUs: the disaggregated 1 target + 1 drafter over NCCL for 20 steps, the same figures; with
+   more than 2 GPUs on the pair farthest apart in ``nvidia-smi topo -m`` (its row names it).
 tp. With 3+ GPUs: one tensor-parallel target replica on GPUs 0-1 (``topology.target_tp=2``: the random
    target sharded with transformers' TP plan, every rank building only its shard) + 1 drafter on GPU 2
    over NCCL for 20 steps: the same figures, the target's per rank (its share of the FLOPs and the
    planner's memory of one rank). NCCL holds one rank per GPU, so 2 GPUs cannot hold a replica of 2
    and a drafter: skipped there.
+allreduce, fsdp. With 3+ GPUs: 1 target + 2 drafters over NCCL for 10 steps, the drafters' gradients
+   summed by the bucketed all-reduce (the replicas' weights compared every 2 steps) or the drafter
+   sharded with FSDP2 (``drafter.shard=full``): the same figures and the gradient reduction per step
+   beside the planner's all-reduce.
+two_targets. With 3+ GPUs: 2 targets feeding 1 drafter over NCCL for 10 steps.
+sigterm. With 2+ GPUs: 1 target + 1 drafter with checkpoints and W&B offline on, SIGTERM to torchrun's
+   process group after step 3 (as a scheduler preempting the job): a checkpoint at the step it stopped
+   at and no worker killed by torchrun; then the same command again resumes there and trains the rest
+   (every step and packet once in the ledger, one W&B offline run per launch of one run id).
 
 ``--dry-run`` runs every part through the same code at tiny sizes on CPU in fp32 (the tiny target's
-shape, gloo for parts split and tp, CUDA hidden), so the GPU path cannot rot between GPU sessions. Output: a
+shape, gloo for the parts of several ranks, CUDA hidden), so the GPU path cannot rot between GPU sessions. Output: a
 table, then ONE JSON line ``{"parts": ..., "targets": ..., "device": ..., "dry_run": ..., "passed": ...}``
 (also written to ``--out``, after every part). The exit code is 1 when a part failed; a performance
 target missed is reported ("targets"), not a failure.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.gpu_check.profiles import REPO, Profile
+from dflash.gpu_check.profiles import REPO
 
 
 @dataclass
@@ -47,37 +47,40 @@ def _tokenizer_into(out: Path) -> str:
     return "built (stdlib BPE)"
 
 
-def write_target_dir(out: Path, profile: Profile) -> tuple[dict[str, Any], str]:
-    """config.json of the profile's target shape (model_type qwen3) + the tiny tokenizer: with
-    ``target.random_weights=true`` a usable target without any weights file. Returns the shape and
-    how the tokenizer came to be."""
+def target_shape(name: str) -> dict[str, Any]:
+    """The ``shape:`` block of ``conf/target/<name>.yaml``."""
     from omegaconf import OmegaConf
+
+    shape = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "target" / f"{name}.yaml").shape)
+    assert isinstance(shape, dict)
+    return {str(k): v for k, v in shape.items()}
+
+
+def write_target_dir(out: Path, shape: dict[str, Any], max_positions: int) -> str:
+    """config.json of ``shape`` (``TargetShape`` fields; its family's config, e.g. a hybrid
+    ``qwen3_5_text`` with its Gated DeltaNet layers, ``dflash.targets.families.fake_config``) + the
+    tiny tokenizer: with ``target.random_weights=true`` a usable target without any weights file.
+    Returns how the tokenizer came to be."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.config import TargetShape
+    from dflash.targets.families import fake_config
 
     out.mkdir(parents=True, exist_ok=True)
     how = _tokenizer_into(out)
     tok = AutoTokenizer.from_pretrained(out)
-    shape = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "target" / f"{profile.target}.yaml").shape)
-    assert isinstance(shape, dict)
+    model_type, kwargs = fake_config(TargetShape(**shape), max_positions)
+    if model_type == "qwen3":
+        kwargs.update(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, rms_norm_eps=1e-6)
     config = AutoConfig.for_model(
-        "qwen3",
-        vocab_size=shape["vocab_size"],
-        hidden_size=shape["hidden_size"],
-        intermediate_size=shape["intermediate_size"],
-        num_hidden_layers=shape["num_layers"],
-        num_attention_heads=shape["num_heads"],
-        num_key_value_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        tie_word_embeddings=shape.get("tie_word_embeddings", False),
-        max_position_embeddings=profile.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},  # Qwen3-8B's
-        rms_norm_eps=1e-6,
+        model_type,
+        **kwargs,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
     )
     config.save_pretrained(out)
-    return {str(k): v for k, v in shape.items()}, how
+    return how
 
 
 def write_chat_data(path: Path, target_dir: Path, num_samples: int, prompt: int, response: int) -> int:

@@ -43,6 +43,7 @@ def planner_figures(
     from dflash.config.modes import mode_of
     from dflash.plan.costs import packet_costs, target_rank_flop, target_seconds
     from dflash.plan.inputs import VERIFIER_METRICS, attention_kinds, resolve_inputs
+    from dflash.plan.links import link_for
     from dflash.plan.planner import make_plan
     from dflash.targets.tp import shape_layout
 
@@ -102,13 +103,23 @@ def planner_figures(
         layout=shape_layout(inputs.target.meta, k) if k > 1 else None,
     )
     d_plan = costs.drafter_flop / (cfg.plan.mfu_drafter * peak * 1e12)
-    per_packet = t_plan + d_plan if mode_of(cfg.topology).self_produced else max(t_plan, d_plan)
+    m = cfg.topology.num_drafters or 1  # co-located: the check runs one rank
+    if mode_of(cfg.topology).self_produced:  # each rank does both roles in turn
+        packets_per_s = m / (t_plan + d_plan)
+    else:  # N replicas and M drafters: the slower side
+        packets_per_s = min(cfg.topology.num_targets / t_plan, m / d_plan)
     out["planner_s_per_packet"] = {
         "target": round_sig(t_plan),
         "drafter": round_sig(d_plan),
         "mfu": cfg.plan.mfu_drafter,
     }
-    out["planner_samples_per_s"] = round_sig(packet["seqs"] / per_packet)
+    out["planner_samples_per_s"] = round_sig(packet["seqs"] * packets_per_s)
+    if m > 1 and not mode_of(cfg.topology).self_produced:
+        link = link_for(inputs.gpu, cfg.topology.num_targets * k + m)
+        out["allreduce_s"] = round_sig(
+            2 * (m - 1) / m * 4 * plan.times.drafter_params / link.allreduce_bytes_per_s
+        )
+        out["link"] = link.kind
     return out
 
 

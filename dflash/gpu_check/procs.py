@@ -3,10 +3,12 @@ timeout (or Ctrl-C) its whole process tree is killed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,8 @@ class Proc:
     seconds: float
     stdout: str
     stderr: str
+    signalled_s: float | None = None
+    """Seconds from the start to the signal of ``run_proc(signal_when=...)``; None when none was sent."""
 
     @property
     def timed_out(self) -> bool:
@@ -68,16 +72,38 @@ def kill_tree(root: int) -> None:
             pass
 
 
-def run_proc(cmd: list[str], timeout: float, log_dir: Path, name: str, env: dict[str, str]) -> Proc:
+def run_proc(
+    cmd: list[str],
+    timeout: float,
+    log_dir: Path,
+    name: str,
+    env: dict[str, str],
+    signal_when: Callable[[], bool] | None = None,
+    signum: signal.Signals = signal.SIGTERM,
+) -> Proc:
     """Run ``cmd`` in the repository with output to files (``log_dir/name.{out,err}``); on timeout
-    (or Ctrl-C) the whole process tree is killed."""
+    (or Ctrl-C) the whole process tree is killed. With ``signal_when``, ``signum`` goes once to the
+    process group of ``cmd`` (as a scheduler preempting a job sends it: torchrun gets it and forwards
+    it to its workers) as soon as ``signal_when()`` is true (polled every 0.2 s)."""
     out_path, err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
     t0 = time.perf_counter()
+    signalled: float | None = None
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
         rc: int | None
+        deadline = t0 + max(timeout, 1.0)
         try:
-            rc = proc.wait(timeout=max(timeout, 1.0))
+            while True:
+                try:
+                    rc = proc.wait(timeout=max(0.0, min(0.2, deadline - time.perf_counter())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.perf_counter() >= deadline:
+                        raise
+                if signal_when is not None and signalled is None and signal_when():
+                    signalled = time.perf_counter() - t0
+                    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                        os.killpg(proc.pid, signum)
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             proc.wait()
@@ -91,6 +117,7 @@ def run_proc(cmd: list[str], timeout: float, log_dir: Path, name: str, env: dict
         time.perf_counter() - t0,
         out_path.read_text(errors="replace"),
         err_path.read_text(errors="replace"),
+        signalled,
     )
 
 

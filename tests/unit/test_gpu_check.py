@@ -1,6 +1,8 @@
 """dflash.gpu_check (scripts/gpu_check.py): the parts of it only a GPU run would reach (the CPU dry
 run, in tests/multiproc/test_gpu_check_dry_run.py, runs everything else): pytest and bench parsing, the
-steady-state figures, the time budget, the judged targets and their table, and the hang guard."""
+steady-state figures, the time budget and the parts a host's GPU count skips, the judged targets and
+their table, the hang guard, the GPU pair of part split (``nvidia-smi topo -m``) and part sigterm's
+verdict on a stop and a resume that went wrong."""
 
 from __future__ import annotations
 
@@ -12,11 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash.gpu_check.check import Check
+from dflash.gpu_check.check import Check, merged
 from dflash.gpu_check.figures import loss_figures, pytest_counts, step_figures
 from dflash.gpu_check.planner import colocated_anchor_cap, find_gpu_spec
-from dflash.gpu_check.procs import run_proc
+from dflash.gpu_check.procs import Proc, run_proc
+from dflash.gpu_check.profiles import PARTS
+from dflash.gpu_check.stop import judge_resume, judge_stop
 from dflash.gpu_check.table import render
+from dflash.gpu_check.topo import farthest_pair, parse_topology
 
 
 def _check(
@@ -132,17 +137,38 @@ def test_step_figures_steady_medians_compile_time_and_packet():
     assert f["busy"]["target_frac"] == pytest.approx(0.45)
 
 
-def test_budget_one_h200_is_8_minutes_and_unused_time_passes_on(tmp_path, monkeypatch):
-    chk = _check(tmp_path)
+def test_budget_one_h200_is_10_minutes_and_unused_time_passes_on(tmp_path, monkeypatch):
+    every = ",".join(PARTS)
+    chk = _check(tmp_path, parts=every)
+    # on 1 GPU the parts of 2+ ranks are skipped (NCCL holds one rank per GPU): 595 s, 10 minutes
     assert (
-        chk.plan == ["kernels", "loss", "setup", "target_probe", "colocated"] and chk.total_s == 475
-    )  # no part split on 1 GPU
+        chk.plan == ["kernels", "loss", "setup", "target_probe", "colocated", "hybrid"] and chk.total_s == 595
+    )
+    monkeypatch.setattr(chk, "t0", time.perf_counter())  # the first part starts now
     assert chk.timeout("kernels") == pytest.approx(90, abs=1)
     monkeypatch.setattr(chk, "t0", time.perf_counter() - 40)  # part kernels took 40 of its 90 s
     assert chk.timeout("loss") == pytest.approx(110 + 50, abs=1)
-    two = _check(tmp_path, count=2)
-    assert two.plan[-1] == "split" and two.total_s == 675
+    assert (
+        "skipped (1 GPU, NCCL needs one per rank): split (2), tp (3), allreduce (3), fsdp (3), two_targets (3), sigterm (2)"
+        in chk.header()
+    )
+    assert chk.part_allreduce() == {"status": "skipped", "note": "1 GPU: needs 3+", "ran": False}
+    assert chk.part_sigterm()["note"] == "1 GPU: needs 2+"
+    two = _check(tmp_path, count=2, parts=every)
+    assert two.plan[-3:] == ["hybrid", "split", "sigterm"] and two.total_s == 595 + 200 + 300
+    eight = _check(tmp_path, count=8, parts=every)
+    assert eight.plan[4:] == ["colocated", *PARTS[3:]] and eight.total_s == 595 + 500 + 200 + 3 * 180
     assert _check(tmp_path, dry_run=True).concurrent and not chk.concurrent
+
+
+def test_a_part_override_replaces_the_base_one_of_its_key():
+    base = ["experiment=x", "logging=disabled", "logging.progress_bar=false", "train.save_weights=false"]
+    assert merged(base, ["logging=offline", "train.save_weights=true"]) == [
+        "experiment=x",
+        "logging.progress_bar=false",
+        "logging=offline",
+        "train.save_weights=true",
+    ]
 
 
 def test_judged_targets_and_the_table_of_a_gpu_run(tmp_path):
@@ -245,3 +271,138 @@ def test_the_colocated_part_trains_at_the_largest_cap_that_fits_the_gpu():
     assert caps["h200"] == (8192, 8192)
     cap, shipped = caps["h100"]
     assert shipped == 8192 and 4096 <= cap < 8192 and cap % 64 == 0
+
+
+def _topology(n: int, cell, nics: int = 1) -> str:
+    """``nvidia-smi topo -m``'s matrix for ``n`` GPUs (``cell(i, j)``) and ``nics`` NICs, with its
+    affinity columns and legend."""
+    cols = [f"GPU{i}" for i in range(n)] + [f"NIC{i}" for i in range(nics)]
+    lines = ["\t" + "\t".join(cols) + "\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID"]
+    for i in range(n):
+        cells = [" X " if i == j else cell(min(i, j), max(i, j)) for j in range(n)] + ["PIX"] * nics
+        lines.append(
+            f"GPU{i}\t" + "\t".join(cells) + f"\t{0 if i < n // 2 else 48}-47\t{int(i >= n // 2)}\t\tN/A"
+        )
+    lines += [f"NIC{k}\t" + "\t".join(["PIX"] * n + [" X "]) for k in range(nics)]
+    return (
+        "\n".join(lines)
+        + "\n\nLegend:\n\n  X    = Self\n  SYS  = Connection traversing PCIe as well as the SMP interconnect\n"
+    )
+
+
+def _pcie(i: int, j: int) -> str:
+    """8 PCIe GPUs: 0-3 on NUMA node 0, 4-7 on node 1, pairs (0,1), (2,3), ... behind one switch."""
+    if (i < 4) != (j < 4):
+        return "SYS"
+    return "PIX" if i // 2 == j // 2 else "NODE"
+
+
+def test_part_split_runs_on_the_gpu_pair_farthest_apart():
+    pcie = _topology(8, _pcie)
+    assert parse_topology(pcie)[(0, 7)] == "SYS" and parse_topology(pcie)[(4, 5)] == "PIX"
+    assert len(parse_topology(pcie)) == 28  # GPU pairs only: no NIC, no affinity column
+    assert farthest_pair(8, None, pcie) == (
+        ("0", "7"),
+        "SYS, across NUMA nodes (PCIe + the CPUs' interconnect): the farthest pair",
+    )
+    # the user's CUDA_VISIBLE_DEVICES: the farthest pair among those GPUs (4-7 share NUMA node 1)
+    assert farthest_pair(3, "4,5,6", pcie) == (
+        ("4", "6"),
+        "NODE, across PCIe host bridges of one NUMA node: the farthest pair",
+    )
+    nvswitch = _topology(8, lambda i, j: "NV18", nics=2)
+    assert farthest_pair(8, None, nvswitch) == (("0", "7"), "NV18, NVLink x18: every pair alike")
+    # the first and last GPU share a switch: another pair is farther
+    odd = _topology(4, lambda i, j: "PIX" if (i, j) == (0, 3) else "SYS")
+    assert farthest_pair(4, None, odd)[0] == ("0", "1")
+    assert farthest_pair(4, None, None) == (
+        ("0", "3"),
+        "the first and last GPU (nvidia-smi topo -m unreadable)",
+    )
+    assert farthest_pair(2, "GPU-1f2e,GPU-9a8b", pcie)[0] == ("GPU-1f2e", "GPU-9a8b")
+
+
+def _stopped_run(run_dir: Path, steps: int, stopped: int, complete: bool = True) -> None:
+    """What a 1 target + 1 drafter run stopped by SIGTERM at step ``stopped`` of ``steps`` leaves."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "ledger.jsonl").write_text(
+        "".join(f'{{"packets": [{s - 1}], "sample_ids": [1], "step": {s}}}\n' for s in range(1, stopped + 1))
+    )
+    ckpt = run_dir / "checkpoints" / f"step_{stopped:08d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"x" * 1024)
+    if complete:
+        (ckpt / "COMPLETE").write_text("{}")
+    (run_dir / "rank1.log").write_text(
+        "[2026-12-04 14:37:25,281][dflash.train.trainer][WARNING] drafter rank 1: got SIGTERM\n"
+        f"saved checkpoint {ckpt} in 0.16s\n"
+        f"status         stopped at step {stopped} of {steps} (SIGTERM); relaunch the same command to resume\n"
+    )
+    _wandb_run(run_dir, "20261204_143717", "29sle0df")
+
+
+def _wandb_run(run_dir: Path, when: str, run_id: str) -> None:
+    d = run_dir / "wandb" / f"offline-run-{when}-{run_id}"
+    d.mkdir(parents=True)
+    (d / f"run-{run_id}.wandb").write_bytes(b"records")
+
+
+TORCHRUN_SIGNALLED = (
+    "torch.distributed.elastic.multiprocessing.api.SignalException: Process 13660 got signal: 15\n"
+)
+
+
+def test_part_sigterm_passes_a_clean_stop_and_resume_and_names_what_went_wrong(tmp_path):
+    run = tmp_path / "run"
+    _stopped_run(run, steps=8, stopped=3)
+    first = Proc(1, 70.0, "", TORCHRUN_SIGNALLED, signalled_s=64.7)
+    res = judge_stop(run, first, steps=8, at=2, drafter_rank=1)
+    assert res["problems"] == [] and res["stopped_at_step"] == 3 and res["save_s"] == 0.16
+    assert res["stopped_in_s"] == pytest.approx(5.3) and res["checkpoint_gib"] == pytest.approx(0.0, abs=1e-5)
+    log_from = len((run / "rank1.log").read_text())
+    with open(run / "rank1.log", "a") as f:
+        f.write(f"resumed from {run}/checkpoints/step_00000003 at step 3 (packet 3)\n")
+    with open(run / "ledger.jsonl", "a") as f:
+        f.write("".join(f'{{"packets": [{s - 1}], "sample_ids": [1], "step": {s}}}\n' for s in range(4, 9)))
+    _wandb_run(run, "20261204_143815", "29sle0df")
+    resumed = judge_resume(run, Proc(0, 60.0, "", ""), 3, 8, 1, 1, log_from)
+    assert resumed["problems"] == [] and resumed["ledger_steps"] == "1-8, 8 records"
+
+    # what a bad stop looks like: the run finished first, torchrun SIGKILLed the saving drafter
+    # after its grace, the checkpoint never completed
+    assert "before its ledger reached step 2" in judge_stop(run, Proc(0, 9.0, "", ""), 8, 2, 1)["problems"][0]
+    assert judge_stop(run, first, 8, 2, 1)["problems"] == [  # a second launch's W&B run: not one stop
+        "W&B offline runs after the stop: ['offline-run-20261204_143717-29sle0df', "
+        "'offline-run-20261204_143815-29sle0df'], expected one"
+    ]
+    killed = (
+        TORCHRUN_SIGNALLED
+        + "Unable to shutdown process 14572 via Signals.SIGTERM, forcefully exiting via Signals.SIGKILL\n"
+    )
+    fresh = tmp_path / "fresh"
+    _stopped_run(fresh, steps=8, stopped=3)
+    problems = judge_stop(fresh, Proc(1, 100.0, "", killed, signalled_s=60.0), 8, 2, 1)["problems"]
+    assert problems == [
+        "torchrun SIGKILLed a worker 40.0 s after forwarding SIGTERM (its grace: --shutdown-timeout or "
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s): the stop outlasted it"
+    ]
+    torn = tmp_path / "torn"
+    _stopped_run(torn, steps=8, stopped=3, complete=False)
+    assert judge_stop(torn, first, 8, 2, 1)["problems"] == [
+        "no complete checkpoint of step 3 (complete: none)"
+    ]
+
+    # a relaunch that started over (every step twice from step 1), and one that logged to a new W&B run
+    again = tmp_path / "again"
+    _stopped_run(again, steps=8, stopped=3)
+    with open(again / "ledger.jsonl", "a") as f:
+        f.write("".join(f'{{"packets": [{s - 1}], "sample_ids": [1], "step": {s}}}\n' for s in range(1, 9)))
+    _wandb_run(again, "20261204_143815", "7fq2kd0a")
+    problems = judge_resume(again, Proc(0, 60.0, "", ""), 3, 8, 1, 1, 0)["problems"]
+    assert problems[0] == "the relaunch resumed at step None, not 3"
+    assert problems[1].startswith("ledger steps [1, 2, 3, 1, 2,") and problems[1].endswith(
+        "expected 1-8 once each"
+    )
+    assert problems[2].startswith(
+        "W&B offline runs ['offline-run-20261204_143717-29sle0df', 'offline-run-20261204_143815-7fq2kd0a']"
+    )
