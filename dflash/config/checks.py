@@ -200,6 +200,18 @@ def _optim_and_train_problems(cfg: Config, p: _Problems) -> None:
     p.need(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     p.need(0.0 <= o.warmup_ratio < 1.0, f"optim.warmup_ratio={o.warmup_ratio}: must be in [0, 1)")
     p.need(o.max_grad_norm > 0, f"optim.max_grad_norm={o.max_grad_norm}: must be > 0")
+    p.need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
+    for beta in ("beta1", "beta2"):
+        value = getattr(o, beta)
+        p.need(0.0 <= value < 1.0, f"optim.{beta}={value}: must be in [0, 1)")
+    p.need(o.eps > 0, f"optim.eps={o.eps}: must be > 0")
+    if o.muon_lr is not None:
+        p.need(o.muon_lr > 0, f"optim.muon_lr={o.muon_lr}: must be > 0, or null (= optim.lr)")
+    p.need(0.0 <= o.muon_momentum < 1.0, f"optim.muon_momentum={o.muon_momentum}: must be in [0, 1)")
+    p.need(
+        1 <= o.muon_ns_steps <= 99, f"optim.muon_ns_steps={o.muon_ns_steps}: must be in [1, 99] (5 is usual)"
+    )
+    p.need(o.muon_weight_decay >= 0, f"optim.muon_weight_decay={o.muon_weight_decay}: must be >= 0")
     p.need(o.grad_accum_steps >= 1, f"optim.grad_accum_steps={o.grad_accum_steps}: must be >= 1")
     tr = cfg.train
     if tr.max_steps is not None:

@@ -110,6 +110,16 @@ class DrafterShard(StrEnum):
     full = "full"
 
 
+class OptimName(StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class MuonAdjustLr(StrEnum):
+    original = "original"
+    match_rms_adamw = "match_rms_adamw"
+
+
 class Overlong(StrEnum):
     truncate = "truncate"
     skip = "skip"
@@ -462,14 +472,19 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule (linear warmup, cosine decay)."""
+    """The optimizer (AdamW, or Muon on the drafter's matrices with AdamW on the rest) and its
+    learning-rate schedule (linear warmup, cosine decay)."""
 
     # A resumed run restores the optimizer and scheduler state, which carry the lr and betas: a
     # changed value here would be silently ignored, so every field is part of the contract.
+    name: OptimName = field(default=OptimName.adamw, metadata=CONTRACT)
+    """adamw (every trainable parameter) or muon (conf/optim/muon.yaml: torch.optim.Muon on the 2-D
+    weight matrices of the layers and fc, AdamW with the fields below on the norms; a sharded matrix
+    is gathered whole for Muon's Newton-Schulz). A resume cannot switch it."""
     lr: float = field(default=6e-4, metadata=CONTRACT)
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate of AdamW (with muon: of the AdamW parameters)."""
     min_lr_ratio: float = field(default=0.0, metadata=CONTRACT)
-    """The learning rate at the last step, as a fraction of ``lr`` (cosine decay)."""
+    """The learning rate at the last step, as a fraction of the peak (cosine decay; every group)."""
     warmup_ratio: float = field(default=0.04, metadata=CONTRACT)
     """Fraction of the steps spent in linear warmup."""
     weight_decay: float = field(default=0.0, metadata=CONTRACT)
@@ -480,6 +495,21 @@ class OptimConfig:
     """AdamW second-moment decay."""
     eps: float = field(default=1e-8, metadata=CONTRACT)
     """AdamW epsilon."""
+    muon_lr: float | None = field(default=None, metadata=CONTRACT)
+    """With muon: peak learning rate of the matrices; None = optim.lr (with
+    muon_adjust_lr=match_rms_adamw, Muon's update has AdamW's RMS: docs/training.md)."""
+    muon_momentum: float = field(default=0.95, metadata=CONTRACT)
+    """With muon: momentum of the matrices' update (torch.optim.Muon's, an average of the gradients)."""
+    muon_nesterov: bool = field(default=True, metadata=CONTRACT)
+    """With muon: Nesterov momentum."""
+    muon_ns_steps: int = field(default=5, metadata=CONTRACT)
+    """With muon: Newton-Schulz iterations that orthogonalise each matrix's update (1 to 99)."""
+    muon_weight_decay: float = field(default=0.1, metadata=CONTRACT)
+    """With muon: decoupled weight decay of the matrices (multiplied by their learning rate)."""
+    muon_adjust_lr: MuonAdjustLr = field(default=MuonAdjustLr.match_rms_adamw, metadata=CONTRACT)
+    """With muon: the per-matrix learning-rate scale: match_rms_adamw (0.2 sqrt(max(rows, cols)),
+    Moonlight's: the update's RMS is AdamW's) or original (sqrt(max(1, rows/cols)), Keller Jordan's,
+    whose learning rates are ~0.02)."""
     max_grad_norm: float = field(default=1.0, metadata=CONTRACT)
     """Gradient clipping (global L2 norm over every drafter's gradient)."""
     grad_accum_steps: int = field(default=1, metadata=derived("topology.packets_per_step"))

@@ -171,7 +171,7 @@ def load_full_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
 
 
 def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load an optimizer state with whole tensors (:func:`full_optimizer_state` or an unsharded
+    """Load an optimizer state with whole tensors (a sharded checkpoint's gathered moments or an unsharded
     optimizer's ``state_dict``) into the optimizer of a sharded or plain model."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
 

@@ -1,20 +1,55 @@
-"""AdamW with linear warmup then cosine decay, as in the public DFlash recipes."""
+"""The drafter's optimizer (``optim.name``: AdamW, as in the public DFlash recipes, or Muon on the
+weight matrices with AdamW on the rest, ``dflash.drafter.muon``) and its schedule: linear warmup
+then cosine decay, one multiplier for every parameter group."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from dflash.config import OptimConfig
+from dflash.drafter.muon import GROUP_KEY, MuonAdamW, split_matrices
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the drafter's trainable parameters (fp32 master weights)."""
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``optim.name`` over the drafter's trainable parameters (fp32 master weights):
+    AdamW over all of them (one group), or ``MuonAdamW`` (group 0 AdamW over the norms, group 1 Muon
+    over the 2-D matrices). Build it after ``drafter.shard`` has sharded the model."""
+    adamw: dict[str, Any] = dict(
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
     )
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, **adamw)
+    matrices, others = split_matrices(params)
+    muon: dict[str, Any] = dict(
+        lr=peak_lrs(cfg)[1],
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        weight_decay=cfg.muon_weight_decay,
+        adjust_lr_fn=str(cfg.muon_adjust_lr),
+    )
+    return MuonAdamW(matrices, others, adamw=adamw, muon=muon)
+
+
+def peak_lrs(cfg: OptimConfig) -> list[float]:
+    """The peak learning rate of each parameter group ``build_optimizer`` makes, in group order."""
+    if cfg.name == "adamw":
+        return [cfg.lr]
+    return [cfg.lr, cfg.muon_lr if cfg.muon_lr is not None else cfg.lr]
+
+
+def group_lrs(optimizer: torch.optim.Optimizer, lrs: list[float]) -> dict[str, float]:
+    """The metrics of the groups' current learning rates ``lrs`` (the scheduler's ``get_last_lr()``):
+    ``train/lr`` (AdamW's group) and, with Muon, ``train/lr_muon``."""
+    out: dict[str, float] = {}
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        name = group.get(GROUP_KEY, "adamw")
+        out["train/lr" if name == "adamw" else f"train/lr_{name}"] = float(lr)
+    return out
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:

@@ -41,7 +41,9 @@ def need_gib(cfg: Config, inputs: PlanInputs, role: str, settings: DrafterSettin
 
 
 def role_memory(cfg: Config, inputs: PlanInputs, settings: DrafterSettings) -> dict[str, dict[str, float]]:
-    """GiB by item of every role with ``settings`` on the config's typical packet (the memory model)."""
+    """GiB by item of every role with ``settings`` on the config's typical packet (the memory model;
+    the optimizer's state is ``optim.name``'s)."""
+    settings = dataclasses.replace(settings, optimizer=str(cfg.optim.name))
     return memory_per_role(
         inputs.target.meta,
         inputs.arch,

@@ -25,9 +25,10 @@ part the plan splits, :class:`dflash.targets.tp.TpLayout`, and the rest whole), 
 
 Drafter rank (bf16 autocast, the GPU default; fp32 runs count 4 bytes and no casts):
 
-- weights, gradients and AdamW moments: ``4P + 4P + 8P`` (fp32 master weights), divided by the
-  drafters that share them with ``drafter.shard`` (:func:`drafter_state`: ``optimizer`` also holds the
-  whole weights for the step, ``full`` four layer-sized buffers in backward);
+- weights, gradients and the optimizer's state: ``4P + 4P + 8P`` (fp32 master weights, AdamW's two
+  moments; ``optim=muon``: ``4P`` of state, one momentum buffer per matrix, and ``P`` counts only
+  matrices), divided by the drafters that share them with ``drafter.shard`` (:func:`drafter_state`:
+  ``optimizer`` also holds the whole weights for the step, ``full`` four layer-sized buffers in backward);
 - the frozen embedding and lm_head ``2*V*H*a`` (a co-located rank uses the target's own);
 - one packet (the one being trained on; the next one's receive posts only its header), and, when
   it holds fewer tokens than the static shape ``S``, its hidden states grown to ``S`` rows
@@ -64,8 +65,9 @@ if TYPE_CHECKING:
     from dflash.drafter.arch import DrafterArch
 
 GIB = 2**30
-ADAM_BYTES_PER_PARAM = 4 + 4 + 8
-"""fp32 weights, fp32 gradients, fp32 AdamW first and second moments."""
+STATE_BYTES_PER_PARAM = {"adamw": 8, "muon": 4}
+"""fp32 optimizer state per trainable parameter by ``optim.name``: AdamW's two moments, Muon's one
+momentum buffer (the norms, which AdamW updates under Muon too, are not counted in ``P``)."""
 CUDA_ROW_BLOCK = 256
 """Rows of the loss's elementwise scratch on CUDA (``dflash.loss.verifier``)."""
 SHARD_MODES = ("none", "optimizer", "full")
@@ -93,6 +95,8 @@ class DrafterSettings:
     """``drafter.shard``: none, optimizer (AdamW state and gradients sharded) or full (weights too)."""
     num_drafters: int = 1
     """Drafters the state is sharded over."""
+    optimizer: str = "adamw"
+    """``optim.name``: the optimizer state per parameter (:data:`STATE_BYTES_PER_PARAM`)."""
 
 
 PLAIN = DrafterSettings()
@@ -175,7 +179,7 @@ def target_memory(
 
 
 def drafter_state(drafter: DrafterArch, settings: DrafterSettings) -> dict[str, float]:
-    """GiB of fp32 ``weights``, ``gradients`` and ``adamw`` per drafter rank at the loss.
+    """GiB of fp32 ``weights``, ``gradients`` and ``optimizer_state`` per drafter rank at the loss.
 
     ``optimizer`` shards gradients and moments over the drafters and holds the whole weights from the
     first forward to the end of backward (FSDP2 without resharding after forward); ``full`` shards the
@@ -184,7 +188,8 @@ def drafter_state(drafter: DrafterArch, settings: DrafterSettings) -> dict[str, 
     p = drafter_num_params(drafter)
     m = settings.num_drafters if settings.shard != "none" else 1
     weights = {"none": 4 * p, "optimizer": 4 * p + 4 * p / m, "full": 4 * p / m}[settings.shard]
-    return {"weights": weights / GIB, "gradients": 4 * p / m / GIB, "adamw": 8 * p / m / GIB}
+    state = STATE_BYTES_PER_PARAM[settings.optimizer] * p / m
+    return {"weights": weights / GIB, "gradients": 4 * p / m / GIB, "optimizer_state": state / GIB}
 
 
 def shard_backward_bytes(drafter: DrafterArch, settings: DrafterSettings) -> float:
@@ -257,7 +262,7 @@ def drafter_memory(
     dtypes: RunDtypes,
     settings: DrafterSettings = PLAIN,
 ) -> dict[str, float]:
-    """GiB by item on a drafter rank at its peak: ``weights``, ``gradients``, ``adamw``,
+    """GiB by item on a drafter rank at its peak: ``weights``, ``gradients``, ``optimizer_state``,
     ``embed_and_head``, ``activations``, ``loss_workspace``, ``packets``. ``loss_chunk_rows``: the
     loss chunk ``C`` (``dflash.loss.verifier.default_chunk_size`` or ``loss.chunk_size``)."""
     h, bs = drafter.hidden_size, drafter.block_size
@@ -298,7 +303,7 @@ def colocated_memory(target_items: dict[str, float], drafter_items: dict[str, fl
         "target_weights": target_items["weights"],
         "drafter_weights": drafter_items["weights"],
         "gradients": drafter_items["gradients"],
-        "adamw": drafter_items["adamw"],
+        "optimizer_state": drafter_items["optimizer_state"],
         "activations_peak": target_items["activations"] if in_target else drafter_transient,
         "packets": 0.0 if in_target else drafter_items["packets"],
     }
@@ -336,10 +341,15 @@ def memory_per_role(
     return {"target": t, "drafter": d, "colocated": colocated_memory(t, d)}
 
 
+def trained_bytes_per_param(optimizer: str) -> int:
+    """fp32 weights, gradients and the optimizer state of ``optim.name`` per trained parameter."""
+    return 4 + 4 + STATE_BYTES_PER_PARAM[optimizer]
+
+
 def drafter_weights_problem(
     source: str, drafter: DrafterArch, bytes_per_param: float, capacity_bytes: float, capacity: str
 ) -> str | None:
-    """Why the drafter's weights (``bytes_per_param`` each: :data:`ADAM_BYTES_PER_PARAM` for a trained
+    """Why the drafter's weights (``bytes_per_param`` each: :func:`trained_bytes_per_param` for a trained
     drafter) cannot fit the device, checked before anything is allocated; None when they fit."""
     total = drafter_num_params(drafter)
     mlp = drafter.num_layers * 3 * drafter.hidden_size * drafter.intermediate_size

@@ -18,7 +18,15 @@ from dflash.plan.fit import (
 )
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs, plan_device
 from dflash.plan.memory import DrafterSettings, drafter_num_params, target_memory
-from dflash.plan.throughput import RoleTimes, Split, best_split, colocated, disaggregated, role_times
+from dflash.plan.throughput import (
+    RoleTimes,
+    Split,
+    best_split,
+    colocated,
+    disaggregated,
+    muon_flop,
+    role_times,
+)
 from dflash.targets.tp import TpLayout, shape_layout, tp_shape_problems
 
 ROLES = ("target", "drafter", "colocated")
@@ -220,6 +228,8 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         replicas=work,
         # checkpointed layers run their forward again: a third of their forward + backward
         recompute_flop=costs.drafter_layers_flop / 3 if settings.checkpoint else 0.0,
+        optimizer=str(cfg.optim.name),
+        update_flop=muon_flop(inputs.arch, cfg.optim.muon_ns_steps) if cfg.optim.name == "muon" else 0.0,
     )
     splits = [
         disaggregated(times, costs.payload_bytes, gpu, world, n, replica_fits[k] and fits["drafter"], k)

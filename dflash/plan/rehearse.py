@@ -363,7 +363,8 @@ def build_drafter(
     model.checkpoint_layers = settings.checkpoint
     optimizer = build_optimizer(list(model.parameters()), cfg.optim)
     for group in optimizer.param_groups:
-        group["foreach"] = True
+        if "foreach" in group:  # AdamW's (Muon has no foreach implementation)
+            group["foreach"] = True
     if embed_head is None:
         dtype = torch_dtype(cfg.target.dtype, torch.device(plan_device(cfg)))
         shape = (inputs.arch.vocab_size, inputs.arch.hidden_size)
@@ -411,12 +412,13 @@ def drafter_step(state: DrafterState, packet: Packet, cfg: Config, live: LiveByt
 
 def prime(state: DrafterState, live: LiveBytes) -> None:
     """The state a drafter holds from its second step on: gradients (kept between steps, zeroed in
-    place) and AdamW's moments (made by its first step; here by a step on zero gradients)."""
+    place) and the optimizer's state (AdamW's moments, Muon's momentum: made by its first step; here by
+    a step on zero gradients)."""
     params = list(state.model.parameters())
     with live.term("gradients"):
         for p in params:
             p.grad = torch.zeros_like(p)
-    with live.term("adamw"):
+    with live.term("optimizer_state"):
         state.optimizer.step()
 
 

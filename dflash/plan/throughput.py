@@ -9,7 +9,9 @@ Times per packet on one GPU of peak ``P`` FLOP/s (dense BF16, from ``conf/gpu/``
   all-reduce among the ``M`` drafters (ring: ``2*(M-1)/M`` of the fp32 gradients at the link's
   all-reduce bus bandwidth, :mod:`dflash.plan.links`) and the AdamW update (28 bytes per parameter: read weights,
   gradients and both moments, write weights and both moments, at HBM bandwidth), once per
-  optimizer step of ``accum`` packets.
+  optimizer step of ``accum`` packets; ``optim=muon``: 20 bytes per parameter (one momentum buffer)
+  plus Newton-Schulz on every matrix (:func:`muon_flop`, at ``mfu_drafter``), which every drafter
+  runs whole (a sharded one on its matrices gathered: their all-gather moves the bytes of the weights').
 
 MFU here is the achieved fraction of the peak over the FLOPs the kernels execute (padding and the
 masked half of dense attention included), so it is comparable between roles.
@@ -40,13 +42,29 @@ memory (among all when none fits), ties going to more drafters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dflash.config import GpuSpec
 from dflash.plan.costs import PacketCosts, target_seconds
 from dflash.plan.links import intranode_link, link_for
 from dflash.targets.tp import TpLayout
 
+if TYPE_CHECKING:
+    from dflash.drafter.arch import DrafterArch
+
 ADAMW_BYTES_PER_PARAM = 28
+UPDATE_BYTES_PER_PARAM = {"adamw": ADAMW_BYTES_PER_PARAM, "muon": 20}
+"""HBM bytes the optimizer's update moves per parameter, by ``optim.name``."""
+
+
+def muon_flop(drafter: DrafterArch, ns_steps: int) -> float:
+    """FLOPs of Muon's Newton-Schulz on every drafter matrix: per iteration on an ``m x n`` matrix
+    (``m <= n``) ``X X^T`` (``2m^2 n``), ``A A`` (``2m^3``) and ``B X`` (``2m^2 n``)."""
+    h, f, taps = drafter.hidden_size, drafter.intermediate_size, drafter.num_taps
+    q, kv = drafter.num_heads * drafter.head_dim, drafter.num_kv_heads * drafter.head_dim
+    layer = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)]
+    shapes = layer * drafter.num_layers + [(h, taps * h)]
+    return float(ns_steps * sum(4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3 for s in shapes))
 
 
 @dataclass(frozen=True)
@@ -62,17 +80,21 @@ class RoleTimes:
     grad_accum_steps: int
     replica_s: dict[int, float] = field(default_factory=dict)
     """Seconds per packet of a tensor-parallel replica of ``k`` GPUs, by ``k`` (1: ``target_s``)."""
+    update_bytes_per_param: int = ADAMW_BYTES_PER_PARAM
+    """HBM bytes of the optimizer's update per parameter (:data:`UPDATE_BYTES_PER_PARAM`)."""
+    update_s: float = 0.0
+    """Compute seconds of one optimizer update beyond its memory traffic (Muon's Newton-Schulz)."""
 
     def target_replica_s(self, target_tp: int) -> float:
         return self.target_s if target_tp == 1 else self.replica_s[target_tp]
 
     def drafter_step_s(self, num_drafters: int, gpu: GpuSpec, world_size: int) -> float:
-        """Drafter seconds per packet including its share of the step's all-reduce and AdamW update."""
+        """Drafter seconds per packet including its share of the step's all-reduce and optimizer update."""
         grad_bytes = 4 * self.drafter_params
         link = link_for(gpu, world_size).allreduce_bytes_per_s
         allreduce = 2 * (num_drafters - 1) / num_drafters * grad_bytes / link
-        adamw = ADAMW_BYTES_PER_PARAM * self.drafter_params / (gpu.hbm_tbps * 1e12)
-        return self.drafter_s + (allreduce + adamw) / self.grad_accum_steps
+        update = self.update_bytes_per_param * self.drafter_params / (gpu.hbm_tbps * 1e12) + self.update_s
+        return self.drafter_s + (allreduce + update) / self.grad_accum_steps
 
 
 @dataclass(frozen=True)
@@ -118,11 +140,14 @@ def role_times(
     mfu_delta_rule: float | None = None,
     replicas: dict[int, tuple[TpLayout, float]] | None = None,
     recompute_flop: float = 0.0,
+    optimizer: str = "adamw",
+    update_flop: float = 0.0,
 ) -> RoleTimes:
     """``t = FLOP / (peak * MFU)`` for each role on one GPU of ``gpu`` (the target's delta rule at
     ``mfu_delta_rule``, default ``mfu_target``); ``replicas``: ``k -> (the replica's layout, bytes one
     rank sends per packet)`` for a ``k``-GPU tensor-parallel replica; ``recompute_flop``: what
-    activation checkpointing runs again per packet (the layers' forward)."""
+    activation checkpointing runs again per packet (the layers' forward); ``optimizer``: ``optim.name``,
+    whose update runs ``update_flop`` per step (:func:`muon_flop`) beside its memory traffic."""
     peak = gpu.bf16_tflops * 1e12
     tp_link = intranode_link(gpu).one_way_bytes_per_s
     delta = mfu_target if mfu_delta_rule is None else mfu_delta_rule
@@ -141,6 +166,8 @@ def role_times(
         drafter_params=drafter_params,
         grad_accum_steps=grad_accum_steps,
         replica_s={k: target_s(layout) + sent / tp_link for k, (layout, sent) in (replicas or {}).items()},
+        update_bytes_per_param=UPDATE_BYTES_PER_PARAM[optimizer],
+        update_s=update_flop / (peak * mfu_drafter),
     )
 
 

@@ -196,7 +196,7 @@ def resume_checkpoint(
 # The run contract
 
 
-SCHEDULE_KEYS = ("optim.lr", "optim.warmup_ratio", "optim.min_lr_ratio", "train.num_steps")
+SCHEDULE_KEYS = ("optim.lr", "optim.muon_lr", "optim.warmup_ratio", "optim.min_lr_ratio", "train.num_steps")
 """Contract entries that shape the learning-rate schedule: a resume that changes only these (with
 train.allow_contract_change=true) re-plans the rest of the schedule (``DrafterTrainer``)."""
 
@@ -287,6 +287,13 @@ def check_contract(
             "the checkpoint was written by a run with a different contract:\n  "
             + "\n  ".join(diffs)
             + _packets_per_step_fix(a.get(FIXED_KEYS[0]), num_drafters, run_dir)
+        )
+    optimizers = [a.get("optim.name", defaults["optim.name"]), b.get("optim.name", defaults["optim.name"])]
+    if optimizers[0] != optimizers[1]:
+        raise ValueError(
+            f"optim.name: the checkpoint holds {optimizers[0]}'s state and this run asks for {optimizers[1]}; "
+            f"one run cannot switch optimizers (not even with train.allow_contract_change=true): start a new "
+            f"run warm-started from this one's weights, drafter.init_from=<run dir>/drafter optim={optimizers[1]}"
         )
     if diffs and not allow_change:
         only_schedule = all(d.split(":", 1)[0] in SCHEDULE_KEYS for d in diffs)

@@ -28,7 +28,7 @@ from dflash.distributed.protocol import PacketSpec
 from dflash.distributed.topology import Topology
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.resolve import resolve_drafter
-from dflash.plan.memory import ADAM_BYTES_PER_PARAM, drafter_weights_problem
+from dflash.plan.memory import drafter_weights_problem, trained_bytes_per_param
 from dflash.targets.families import TargetMeta
 from dflash.targets.info import TargetInfo, resolve_target, weights_fingerprint
 from dflash.targets.loader import device_capacity, target_size_problems
@@ -123,7 +123,9 @@ def size_problems(cfg: Config, target: TargetInfo, arch: DrafterArch) -> list[st
         target.meta, source, torch_dtype(cfg.target.dtype, device), device, shards=k
     )
     drafter = "drafter.* (the drafter's shape, from the config and the target)"
-    p = drafter_weights_problem(drafter, arch, ADAM_BYTES_PER_PARAM, *device_capacity(device))
+    p = drafter_weights_problem(
+        drafter, arch, trained_bytes_per_param(str(cfg.optim.name)), *device_capacity(device)
+    )
     return problems + ([p] if p else [])
 
 

@@ -42,7 +42,7 @@ from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import ObjectiveOutput
-from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
+from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler, group_lrs, peak_lrs
 from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.loss.terms import coefficients
 from dflash.metrics import (
@@ -295,21 +295,24 @@ class DrafterTrainer:
 
     def _replan_schedule(self, saved: dict) -> None:
         """A resume whose schedule settings changed (``train.allow_contract_change=true``: optim.lr,
-        warmup_ratio, min_lr_ratio, train.num_steps) applies them from the resumed step on, starting
-        from the learning rate the run had reached (times the new over the old optim.lr)."""
+        optim.muon_lr, warmup_ratio, min_lr_ratio, train.num_steps) applies them from the resumed step
+        on, starting from the multiplier of the peak the run had reached (each group's learning rate
+        times its new over its old peak)."""
         now = self.setup.contract
         changed = [k for k in SCHEDULE_KEYS if saved.get(k) != now.get(k)]
         if not changed:
             return
         cfg, step = self.cfg.optim, self.state.step
-        lr_reached = float(self.scheduler.get_last_lr()[0]) * cfg.lr / float(saved.get("optim.lr") or cfg.lr)
+        groups = self.optimizer.param_groups
+        factor = float(self.scheduler.get_last_lr()[0]) / float(groups[0]["initial_lr"])
         schedule = self.scheduler.lr_lambdas[0]
         assert isinstance(schedule, LrSchedule)
-        schedule.replan(step, lr_reached / cfg.lr, cfg, self.setup.num_steps)
-        self.scheduler.base_lrs = [cfg.lr for _ in self.optimizer.param_groups]
-        lrs: list[float | torch.Tensor] = [cfg.lr * schedule(step) for _ in self.optimizer.param_groups]
-        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            group["initial_lr"], group["lr"] = cfg.lr, lr
+        schedule.replan(step, factor, cfg, self.setup.num_steps)
+        peaks = peak_lrs(cfg)
+        self.scheduler.base_lrs = list(peaks)
+        lrs: list[float | torch.Tensor] = [peak * schedule(step) for peak in peaks]
+        for group, peak, lr in zip(groups, peaks, lrs, strict=True):
+            group["initial_lr"], group["lr"] = peak, lr
         self.scheduler._last_lr = lrs
         low = cfg.lr * cfg.min_lr_ratio
         log.warning(
@@ -376,9 +379,9 @@ class DrafterTrainer:
         faults.slow_step(self.faults, self.ctx.rank, step + 1)
         self.parallel.finish(self.source_timeout)
         reduced = self._reduce(step, local, t0)
-        grad_norm, lr = self._apply_update(step, reduced.sums)
+        grad_norm, lrs = self._apply_update(step, reduced.sums)
         self._advance(step, reduced.sums, local.trained)
-        return self._metrics(reduced, t0, lr, grad_norm)
+        return self._metrics(reduced, t0, lrs, grad_norm)
 
     def _accumulate(self, step: int) -> _StepLocal:
         """Receive, forward and backward this drafter's packets of the step (gradients summed)."""
@@ -461,9 +464,10 @@ class DrafterTrainer:
         self.phases.mark("reduce")
         return _StepReduced(sums, target_fwd, mem[:n_targets], mem[n_targets:], target_packets)
 
-    def _apply_update(self, step: int, sums: StepSums) -> tuple[float, float]:
+    def _apply_update(self, step: int, sums: StepSums) -> tuple[float, list[float]]:
         """Divide the summed gradients by the global weight sum, clip, and step the optimizer unless
-        the loss or the gradient is not finite (``train.on_nonfinite``); returns (grad norm, lr)."""
+        the loss or the gradient is not finite (``train.on_nonfinite``); returns (grad norm, each
+        parameter group's lr)."""
         cfg = self.cfg
         weight_sum = float(sums.objective["weight_sum"])
         self._check_trained_on_something(step, weight_sum)
@@ -472,7 +476,7 @@ class DrafterTrainer:
             if p.grad is not None:
                 p.grad.mul_(scale)
         grad_norm = self.parallel.clip(cfg.optim.max_grad_norm)
-        lr = float(self.scheduler.get_last_lr()[0])
+        lrs = [float(lr) for lr in self.scheduler.get_last_lr()]
         if weight_sum == 0:
             log.warning("step %d: no packet of the step held a supervised slot; nothing trained", step + 1)
         elif sums.counters["nonfinite_loss"] > 0 or not math.isfinite(grad_norm):
@@ -492,7 +496,7 @@ class DrafterTrainer:
             self.optimizer.step()
         self.scheduler.step()
         self.phases.mark("optimizer")
-        return grad_norm, lr
+        return grad_norm, lrs
 
     def _advance(self, step: int, sums: StepSums, trained: list[int]) -> None:
         """The train state after step ``step`` (0-based), the ledger line and the replica check."""
@@ -549,20 +553,21 @@ class DrafterTrainer:
             f"{self.cfg.data.max_skip_fraction} of the {planned} samples this run trains (data/skipped/{reason}); {cause}"
         )
 
-    def _metrics(self, r: _StepReduced, t0: float, lr: float, grad_norm: float) -> dict[str, float]:
+    def _metrics(self, r: _StepReduced, t0: float, lrs: list[float], grad_norm: float) -> dict[str, float]:
         """Every metric of the step just taken (the same on every drafter)."""
         cfg, topo = self.cfg, self.topology
         m = step_metrics(
             r.sums,
             step=self.state.step,
             step_s=time.perf_counter() - t0,
-            lr=lr,
+            lr=lrs[0],
             grad_norm=grad_norm,
             loss_weights=coefficients(cfg.loss),
             num_targets=topo.num_targets,
             num_drafters=topo.num_drafters,
             self_produced=topo.self_produced,
         )
+        m.update(group_lrs(self.optimizer, lrs))
         if cfg.train.time_phases:
             m.update({f"perf/phase/{name}_s": s for name, s in self.phases.seconds.items()})
         m["train/tokens_seen"] = float(self.state.tokens_seen)

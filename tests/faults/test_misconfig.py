@@ -125,6 +125,11 @@ IN_PROCESS = [
     ),
     ("duplicate layer ids", ["target.layer_ids=[1,1,4]"], "target.layer_ids=[1, 1, 4] has duplicates"),
     ("token_budget < max_length", ["data.token_budget=100"], "data.token_budget=100 < data.max_length=160"),
+    (
+        "muon momentum >= 1",
+        ["optim=muon", "optim.muon_momentum=1.5"],
+        "optim.muon_momentum=1.5: must be in [0, 1)",
+    ),
 ]
 
 

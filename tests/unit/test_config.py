@@ -121,6 +121,8 @@ def test_typos_and_wrong_types_fail_at_compose_time():
         ("drafter.layer_types=[sliding,full_attention]", "[full_attention, sliding_attention]"),
         ("train.on_nonfinite=ignore", "[error, skip]"),
         ("data.overlong=cut", "[truncate, skip]"),
+        ("optim.name=sgd", "[adamw, muon]"),
+        ("optim.muon_adjust_lr=spectral", "[original, match_rms_adamw]"),
     ],
 )
 def test_a_bad_choice_fails_at_compose_time_naming_the_choices(override, allowed):
@@ -180,6 +182,11 @@ BAD = [
     (["loss=dpace", "loss.kl=0.5"], 3, "loss.dpace=0.5 with loss.kl=0.5", "set loss.kl=0"),
     (["loss.dpace=1.5"], 3, "loss.dpace=1.5", "(0, 1]"),
     (["loss=dpace", "loss.dpace_normalizer=mean"], 3, "loss.dpace_normalizer=mean", "sum or count"),
+    (["optim.beta2=1.0"], 3, "optim.beta2=1.0", "[0, 1)"),
+    (["optim=muon", "optim.muon_lr=0"], 3, "optim.muon_lr=0", "or null (= optim.lr)"),
+    (["optim=muon", "optim.muon_momentum=1.2"], 3, "optim.muon_momentum=1.2", "[0, 1)"),
+    (["optim=muon", "optim.muon_ns_steps=0"], 3, "optim.muon_ns_steps=0", "[1, 99]"),
+    (["optim=muon", "optim.muon_weight_decay=-0.1"], 3, "optim.muon_weight_decay=-0.1", ">= 0"),
 ]
 
 

@@ -166,6 +166,14 @@ def test_the_peak_equals_memtracker_and_the_loss_takes_its_cuda_branches():
         (HYBRID, ("target", "drafter"), DrafterSettings()),
         (SMALL, ("drafter",), DrafterSettings(shard="optimizer", num_drafters=4)),
         (SMALL, ("drafter",), DrafterSettings(checkpoint=True, shard="full", num_drafters=4)),
+        # Muon's Newton-Schulz runs for real on these small matrices (bf16 on CPU: 1-2 minutes each)
+        pytest.param(SMALL + ["optim=muon"], ("drafter",), DrafterSettings(), marks=pytest.mark.extended),
+        pytest.param(
+            SMALL + ["optim=muon"],
+            ("drafter",),
+            DrafterSettings(shard="full", num_drafters=4),
+            marks=pytest.mark.extended,
+        ),
     ],
     ids=[
         "bf16",
@@ -175,6 +183,8 @@ def test_the_peak_equals_memtracker_and_the_loss_takes_its_cuda_branches():
         "hybrid-sliding",
         "zero2",
         "zero3-checkpointed",
+        "muon",
+        "muon-zero3",
     ],
 )
 def test_the_estimate_agrees_with_the_rehearsal_at_small_shapes(overrides, roles, settings):

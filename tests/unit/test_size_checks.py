@@ -17,7 +17,7 @@ import torch
 
 from dflash.config import TargetConfig
 from dflash.drafter.arch import DrafterArch
-from dflash.plan.memory import ADAM_BYTES_PER_PARAM, GIB, drafter_weights_problem
+from dflash.plan.memory import GIB, drafter_weights_problem, trained_bytes_per_param
 from dflash.targets.families import target_weights_problem
 from dflash.targets.loader import device_capacity, load_target, read_target_meta
 
@@ -97,8 +97,13 @@ def test_the_weight_check_is_the_planners_count_against_the_device():
         mask_token_id=151669,
     )
     # the public Qwen3-8B drafter shape trains in 3.9 + 3.9 + 7.8 GiB (15.6 GiB of weights, grads, AdamW)
-    assert drafter_weights_problem("drafter", arch, ADAM_BYTES_PER_PARAM, 80 * GIB, "an 80 GiB GPU") is None
-    msg = drafter_weights_problem("drafter.num_layers", arch, ADAM_BYTES_PER_PARAM, 8 * GIB, "an 8 GiB GPU")
+    assert (
+        drafter_weights_problem("drafter", arch, trained_bytes_per_param("adamw"), 80 * GIB, "an 80 GiB GPU")
+        is None
+    )
+    msg = drafter_weights_problem(
+        "drafter.num_layers", arch, trained_bytes_per_param("adamw"), 8 * GIB, "an 8 GiB GPU"
+    )
     assert msg is not None and "num_hidden_layers=5" in msg and "15.6 GiB of drafter weights" in msg
     assert "more than the 8.0 GiB of an 8 GiB GPU" in msg
 
