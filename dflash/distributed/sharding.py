@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dflash.distributed.links import PeerError, short_error
 from dflash.distributed.process_group import DistContext
+from dflash.drafter.families import build_drafter
 from dflash.drafter.model import DFlashDraftModel
 
 SHARD_MODES = ("none", "optimizer", "full")
@@ -208,6 +209,6 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str,
 
 def whole_model(model: DFlashDraftModel) -> DFlashDraftModel:
     """An unsharded copy of ``model`` on the CPU with its whole weights (for the export)."""
-    out = DFlashDraftModel(model.arch)
+    out = build_drafter(model.arch)
     out.load_state_dict(full_model_state(model))
     return out

@@ -40,6 +40,7 @@ from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
 from dflash.drafter.export import export_drafter, load_exported, load_into
+from dflash.drafter.families import build_drafter
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import ObjectiveOutput
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
@@ -213,7 +214,7 @@ class DrafterTrainer:
         its layers checkpointed when ``drafter.activation_checkpointing`` says so (auto: when the
         planner finds that this role does not fit its device without it; every drafter agrees) and
         compiled on CUDA unless ``drafter.compile=false`` (before FSDP2 shards them, as torchtitan)."""
-        model = DFlashDraftModel(self.setup.arch)
+        model = build_drafter(self.setup.arch)
         model.reset_parameters(seed=self.cfg.train.seed)
         if self.cfg.drafter.init_from:
             _, state = load_exported(resolve_path(self.cfg.drafter.init_from))
