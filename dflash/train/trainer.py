@@ -42,7 +42,7 @@ from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
 from dflash.drafter.export import export_drafter, load_exported, load_into
 from dflash.drafter.families import build_drafter
 from dflash.drafter.model import DFlashDraftModel, num_parameters
-from dflash.drafter.objective import ObjectiveOutput
+from dflash.drafter.objective import ObjectiveOutput, selector_coefficient
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler
 from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.loss.terms import coefficients
@@ -109,6 +109,8 @@ class _StepLocal:
     anchors_offered: int = 0
     """The anchors ``drafter.num_anchors`` offers in these packets before ``max_anchors_per_packet``
     (counted on the host copies)."""
+    selector_scale: float = 0.0
+    """DFlash2's selector loss coefficient at this step (``selector_coefficient``)."""
 
 
 @dataclass
@@ -350,6 +352,7 @@ class DrafterTrainer:
             anchors,
             self.step_plan,
             on_phase=self.phases.mark,
+            selector_scale=local.selector_scale,
         )
 
     def _next_packet(self, step: int, i: int, packets: list[int]) -> None:
@@ -385,6 +388,7 @@ class DrafterTrainer:
             target_fwd=torch.zeros(n_targets, dtype=torch.float64),
             target_mem=torch.zeros(n_targets, dtype=torch.float64),
             target_packets=torch.zeros(n_targets, dtype=torch.float64),
+            selector_scale=selector_coefficient(self.setup.cfg.loss, step),
         )
         self.phases.start()
         for i, g in enumerate(packets):
