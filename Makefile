@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 LATEST_VENV ?= .venv-latest
 TRY ?=
 
-.PHONY: setup demo test test-extended test-fast test-latest lock lint serve-check bench-loss gpu-check clean
+.PHONY: setup demo test test-extended test-fast test-latest lock lint serve-check zlab-parity bench-loss gpu-check clean
 
 # On a GPU host (nvidia-smi runs) the `gpu` extra too, and causal-conv1d (built against the installed
 # torch; where it does not build, hybrid targets' convolutions run in torch: correct, slower)
@@ -70,6 +70,12 @@ lint: $(BIN)/.installed
 # from PyPI and trains the default run; later runs reuse both.
 serve-check: $(BIN)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m dflash.serve_check
+
+# Our DFlash-1 and DFlash2 exports against the z-lab reference (docs/eval-and-serving.md): ZLAB_REF is a
+# z-lab/dflash checkout (git clone https://github.com/z-lab/dflash); DFlash2 needs one with DFlash2DraftModel.
+ZLAB_REF ?= .cache/z-lab-dflash
+zlab-parity: $(BIN)/.installed
+	DFLASH_ZLAB_REF=$(abspath $(ZLAB_REF)) HF_HUB_OFFLINE=1 $(BIN)/pytest -q -rs tests/unit/test_zlab_parity.py
 
 bench-loss: $(BIN)/.installed
 	$(BIN)/python scripts/bench_loss.py

@@ -120,6 +120,26 @@ class MuonAdjustLr(StrEnum):
     match_rms_adamw = "match_rms_adamw"
 
 
+class DrafterFamilyName(StrEnum):
+    dflash = "dflash"
+    dflash2 = "dflash2"
+
+
+class SelectorLabel(StrEnum):
+    data = "data"
+    verifier = "verifier"
+
+
+class SelectorMissing(StrEnum):
+    exclude = "exclude"
+    inject = "inject"
+
+
+class SelectorWeighting(StrEnum):
+    base = "base"
+    uniform = "uniform"
+
+
 class Overlong(StrEnum):
     truncate = "truncate"
     skip = "skip"
@@ -325,6 +345,17 @@ class DrafterConfig:
 
     num_layers: int = field(default=5, metadata=derived("drafter.arch"))
     """Drafter decoder layers (5 in the published Qwen3 drafters)."""
+    family: DrafterFamilyName = field(default=DrafterFamilyName.dflash, metadata=derived("drafter.arch"))
+    """dflash (DFlash-1) or dflash2 (a block-local dynamic convolution around each layer's attention and
+    MLP, and a candidate selector walked as one chain per block; docs/training.md)."""
+    conv_kernel_size: int = field(default=2, metadata=derived("drafter.arch"))
+    """dflash2: taps of each dynamic convolution (slot t mixes slots t-K+1..t of its own block)."""
+    conv_group_size: int = field(default=16, metadata=derived("drafter.arch"))
+    """dflash2: channels sharing one dynamic coefficient (must divide the hidden size)."""
+    selector_rank: int = field(default=256, metadata=derived("drafter.arch"))
+    """dflash2: rank of the candidate selector's codebooks and hidden projection."""
+    selector_top_k: int = field(default=16, metadata=derived("drafter.arch"))
+    """dflash2: candidates per slot the selector chooses among (the top-K of the drafter's logits)."""
     block_size: int = field(default=16, metadata=derived("drafter.arch"))
     """Tokens per block: the anchor and block_size - 1 MASK slots (16 in the recipe)."""
     num_anchors: int = field(default=512, metadata=CONTRACT)
@@ -462,6 +493,19 @@ class LossConfig:
     dpace_normalizer: str = field(default="sum", metadata=CONTRACT)
     """With dpace: the loss is divided by the sum of the D-PACE weights (sum) or by the number of
     supervised slots (count)."""
+    selector: float = field(default=1.0, metadata=CONTRACT)
+    """drafter.family=dflash2: alpha, the coefficient of the selector loss (a K-way cross-entropy over
+    each slot's top-K candidates with the true previous token as predecessor) added to the base loss."""
+    selector_label: SelectorLabel = field(default=SelectorLabel.data, metadata=CONTRACT)
+    """dflash2: the selector's label, the data token (data) or the verifier's argmax (verifier)."""
+    selector_missing: SelectorMissing = field(default=SelectorMissing.exclude, metadata=CONTRACT)
+    """dflash2: a slot whose label is not among its top-K: left out of the selector loss (exclude) or
+    put in place of the K-th candidate (inject)."""
+    selector_weighting: SelectorWeighting = field(default=SelectorWeighting.base, metadata=CONTRACT)
+    """dflash2: each slot's selector loss weighted by its base-loss weight (base: the decay, or 1 with
+    D-PACE) or 1 (uniform)."""
+    selector_warmup_steps: int = field(default=0, metadata=CONTRACT)
+    """dflash2: the selector coefficient rises linearly from 0 to loss.selector over these steps."""
     chunk_size: int | None = field(default=None, metadata=FREE)
     """Rows per chunk of the verifier-logit loss; None = from mem_budget_gib (the same result)."""
     mem_budget_gib: float = field(default=2.0, metadata=FREE)

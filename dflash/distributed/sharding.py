@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dflash.distributed.links import PeerError, short_error
 from dflash.distributed.process_group import DistContext
+from dflash.drafter.families import build_drafter
 from dflash.drafter.model import DFlashDraftModel
 
 SHARD_MODES = ("none", "optimizer", "full")
@@ -199,6 +200,6 @@ def gather_weights(model: nn.Module, into: nn.Module | None) -> None:
 def whole_model(model: DFlashDraftModel) -> DFlashDraftModel:
     """An unsharded copy of ``model`` on the CPU with its whole weights (host memory: the copy and
     one whole tensor)."""
-    out = DFlashDraftModel(model.arch)
+    out = build_drafter(model.arch)
     gather_weights(model, out)
     return out

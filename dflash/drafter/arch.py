@@ -45,6 +45,16 @@ class DrafterArch:
     """``full_attention`` / ``sliding_attention`` per layer; empty = all full (filled in)."""
     sliding_window: int | None = None
     """W of the sliding layers (None iff there is none)."""
+    family: str = "dflash"
+    """The drafter family (``dflash.drafter.families``): ``dflash`` (DFlash-1) or ``dflash2``."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of each block-local dynamic convolution (slot t mixes slots t-K+1..t)."""
+    conv_group_size: int = 16
+    """dflash2: channels that share one dynamic coefficient (divides hidden_size)."""
+    selector_rank: int = 256
+    """dflash2: rank r of the candidate selector's codebooks and hidden projection."""
+    selector_top_k: int = 16
+    """dflash2: candidates K per slot (the top-K of the drafter's logits)."""
 
     def __post_init__(self) -> None:
         ids = [int(i) for i in self.target_layer_ids]
@@ -53,6 +63,23 @@ class DrafterArch:
                 f"target_layer_ids={self.target_layer_ids}: tap ids must be distinct decoder layers >= 0 in "
                 "increasing order (vLLM and SGLang collect the taps in layer order)"
             )
+        if self.family not in FAMILY_FIELDS:
+            raise ValueError(f"family={self.family!r}: must be one of {sorted(FAMILY_FIELDS)}")
+        if self.family == "dflash2":
+            if (
+                self.conv_kernel_size < 1
+                or self.conv_group_size < 1
+                or self.hidden_size % self.conv_group_size
+            ):
+                raise ValueError(
+                    f"conv_kernel_size={self.conv_kernel_size} / conv_group_size={self.conv_group_size}: need "
+                    f"both >= 1 and a group size that divides hidden_size={self.hidden_size}"
+                )
+            if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(
+                    f"selector_rank={self.selector_rank} / selector_top_k={self.selector_top_k}: need a rank >= 1 "
+                    f"and 1 <= top_k <= vocab_size={self.vocab_size}"
+                )
         if not self.layer_types:
             self.layer_types = [FULL_ATTENTION] * self.num_layers
         bad = sorted({t for t in self.layer_types if t not in DRAFTER_LAYER_TYPES})
@@ -107,8 +134,27 @@ class DrafterArch:
             max_window_layers=self.num_layers,
         )
 
+    @property
+    def conv_groups(self) -> int:
+        return self.hidden_size // self.conv_group_size
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict, without the fields of another family (a DFlash-1 arch reads as it did
+        before families existed, so its run contract and checkpoints are unchanged)."""
+        d = asdict(self)
+        own = FAMILY_FIELDS[self.family]
+        for name in {f for fields in FAMILY_FIELDS.values() for f in fields} - set(own):
+            d.pop(name)
+        if self.family == "dflash":
+            d.pop("family")
+        return d
+
+
+FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
+    "dflash": (),
+    "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+}
+"""The ``DrafterArch`` fields each family adds to the shared ones (written to ``dflash_config``)."""
 
 
 ROPE_KEYS_DROPPED = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
@@ -232,6 +278,8 @@ def build_arch(
         initializer_range=d.init_std,
         layer_types=layer_types,
         sliding_window=window,
+        family=str(d.family),
+        **{name: getattr(d, name) for name in FAMILY_FIELDS[str(d.family)]},
     )
 
 

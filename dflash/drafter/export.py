@@ -8,6 +8,11 @@ drafter's own tensors (``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.
 ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``); no embedding and no lm_head. SGLang
 (``--speculative-algorithm DFLASH``) and vLLM load this directory next to the target.
 
+The family (:mod:`dflash.drafter.families`) sets ``architectures`` and adds its own
+``dflash_config`` keys: DFlash2 writes ``["DFlash2DraftModel"]`` with ``conv_kernel_size``,
+``conv_group_size``, ``selector_rank`` and ``selector_top_k``, and its tensors under the served
+names (:mod:`dflash.drafter.dflash2`); import reads the family back from ``architectures``.
+
 Attention layout and causality (the semantics are in ``dflash.drafter.blocks``):
 - ``layer_types`` (one entry per layer), ``sliding_window`` (W or null) and ``use_sliding_window``
   (true iff a layer is sliding; transformers' Qwen3Config drops the window otherwise) are always
@@ -36,10 +41,11 @@ from safetensors.torch import load_file, save_file
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash.config.checks import tap_ids_problem
 from dflash.drafter.arch import DrafterArch, mask_token_problem, rope_from_config
+from dflash.drafter.families import FAMILIES, family_of, family_of_architectures
 from dflash.drafter.model import DFlashDraftModel
 from dflash.files import atomic_directory
 
-ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE = FAMILIES["dflash"].architecture
 
 
 def drafter_state(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
@@ -66,6 +72,8 @@ def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype)
         "mask_token_id": arch.mask_token_id,
         "block_size": arch.block_size,
     }
+    family = family_of(arch)
+    dflash_config.update({name: getattr(arch, name) for name in family.fields})
     causal = {t == SLIDING_ATTENTION for t in arch.layer_types}
     if len(causal) == 1:
         cfg["is_causal"] = dflash_config["causal"] = causal.pop()
@@ -73,7 +81,7 @@ def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype)
     if arch.partial_rotary_factor != 1.0:
         rope["partial_rotary_factor"] = cfg["partial_rotary_factor"] = arch.partial_rotary_factor
     cfg.update(
-        architectures=[ARCHITECTURE],
+        architectures=[family.architecture],
         model_type="qwen3",
         dtype=str(dtype).removeprefix("torch."),
         use_cache=False,
@@ -174,10 +182,13 @@ def _tap_ids_of(config: dict) -> list[int]:
 
 def arch_from_export(config: dict) -> DrafterArch:
     """The DrafterArch described by an exported ``config.json`` (ValueError naming a missing or bad field)."""
-    if ARCHITECTURE not in config.get("architectures", []):
-        raise ValueError(f"config.json architectures={config.get('architectures')} is not [{ARCHITECTURE!r}]")
+    family = family_of_architectures(list(config.get("architectures") or []))
     dcfg = config.get("dflash_config") or {}
     try:
+        missing = [name for name in family.fields if name not in dcfg]
+        if missing:
+            raise KeyError(f"dflash_config.{missing[0]}")
+        own = {name: dcfg[name] for name in family.fields}
         num_layers = config["num_hidden_layers"]
         block_size = _block_size_of(config)
         layer_ids = _tap_ids_of(config)
@@ -201,6 +212,8 @@ def arch_from_export(config: dict) -> DrafterArch:
             initializer_range=config.get("initializer_range", 0.02),
             layer_types=layer_types,
             sliding_window=window,
+            family=family.name,
+            **own,
         )
     except KeyError as e:
         raise ValueError(f"exported drafter config.json lacks field {e.args[0]!r}") from None
@@ -260,7 +273,7 @@ def tensor_problems(path: str | os.PathLike, arch: DrafterArch) -> list[str]:
     from safetensors import safe_open
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DFlashDraftModel(arch).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in family_of(arch).model(arch).state_dict().items()}
     file = Path(path) / "model.safetensors"
     with safe_open(str(file), framework="pt") as f:
         found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -283,7 +296,13 @@ def warm_start_problems(
     ``target_num_layers``-layer target)."""
     taps_fit = target_num_layers is None or tap_ids_problem(saved.target_layer_ids, target_num_layers) is None
     p = []
+    if saved.family != current.family:
+        return [
+            f"drafter.init_from: the saved drafter is drafter.family={saved.family}, this run trains "
+            f"{current.family}; set drafter.family={saved.family}"
+        ]
     for field, fix in (
+        *((f, f"set drafter.{f} to the saved value") for f in family_of(current).fields),
         ("hidden_size", "train a drafter for this target instead"),
         (
             "target_layer_ids",

@@ -200,14 +200,18 @@ class DFlashDraftModel(nn.Module):
     training each layer keeps only its inputs and runs its forward again in backward (non-reentrant
     ``torch.utils.checkpoint``); the results are the same."""
 
+    layer_class: type[DFlashDecoderLayer] = DFlashDecoderLayer
+    """The decoder layer a family builds (DFlash2 wraps its sublayers in convolutions)."""
+
     def __init__(self, arch: DrafterArch) -> None:
         super().__init__()
         self.arch = arch
-        self.layers = nn.ModuleList(DFlashDecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(arch, i) for i in range(arch.num_layers))
         self.fc = nn.Linear(arch.num_taps * arch.hidden_size, arch.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.norm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(arch)
+        self.add_family_modules()
         self.reset_parameters()
 
     @property
@@ -236,15 +240,38 @@ class DFlashDraftModel(nn.Module):
         return KVCache(self.arch.num_layers, [None if w is None else w - 1 for w in windows])
 
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Normal(0, initializer_range) linears, unit norms (HF ``post_init`` convention)."""
+        """Normal(0, initializer_range) linears, unit norms (HF ``post_init`` convention), then the
+        family's own modules (:meth:`reset_family_parameters`; the DFlash-1 modules draw the same
+        numbers whatever the family adds)."""
         gen = None if seed is None else torch.Generator().manual_seed(seed)
+        own = {id(sub) for module in self.family_modules() for sub in module.modules()}
         for module in self.modules():
+            if id(module) in own:
+                continue
             if isinstance(module, nn.Linear):
                 with torch.no_grad():
                     w = torch.randn(module.weight.shape, generator=gen) * self.arch.initializer_range
                     module.weight.copy_(w)
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
+        self.reset_family_parameters(gen)
+
+    def add_family_modules(self) -> None:
+        """A family's modules beyond DFlash-1's (built before the initialisation; DFlash-1 has none)."""
+
+    def family_modules(self) -> list[nn.Module]:
+        """The modules :meth:`reset_family_parameters` initialises (the common one skips them)."""
+        return []
+
+    def reset_family_parameters(self, gen: torch.Generator | None) -> None:
+        """A family's own initialisation after the common one (DFlash-1 has none)."""
+
+    def propose(self, hidden: torch.Tensor, previous: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """The decode hook: greedy draft tokens [B, L] of the block slots after the anchor.
+
+        hidden [B, L, H] final hidden states of slots 1..L; previous [B] the anchor token; head
+        [V, H] the target's lm_head. DFlash-1: the argmax of each slot's logits."""
+        return (hidden @ head.T).argmax(-1)
 
     def context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[B, S, n_tap*H] concatenated tapped target states -> [B, S, H] context rows, ready for the

@@ -16,8 +16,9 @@ from dflash.config import LossConfig
 from dflash.drafter.blocks import build_masks, label_slots, make_blocks
 from dflash.drafter.model import DFlashDraftModel
 from dflash.loss.dpace import dpace_weights
+from dflash.loss.selector import SelectorOutput, selector_loss
 from dflash.loss.terms import TERMS, coefficients, needs_verifier_logits
-from dflash.loss.verifier import verifier_loss
+from dflash.loss.verifier import default_chunk_size, verifier_loss
 from dflash.targets.packing import doc_ids_from_positions
 
 
@@ -56,6 +57,15 @@ class ObjectiveOutput:
     num_blocks: torch.Tensor
     term_sums: torch.Tensor
     num_rows: int
+    selector_sums: torch.Tensor
+    """[len(SELECTOR_SUMS)]: DFlash2's selector sums (:data:`SELECTOR_SUMS`; zeros for DFlash-1)."""
+
+
+SELECTOR_SUMS = ("rows", "recall", "hit", "weight", "loss", "inv_tau_unary")
+"""DFlash2 selector sums per batch: supervised rows, rows whose label is among the top-k
+(recall@k), teacher-forced hits (accuracy), the selector loss's weight and weighted loss sums, and
+the sum over blocks of 1 / tau of the unary argmax against the verifier (the DFlash-1 decode of the
+same logits, beside ``tau_hat``, which for DFlash2 is the selector chain's)."""
 
 
 def slot_weights(
@@ -136,8 +146,10 @@ def dflash_loss(
     on_phase: Callable[[str], None] | None = None,
     normalizer: float | None = None,
     num_rows: int | None = None,
+    selector_scale: float | None = None,
 ) -> ObjectiveOutput:
-    """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss.
+    """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss (+ DFlash2's
+    selector loss).
 
     aux_hidden [B, S, n_tap*H] tapped target states; final_hidden [B, S, H] post-norm target state;
     input_ids / loss_mask [B, S]; anchors [B, N] int64 (-1 = no block); embed_weight / lm_head_weight
@@ -155,6 +167,8 @@ def dflash_loss(
     gradients once by the global weight sum. ``num_rows``: R when the caller knows it
     (``num_supervised`` on its host copies): no host sync in the whole call (the count and the
     labels' range are asserted on the device); None: R is found on the device (host syncs).
+    ``selector_scale``: DFlash2's selector loss coefficient at this step (``selector_coefficient``;
+    None: ``loss_cfg.selector``). For DFlash2 the tau sums follow its selector chain.
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
@@ -173,15 +187,18 @@ def dflash_loss(
     if on_phase is not None:
         on_phase("drafter_forward")
     coefs = coefficients(loss_cfg)
-    verifier_hidden = final_hidden if needs_verifier_logits(coefs, verifier_metrics) else None
+    selector = getattr(drafter, "candidate_selector", None)
+    wants_verifier = verifier_metrics or (selector is not None and loss_cfg.selector_label == "verifier")
+    verifier_hidden = final_hidden if needs_verifier_logits(coefs, wants_verifier) else None
     dpace = loss_cfg.dpace > 0
     sup = _supervised_slots(
         blocks, loss_mask, input_ids, verifier_hidden, None if dpace else loss_cfg.gamma, hidden, num_rows
     )
     if num_rows is not None:
         _assert_labels_in_vocab(sup.labels, lm_head_weight.shape[0])
+    rows_hidden = hidden.reshape(-1, hidden.shape[-1])[sup.rows]
     out = verifier_loss(
-        hidden.reshape(-1, hidden.shape[-1])[sup.rows],
+        rows_hidden,
         sup.verifier_rows,
         lm_head_weight,
         sup.labels,
@@ -197,9 +214,58 @@ def dflash_loss(
         reweight=_dpace_reweight(sup, loss_cfg.dpace) if dpace else None,
         reweight_normalizer=loss_cfg.dpace_normalizer,
     )
+    loss, sel = out.loss, None
+    if selector is not None:
+        sel = _selector_step(selector, rows_hidden, lm_head_weight, input_ids, blocks, sup, out, loss_cfg)
+        scale = loss_cfg.selector if selector_scale is None else selector_scale
+        divided_by = normalizer if normalizer is not None else out.weight_sum
+        if divided_by is None:  # the loss's own normaliser: its weight sum
+            divided_by = sup.weights.view(-1)[sup.rows].sum()
+        loss = loss + (scale * sel.loss_sum / divided_by).to(loss.dtype)
     if on_phase is not None:
         on_phase("loss")
-    return _objective_output(out, sup, anchors, normalizer)
+    return _objective_output(out, loss, sup, anchors, normalizer, sel, str(loss_cfg.selector_label))
+
+
+def selector_coefficient(loss_cfg: LossConfig, step: int) -> float:
+    """DFlash2's selector coefficient at optimizer step ``step`` (0-based): ``loss.selector``,
+    reached linearly over ``loss.selector_warmup_steps``."""
+    ramp = loss_cfg.selector_warmup_steps
+    return loss_cfg.selector * (min(1.0, (step + 1) / ramp) if ramp > 0 else 1.0)
+
+
+def _selector_step(selector, rows_hidden, head, input_ids, blocks, sup, out, loss_cfg) -> SelectorOutput:
+    """DFlash2's selector loss and hits on the supervised rows (:mod:`dflash.loss.selector`)."""
+    B, N, bs = blocks.label_pos.shape
+    prev_pos = (blocks.label_pos - 1).clamp(min=0).view(B, N * bs)
+    prev_slots = input_ids.gather(1, prev_pos).view(B * N, bs)
+    va = out.stats.verifier_argmax
+    labels = va if loss_cfg.selector_label == "verifier" else sup.labels
+    if labels is None:
+        raise ValueError("loss.selector_label=verifier needs the verifier's logits")
+    prev_verifier = None
+    if va is not None:  # the chain after the verifier's tokens: slot k follows slot k-1's argmax
+        slots = torch.zeros(B * N * bs, dtype=torch.long, device=va.device)
+        slots[sup.rows] = va.clamp(min=0)
+        slots = slots.view(B * N, bs)
+        prev_v = prev_slots.clone()
+        prev_v[:, 2:] = slots[:, 1:-1]
+        prev_verifier = prev_v.view(-1)[sup.rows]
+    base = sup.weights.view(-1)[sup.rows]
+    chunk = loss_cfg.chunk_size or default_chunk_size(
+        head.shape[0], loss_cfg.mem_budget_gib, with_verifier=False
+    )
+    return selector_loss(
+        selector,
+        rows_hidden,
+        head,
+        prev_slots.view(-1)[sup.rows],
+        labels,
+        base if loss_cfg.selector_weighting == "base" else torch.ones_like(base),
+        missing=str(loss_cfg.selector_missing),
+        chunk=chunk,
+        previous_verifier=prev_verifier,
+    )
 
 
 @dataclass
@@ -279,9 +345,16 @@ def _all_weighted(block_size: int, gamma: float, hidden_dtype: torch.dtype) -> b
 
 @torch.no_grad()
 def _objective_output(
-    out, sup: _Supervised, anchors: torch.Tensor, normalizer: float | None
+    out,
+    loss: torch.Tensor,
+    sup: _Supervised,
+    anchors: torch.Tensor,
+    normalizer: float | None,
+    sel: SelectorOutput | None,
+    selector_label: str,
 ) -> ObjectiveOutput:
-    """The batch's loss and its sums for aggregation (see ``ObjectiveOutput``)."""
+    """The batch's loss and its sums for aggregation (see ``ObjectiveOutput``); with DFlash2's
+    selector the tau sums are its chain's."""
     B, N, bs = sup.supervised.shape
     base_sum = sup.weights.view(-1)[sup.rows].double().sum()
     weight_sum = out.weight_sum.double() if out.weight_sum is not None else base_sum
@@ -292,6 +365,26 @@ def _objective_output(
     if out.stats.verifier_hit is not None:
         hit_v.view(-1)[sup.rows] = out.stats.verifier_hit
     real = anchors >= 0
+    slot_hit, slot_hit_v = hit, hit_v  # the unary argmax's, per slot
+    selector_sums = torch.zeros(len(SELECTOR_SUMS), dtype=torch.float64, device=anchors.device)
+    if sel is not None:
+        unary_ver = prefix_accept(hit_v).double()
+        labels = out.stats.verifier_argmax if selector_label == "verifier" else sup.labels
+        selector_sums = torch.stack(
+            [
+                torch.tensor(float(sup.rows.numel()), dtype=torch.float64, device=anchors.device),
+                sel.recall.double().sum(),
+                (sel.pick == labels).double().sum(),
+                sel.weight_sum.double(),
+                sel.loss_sum.detach().double(),
+                torch.where(real, 1.0 / unary_ver, 0.0).sum(),
+            ]
+        )
+        hit = torch.zeros_like(hit)
+        hit.view(-1)[sup.rows] = sel.pick == sup.labels
+        hit_v = torch.zeros_like(hit)
+        if sel.pick_verifier is not None:
+            hit_v.view(-1)[sup.rows] = sel.pick_verifier == out.stats.verifier_argmax
     tau_data, tau_ver = prefix_accept(hit).double(), prefix_accept(hit_v).double()
     term_sums = torch.zeros(len(TERMS), dtype=torch.float64, device=anchors.device)
     for i, term in enumerate(TERMS):
@@ -299,13 +392,13 @@ def _objective_output(
             term_sums[i] = out.terms[term.name].double() * base_sum
     divided_by = weight_sum if normalizer is None else float(normalizer)
     return ObjectiveOutput(
-        loss=out.loss,
+        loss=loss,
         weight_sum=weight_sum,
         base_weight_sum=base_sum,
-        loss_sum=out.loss.detach().double() * divided_by,
+        loss_sum=loss.detach().double() * divided_by,
         slot_count=sup.supervised.sum(dim=(0, 1)).double(),
-        slot_hit=hit.sum(dim=(0, 1)).double(),
-        slot_hit_verifier=hit_v.sum(dim=(0, 1)).double(),
+        slot_hit=slot_hit.sum(dim=(0, 1)).double(),
+        slot_hit_verifier=slot_hit_v.sum(dim=(0, 1)).double(),
         tau_sum=torch.where(real, tau_data, 0.0).sum(),
         tau_verifier_sum=torch.where(real, tau_ver, 0.0).sum(),
         inv_tau_sum=torch.where(real, 1.0 / tau_data, 0.0).sum(),
@@ -313,4 +406,5 @@ def _objective_output(
         num_blocks=real.sum().double(),
         term_sums=term_sums,
         num_rows=int(sup.rows.numel()),
+        selector_sums=selector_sums,
     )

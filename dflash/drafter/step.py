@@ -149,11 +149,13 @@ def objective_step(
     plan: StepPlan,
     *,
     on_phase: Callable[[str], None] | None = None,
+    selector_scale: float | None = None,
 ) -> ObjectiveOutput:
     """blocks -> drafter -> chunked loss for one packet: ``aux_hidden`` [T, n_tap*H],
     ``final_hidden`` [T, H], ``input_ids`` / ``loss_mask`` [T] on the step's device; ``anchors`` from
     :func:`plan_anchors` (moved without a host sync); ``embed`` / ``head`` [V, H] frozen target
-    tensors. ``on_phase(name)``: called when the drafter forward and the loss end (step timing)."""
+    tensors. ``on_phase(name)``: called when the drafter forward and the loss end (step timing);
+    ``selector_scale``: DFlash2's selector coefficient at this step (None: ``loss.selector``)."""
     device = input_ids.device
     positions = anchors.positions.to(device, non_blocking=True)
     blocks = anchors.anchors.to(device, non_blocking=True)
@@ -174,4 +176,5 @@ def objective_step(
             on_phase=on_phase,
             normalizer=plan.normalizer,
             num_rows=anchors.num_rows,
+            selector_scale=selector_scale,
         )

@@ -262,8 +262,9 @@ def _frozen_drafter(
 ) -> DFlashDraftModel:
     """The exported weights in a drafter on ``device``, in eval mode, frozen, parameters in ``dtype``."""
     from dflash.drafter.export import load_into
+    from dflash.drafter.families import build_drafter
 
-    drafter = DFlashDraftModel(arch)
+    drafter = build_drafter(arch)
     load_into(drafter, state)
     drafter.to(device).eval().requires_grad_(False)
     with torch.no_grad():  # parameters only: the RoPE inv_freq buffer stays fp32, as in the target

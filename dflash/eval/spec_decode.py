@@ -7,7 +7,8 @@ One generation::
     step      (anchor t = position of the newest token x_t; the target cache holds positions < t)
       draft   drafter(noise = embed([x_t, MASK x (B-1)]) at positions t..t+B-1,
                       new context = taps of the positions not yet in the drafter cache, at their
-                      positions, + its KVCache)  ->  d_1..d_{B-1} = argmax(lm_head(hidden[1:]))
+                      positions, + its KVCache)  ->  d_1..d_{B-1} = the family's ``propose`` of
+                      hidden[1:]: argmax(lm_head(.)) for DFlash-1, DFlash2's selector chain from x_t
               the drafter KVCache grows by the new context rows only (never the block rows), so after
               the call it holds exactly positions 0..t-1
       verify  target([x_t, d_1..d_{B-1}]) at positions t..t+B-1 with its cache, taps captured
@@ -168,7 +169,8 @@ class _Drafter:
             None,
             self.cache,
         )
-        return (hidden[0, 1:] @ self.head.T).argmax(-1)
+        previous = torch.tensor([x], dtype=torch.long, device=self.device)
+        return self.model.propose(hidden[:, 1:], previous, self.head)[0]
 
 
 @torch.inference_mode()

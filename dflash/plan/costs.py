@@ -41,6 +41,9 @@ Drafter step (forward + backward), per packet:
 - per decoder layer, over the ``Q = blocks*B`` block tokens: q and o projections ``2*2*Q*H*nh*hd``,
   k and v over context and blocks ``2*2*(S_c + Q)*H*nkv*hd``, MLP ``6*Q*H*F``, attention
   ``4*nh*hd*k`` per block query; backward = 2x forward (input and weight gradients): 3x in total;
+- DFlash2 (``drafter.family``; :mod:`dflash.drafter.families`): per layer and block token the two
+  kernel projections ``2*2*H*(2*K*G)`` (3x), per supervised row the candidates' top-k pass
+  ``2*H*V`` (forward only) and the selector ``2*H*r + 2*k*r`` (3x);
 - the loss over the ``R`` supervised slots with the frozen lm_head, chunked: drafter logits
   ``2*R*H*V``, the logit gradient ``dh = G @ W`` ``2*R*H*V``, and the verifier logits
   ``2*R*H*V`` when a term or the metrics need them (KL, verifier-CE, accuracy against the verifier
@@ -61,6 +64,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from dflash.config import LossConfig, TargetShape
+from dflash.drafter.family_costs import family_costs
 from dflash.loss.terms import coefficients, needs_verifier_logits
 from dflash.targets.families import KERNEL_PARTS, flop_by_part, tp_traffic_per_token
 from dflash.targets.tp import TpLayout
@@ -71,7 +75,9 @@ if TYPE_CHECKING:
 AttentionKind = Literal["sparse", "dense"]
 """How many keys an attention kernel computes per query: only the visible ones, or the whole row."""
 
-LOSS_GEMMS = ("drafter_logits", "logit_grad", "verifier_logits")
+LOSS_GEMMS = ("drafter_logits", "logit_grad", "verifier_logits", "candidate_logits", "selector")
+"""The loss's GEMMs; the last two are DFlash2's (the no-grad top-k pass over the vocabulary and the
+selector's projection and edge scores, forward + backward; 0 for DFlash-1)."""
 
 
 @dataclass(frozen=True)
@@ -273,13 +279,21 @@ def packet_costs(
     attn = 4 * nh * hd * q * drafter_keys_per_query(packet, bs, drafter_attention)
     layer = 2 * 2 * q * h * nh * hd + 2 * 2 * (s_c + q) * h * nkv * hd + 6 * q * h * drafter.intermediate_size
     fc = 2 * s_c * drafter.num_taps * h * h
-    drafter_layers_flop = 3 * drafter.num_layers * (layer + attn) + 2 * fc
+    family = family_costs(drafter)
+    layer_flop = layer + q * family.layer_flop_per_token(drafter)
+    drafter_layers_flop = 3 * drafter.num_layers * (layer_flop + attn) + 2 * fc
     drafter_attention_flop = 3 * drafter.num_layers * attn
 
     rows = packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (bs - 1)
     gemm = 2 * rows * h * drafter.vocab_size
     verifier = needs_verifier_logits(coefficients(loss), verifier_metrics)
-    loss_flop = {"drafter_logits": gemm, "logit_grad": gemm, "verifier_logits": gemm if verifier else 0}
+    loss_flop = {
+        "drafter_logits": gemm,
+        "logit_grad": gemm,
+        "verifier_logits": gemm if verifier else 0,
+        "candidate_logits": rows * family.head_no_grad_flop_per_row(drafter),
+        "selector": 3 * rows * family.head_flop_per_row(drafter),
+    }
 
     hidden = packet.tokens * (drafter.num_taps + 1) * h * hidden_dtype_bytes
     payload = hidden + packet.tokens * (8 + 1) + packet.num_seqs * 8

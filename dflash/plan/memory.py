@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash.config import TargetShape
+from dflash.drafter.family_costs import family_costs
 from dflash.plan.costs import AttentionKind, PacketShape
 from dflash.targets.families import described_fields, params_by_part, weights_message, working_bytes_per_token
 from dflash.targets.tp import TpLayout
@@ -119,8 +120,12 @@ def drafter_layer_params(drafter: DrafterArch) -> int:
 
 
 def drafter_num_params(drafter: DrafterArch) -> int:
-    """Trainable drafter parameters: decoder layers and ``fc`` (the norms are negligible)."""
-    return drafter.num_layers * drafter_layer_params(drafter) + drafter.num_taps * drafter.hidden_size**2
+    """Trainable drafter parameters: decoder layers and ``fc`` (the norms are negligible), and the
+    family's own (DFlash2: convolutions and selector, ``dflash.drafter.families``)."""
+    own = int(family_costs(drafter).extra_params(drafter))
+    return (
+        drafter.num_layers * drafter_layer_params(drafter) + drafter.num_taps * drafter.hidden_size**2 + own
+    )
 
 
 def payload_bytes(packet: PacketShape, num_taps: int, hidden: int, dtype_bytes: int) -> int:
@@ -222,7 +227,8 @@ def drafter_activations(
     # the context norm and (autocast) the context's one bf16 copy, or the fp32 copy of the taps; RoPE tables
     once = s * (8 * h if dtypes.autocast else 4 * n_tap * h + 12 * h) + 8 * rd * (q + s)
     ends = q * (8 + dtypes.target_bytes) * h  # the noise embedding, the final norm
-    layer = _layer_activation_bytes(drafter, q, s, dtypes.autocast)
+    extra = family_costs(drafter).layer_activation_bytes_per_token(drafter)
+    layer = _layer_activation_bytes(drafter, q, s, dtypes.autocast) + q * extra
     if not checkpoint:
         full = (
             once
@@ -250,7 +256,8 @@ def loss_workspace_bytes(
     if a < 4:
         logits += chunk * v * 2 if dtypes.cuda else v * h * 4  # the bf16 gradient chunk / an fp32 head
     rows_bytes = 2 * rows * h * 4 + (rows * h * a if verifier_logits else 0) + chunk * h * 4
-    return logits + rows_bytes
+    selector = rows * family_costs(drafter).head_activation_bytes_per_row(drafter)
+    return logits + rows_bytes + selector
 
 
 def drafter_memory(

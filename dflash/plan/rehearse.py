@@ -59,6 +59,7 @@ from dflash.distributed.protocol import (
     payload_buffers,
 )
 from dflash.distributed.sharding import clip_grad_norm_, drafter_mesh, shard_drafter
+from dflash.drafter.families import build_drafter as new_drafter
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.optim import build_optimizer
 from dflash.drafter.step import StepPlan, objective_step, plan_anchors
@@ -357,7 +358,7 @@ def build_drafter(
     (foreach, as on CUDA) and the frozen embedding and lm_head (``embed_head``: the co-located
     target's own; else a copy in the target dtype)."""
     with live.term(weights_term):
-        model = DFlashDraftModel(inputs.arch)
+        model = new_drafter(inputs.arch)
         if settings.shard != "none" and settings.num_drafters > 1:
             shard_drafter(model, drafter_mesh(dist.group.WORLD, torch.device("cpu")), settings.shard)
     model.checkpoint_layers = settings.checkpoint

@@ -225,6 +225,14 @@ def _packet_lines(plan: Plan) -> list[str]:
         f"           loss: drafter logits                 {_tf(c.drafter_loss_flop['drafter_logits'])}",
         f"           loss: logit gradient (dh = G W)      {_tf(c.drafter_loss_flop['logit_grad'])}",
         f"           loss: verifier logits                {_tf(c.drafter_loss_flop['verifier_logits'])}",
+        *(
+            [
+                f"           loss: candidate logits (DFlash2)     {_tf(c.drafter_loss_flop['candidate_logits'])}",
+                f"           loss: selector (DFlash2)             {_tf(c.drafter_loss_flop['selector'])}",
+            ]
+            if c.drafter_loss_flop["candidate_logits"]
+            else []
+        ),
         f"           total                                {_tf(c.drafter_flop)}",
         f"  drafter/target FLOP ratio {c.drafter_flop / c.target_flop:.2f}; on the wire {c.hidden_bytes / 1e6:.1f} MB "
         f"of hidden states ({arch.num_taps} taps + final, {inp.dtypes.target_bytes} bytes each), "

@@ -25,6 +25,7 @@ import torch
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.export import export_drafter, load_into
+from dflash.drafter.families import build_drafter as build_from_arch
 from dflash.drafter.model import DFlashDraftModel
 
 
@@ -47,7 +48,7 @@ def relayout(arch: DrafterArch, layer_types: list[str], sliding_window: int | No
 
 def build_drafter(arch: DrafterArch, state: dict[str, torch.Tensor]) -> DFlashDraftModel:
     """A drafter of ``arch`` holding ``state`` (the exported tensor names), in eval mode on CPU."""
-    model = DFlashDraftModel(arch)
+    model = build_from_arch(arch)
     load_into(model, state)
     return model.eval().requires_grad_(False)
 

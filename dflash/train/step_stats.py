@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.drafter.objective import ObjectiveOutput
+from dflash.drafter.objective import SELECTOR_SUMS, ObjectiveOutput
 from dflash.loss.terms import TERMS
 
 OBJECTIVE_SUMS: dict[str, int] = {
@@ -36,6 +36,7 @@ OBJECTIVE_SUMS: dict[str, int] = {
     "inv_tau_verifier_sum": 1,
     "num_blocks": 1,
     "term_sums": len(TERMS),
+    "selector_sums": len(SELECTOR_SUMS),
 }
 """ObjectiveOutput fields summed per step: name -> length (0: the block size)."""
 COUNTERS = (
@@ -158,11 +159,27 @@ def step_metrics(
     for i, term in enumerate(TERMS):
         if loss_weights.get(term.name, 0.0) > 0 or float(o["term_sums"][i]) != 0.0:
             m[term.metric] = _ratio(float(o["term_sums"][i]), float(o["base_weight_sum"]))
+    m.update(selector_metrics(o["selector_sums"], blocks))
     for k in range(1, s.block_size):
         count = float(o["slot_count"][k])
         m[f"train/acc_slot_{k}"] = _ratio(float(o["slot_hit"][k]), count)
         m[f"train/acc_verifier_slot_{k}"] = _ratio(float(o["slot_hit_verifier"][k]), count)
     return m
+
+
+def selector_metrics(sums: torch.Tensor, blocks: float, prefix: str = "train") -> dict[str, float]:
+    """DFlash2's selector metrics from the summed ``selector_sums`` (none for DFlash-1): recall@k
+    (the label among the top-k), the teacher-forced accuracy, the selector loss per unit of its
+    weight and ``tau_hat_unary`` (the argmax decode of the same logits; ``tau_hat`` is the chain's)."""
+    v = dict(zip(SELECTOR_SUMS, sums.tolist(), strict=True))
+    if v["rows"] <= 0:
+        return {}
+    return {
+        f"{prefix}/selector_recall": v["recall"] / v["rows"],
+        f"{prefix}/selector_acc": v["hit"] / v["rows"],
+        f"{prefix}/loss_selector": _ratio(v["loss"], v["weight"]),
+        f"{prefix}/tau_hat_unary": _ratio(blocks, v["inv_tau_unary"]),
+    }
 
 
 def _ratio(num: float, den: float) -> float:

@@ -40,8 +40,9 @@ from dflash.distributed.links import DrafterLink
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
 from dflash.drafter.export import export_drafter, load_exported, load_into
+from dflash.drafter.families import build_drafter
 from dflash.drafter.model import DFlashDraftModel, num_parameters
-from dflash.drafter.objective import ObjectiveOutput
+from dflash.drafter.objective import ObjectiveOutput, selector_coefficient
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler, group_lrs, peak_lrs
 from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.loss.terms import coefficients
@@ -108,6 +109,8 @@ class _StepLocal:
     anchors_offered: int = 0
     """The anchors ``drafter.num_anchors`` offers in these packets before ``max_anchors_per_packet``
     (counted on the host copies)."""
+    selector_scale: float = 0.0
+    """DFlash2's selector loss coefficient at this step (``selector_coefficient``)."""
 
 
 @dataclass
@@ -213,7 +216,7 @@ class DrafterTrainer:
         its layers checkpointed when ``drafter.activation_checkpointing`` says so (auto: when the
         planner finds that this role does not fit its device without it; every drafter agrees) and
         compiled on CUDA unless ``drafter.compile=false`` (before FSDP2 shards them, as torchtitan)."""
-        model = DFlashDraftModel(self.setup.arch)
+        model = build_drafter(self.setup.arch)
         model.reset_parameters(seed=self.cfg.train.seed)
         if self.cfg.drafter.init_from:
             _, state = load_exported(resolve_path(self.cfg.drafter.init_from))
@@ -356,6 +359,7 @@ class DrafterTrainer:
             anchors,
             self.step_plan,
             on_phase=self.phases.mark,
+            selector_scale=local.selector_scale,
         )
 
     def _next_packet(self, step: int, i: int, packets: list[int]) -> int | None:
@@ -392,6 +396,7 @@ class DrafterTrainer:
             target_fwd=torch.zeros(n_targets, dtype=torch.float64),
             target_mem=torch.zeros(n_targets, dtype=torch.float64),
             target_packets=torch.zeros(n_targets, dtype=torch.float64),
+            selector_scale=selector_coefficient(self.setup.cfg.loss, step),
         )
         self.phases.start()
         for i, g in enumerate(packets):

@@ -198,12 +198,12 @@ def _entry(rank: int, world: int, tmp: str, mode: str) -> None:
         out["shards_vs_whole"] = _max_diff(_whole_state(plain, plain_opt), whole)
         _unsharded_steps(plain, plain_opt, range(HALF, STEPS), arch, embed, head)
         out["sharded_to_unsharded"] = _max_diff(_whole_weights(plain), ref_end)
-        load__whole_weights(plain, ref_half[0])
+        load_full_model_state(plain, ref_half[0])
         load_full_optimizer_state(plain_opt, ref_half[1])
         _unsharded_steps(plain, plain_opt, range(HALF, STEPS), arch, embed, head, idle=HALF + 1)
         again = shard_drafter(_fresh(arch), mesh, mode)
         again_opt = build_optimizer(list(again.parameters()), OPTIM)
-        load__whole_weights(again, ref_half[0])
+        load_full_model_state(again, ref_half[0])
         load_full_optimizer_state(again_opt, ref_half[1])
         reducer = ShardedGradReducer(again, ctx)
         _sharded_steps(again, again_opt, reducer, range(HALF, STEPS), rank, arch, embed, head, idle=HALF + 1)
@@ -294,7 +294,8 @@ def _whole_optimizer_state(opt) -> dict:
     """``opt.state_dict()`` with its moments whole (gathered when sharded)."""
     sd = opt.state_dict()
     state = {
-        i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()} for i, s in sd["state"].items()
+        i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()}
+        for i, s in sd["state"].items()
     }
     return {"state": state, "param_groups": sd["param_groups"]}
 
@@ -356,7 +357,7 @@ def _muon_entry(rank: int, world: int, tmp: str) -> None:
                 out["state_diff"] = _state_diff(_whole_optimizer_state(opt), ref_opt.state_dict())
                 again = shard_drafter(_fresh(arch), mesh, "full")
                 again_opt = build_optimizer(list(again.parameters()), MUON)
-                load__whole_weights(again, _whole_weights(ref))
+                load_full_model_state(again, _whole_weights(ref))
                 load_full_optimizer_state(again_opt, ref_opt.state_dict())
                 again_reducer = ShardedGradReducer(again, ctx)
             _sharded_grads(model, opt, reducer, step, rank, arch, embed, head)

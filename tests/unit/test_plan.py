@@ -31,6 +31,7 @@ from dflash.plan.inputs import (
     resolve_inputs,
     shape_problems,
 )
+from dflash.plan.memory import drafter_num_params
 from dflash.plan.planner import make_plan
 from dflash.plan.throughput import RoleTimes, best_split, colocated, disaggregated
 from dflash.targets.forward import build_batch, target_forward
@@ -98,7 +99,32 @@ def test_flops_of_a_tiny_shape_by_hand():
     assert c.drafter_attention_flop == 3 * 1280
     assert c.drafter_layers_flop == 3 * (2048 + 1792 + 6144 + 1280) + 2 * 1536
     # loss: R = 2 * (4-1) = 6 rows, each GEMM 2*6*8*10 = 960: logits + gradient
-    assert c.drafter_loss_flop == {"drafter_logits": 960, "logit_grad": 960, "verifier_logits": 0}
+    assert c.drafter_loss_flop == {
+        "drafter_logits": 960,
+        "logit_grad": 960,
+        "verifier_logits": 0,
+        "candidate_logits": 0,
+        "selector": 0,
+    }
+    # DFlash2 (K = 2 taps, groups of 4: G = 2, rank 3, top 5): per layer and block token the two kernel
+    # projections 2*2*8*(2*2*2) = 256 (x3 with backward, 8 block tokens); per row the top-k pass
+    # 2*8*10 = 160 (forward only) and the selector 2*8*3 + 2*5*3 = 78 (x3)
+    two = dataclasses.replace(arch, family="dflash2", conv_group_size=4, selector_rank=3, selector_top_k=5)
+    c2 = packet_costs(
+        target,
+        two,
+        packet,
+        LossConfig(),
+        target_attention="sparse",
+        drafter_attention="sparse",
+        verifier_metrics=False,
+    )
+    assert c2.drafter_layers_flop == c.drafter_layers_flop + 3 * 8 * 256
+    assert (
+        c2.drafter_loss_flop["candidate_logits"] == 6 * 160 and c2.drafter_loss_flop["selector"] == 3 * 6 * 78
+    )
+    # parameters: per layer 2 * (2*2*8 + 2*2*2*8) = 192, selector 2*10*3 + 3*8 = 84
+    assert drafter_num_params(two) == drafter_num_params(arch) + 192 + 84
     kl = packet_costs(
         target,
         arch,

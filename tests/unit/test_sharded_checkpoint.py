@@ -176,7 +176,9 @@ def test_a_resume_with_other_packets_per_step_is_refused_naming_splits_that_keep
     same = resume_checkpoint(tmp_path, train, {"topology.packets_per_step": 2}, str, is_leader=True)
     assert same is not None and same.train_state.next_packet == 6
     with pytest.raises(UserError) as ei:
-        resume_checkpoint(tmp_path, train, {"topology.packets_per_step": 3}, str, is_leader=True, num_drafters=3)
+        resume_checkpoint(
+            tmp_path, train, {"topology.packets_per_step": 3}, str, is_leader=True, num_drafters=3
+        )
     why = str(ei.value)
     assert "topology.packets_per_step: saved=2 current=3" in why
     assert "topology.num_drafters=1 optim.grad_accum_steps=2" in why
