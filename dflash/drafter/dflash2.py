@@ -170,6 +170,10 @@ class DFlash2DraftModel(DFlashDraftModel):
             conv.reset_identity()
         self.candidate_selector.reset(gen)
 
+    def lookup_tables(self) -> list[nn.Parameter]:
+        selector = self.candidate_selector
+        return [selector.predecessor_codebook, selector.successor_codebook]
+
     def propose(self, hidden: torch.Tensor, previous: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """The selector chain over the slots' top-k (see :meth:`CandidateSelector.walk`)."""
         return self.candidate_selector.walk(hidden, hidden @ head.T, previous)

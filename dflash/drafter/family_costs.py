@@ -35,6 +35,9 @@ class FamilyCosts:
 
     extra_params: Callable[[DrafterArch], float] = _zero
     """Trainable parameters."""
+    adamw_params: Callable[[DrafterArch], float] = _zero
+    """Of those, the ones AdamW keeps even under ``optim=muon`` (not 2-D, or token-indexed tables:
+    ``lookup_tables``)."""
     layer_flop_per_token: Callable[[DrafterArch], float] = _zero
     """Forward FLOPs of each layer per block token."""
     head_no_grad_flop_per_row: Callable[[DrafterArch], float] = _zero
@@ -60,6 +63,9 @@ FAMILY_COSTS: dict[str, FamilyCosts] = {
     "dflash": FamilyCosts(),
     "dflash2": FamilyCosts(
         extra_params=_dflash2_params,
+        adamw_params=lambda a: (
+            a.num_layers * 2 * 2 * a.conv_kernel_size * a.hidden_size + 2 * a.vocab_size * a.selector_rank
+        ),
         layer_flop_per_token=lambda a: (
             2 * 2 * a.hidden_size * 2 * a.conv_kernel_size * (a.hidden_size // a.conv_group_size)
         ),

@@ -266,6 +266,11 @@ class DFlashDraftModel(nn.Module):
     def reset_family_parameters(self, gen: torch.Generator | None) -> None:
         """A family's own initialisation after the common one (DFlash-1 has none)."""
 
+    def lookup_tables(self) -> list[nn.Parameter]:
+        """Trainable tables indexed by token id (embedding-like: rows, not a linear map), which
+        ``optim=muon`` leaves to AdamW as it does the norms (DFlash-1 has none)."""
+        return []
+
     def propose(self, hidden: torch.Tensor, previous: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """The decode hook: greedy draft tokens [B, L] of the block slots after the anchor.
 

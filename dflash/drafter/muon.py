@@ -34,10 +34,16 @@ def is_muon_matrix(param: Tensor) -> bool:
     return param.ndim == 2 and min(param.shape) > 1
 
 
-def split_matrices(params: Iterable[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(matrices, others)`` of the trainable ``params``, in their order (:func:`is_muon_matrix`)."""
+def split_matrices(
+    params: Iterable[nn.Parameter], tables: Iterable[nn.Parameter] = ()
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(matrices, others)`` of the trainable ``params``, in their order (:func:`is_muon_matrix`);
+    ``tables`` (token-indexed rows, ``DFlashDraftModel.lookup_tables``) go to ``others``."""
     trainable = [p for p in params if p.requires_grad]
-    return [p for p in trainable if is_muon_matrix(p)], [p for p in trainable if not is_muon_matrix(p)]
+    skip = {id(t) for t in tables}
+    muon = [p for p in trainable if is_muon_matrix(p) and id(p) not in skip]
+    chosen = {id(p) for p in muon}
+    return muon, [p for p in trainable if id(p) not in chosen]
 
 
 class Muon(torch.optim.Muon):

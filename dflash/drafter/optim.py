@@ -5,6 +5,7 @@ then cosine decay, one multiplier for every parameter group."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,16 +15,19 @@ from dflash.config import OptimConfig
 from dflash.drafter.muon import GROUP_KEY, MuonAdamW, split_matrices
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[torch.nn.Parameter], cfg: OptimConfig, tables: Sequence[torch.nn.Parameter] = ()
+) -> torch.optim.Optimizer:
     """The optimizer of ``optim.name`` over the drafter's trainable parameters (fp32 master weights):
-    AdamW over all of them (one group), or ``MuonAdamW`` (group 0 AdamW over the norms, group 1 Muon
-    over the 2-D matrices). Build it after ``drafter.shard`` has sharded the model."""
+    AdamW over all of them (one group), or ``MuonAdamW`` (group 0 AdamW over the norms and the
+    token-indexed ``tables``, group 1 Muon over the other 2-D matrices). Build it after
+    ``drafter.shard`` has sharded the model (``tables`` are then the sharded parameters)."""
     adamw: dict[str, Any] = dict(
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
     )
     if cfg.name == "adamw":
         return torch.optim.AdamW(params, **adamw)
-    matrices, others = split_matrices(params)
+    matrices, others = split_matrices(params, tables)
     muon: dict[str, Any] = dict(
         lr=peak_lrs(cfg)[1],
         momentum=cfg.muon_momentum,

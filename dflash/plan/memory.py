@@ -27,7 +27,8 @@ Drafter rank (bf16 autocast, the GPU default; fp32 runs count 4 bytes and no cas
 
 - weights, gradients and the optimizer's state: ``4P + 4P + 8P`` (fp32 master weights, AdamW's two
   moments; ``optim=muon``: ``4P`` of state, one momentum buffer per matrix, and ``P`` counts only
-  matrices), divided by the drafters that share them with ``drafter.shard`` (:func:`drafter_state`:
+  matrices, DFlash2's codebooks and convolution base kernels keeping AdamW's ``8`` per parameter), divided by the
+  drafters that share them with ``drafter.shard`` (:func:`drafter_state`:
   ``optimizer`` also holds the whole weights for the step, ``full`` four layer-sized buffers in backward);
 - the frozen embedding and lm_head ``2*V*H*a`` (a co-located rank uses the target's own);
 - one packet (the one being trained on; the next one's receive posts only its header), and, when
@@ -193,7 +194,10 @@ def drafter_state(drafter: DrafterArch, settings: DrafterSettings) -> dict[str, 
     p = drafter_num_params(drafter)
     m = settings.num_drafters if settings.shard != "none" else 1
     weights = {"none": 4 * p, "optimizer": 4 * p + 4 * p / m, "full": 4 * p / m}[settings.shard]
-    state = STATE_BYTES_PER_PARAM[settings.optimizer] * p / m
+    adamw = family_costs(drafter).adamw_params(drafter)  # AdamW's under either optimizer
+    state = (
+        STATE_BYTES_PER_PARAM[settings.optimizer] * (p - adamw) + STATE_BYTES_PER_PARAM["adamw"] * adamw
+    ) / m
     return {"weights": weights / GIB, "gradients": 4 * p / m / GIB, "optimizer_state": state / GIB}
 
 

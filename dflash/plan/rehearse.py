@@ -362,7 +362,7 @@ def build_drafter(
         if settings.shard != "none" and settings.num_drafters > 1:
             shard_drafter(model, drafter_mesh(dist.group.WORLD, torch.device("cpu")), settings.shard)
     model.checkpoint_layers = settings.checkpoint
-    optimizer = build_optimizer(list(model.parameters()), cfg.optim)
+    optimizer = build_optimizer(list(model.parameters()), cfg.optim, model.lookup_tables())
     for group in optimizer.param_groups:
         if "foreach" in group:  # AdamW's (Muon has no foreach implementation)
             group["foreach"] = True

@@ -157,7 +157,7 @@ class DrafterTrainer:
         self.embed, self.head = self._embed_and_head(target)
         self.model = self._build_model()
         self.parallel = drafter_parallel(self.model, ctx, str(cfg.drafter.shard), self.topology.num_drafters)
-        self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim)
+        self.optimizer = build_optimizer(list(self.model.parameters()), cfg.optim, self.model.lookup_tables())
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, setup.num_steps)
         self.state = TrainState(skipped=dict(setup.dataset.skipped))
         if resume is not None:

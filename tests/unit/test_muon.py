@@ -5,7 +5,8 @@
 - its state saved after 2 of 4 steps (through ``torch.save``) and loaded into a fresh optimizer continues
   bitwise as the uninterrupted one (the momentum of the matrices, the moments of the norms);
 - the metrics name each group's learning rate; a checkpoint cannot switch optimizers;
-- the planner counts one fp32 buffer per matrix parameter for Muon, two for AdamW.
+- the planner counts one fp32 buffer per matrix parameter for Muon, two for AdamW;
+- DFlash2's token-indexed codebooks stay with AdamW, and the planner counts its state to the byte.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from tiny_drafter import tiny_arch
 
 from dflash.config import OptimConfig
+from dflash.drafter.families import build_drafter
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.muon import MuonAdamW, split_matrices
 from dflash.drafter.optim import build_optimizer, build_scheduler, group_lrs, peak_lrs
@@ -144,3 +146,19 @@ def test_the_planner_counts_one_buffer_per_matrix_for_muon():
         assert {k: v for k, v in muon.items() if k != "optimizer_state"} == {
             k: v for k, v in adamw.items() if k != "optimizer_state"
         }
+
+
+def test_dflash2_codebooks_stay_with_adamw_and_the_planner_counts_its_state():
+    arch = tiny_arch(num_layers=1, family="dflash2", selector_rank=8, selector_top_k=4)
+    model = build_drafter(arch)
+    model.reset_parameters(seed=5)
+    tables = model.lookup_tables()
+    opt = build_optimizer(list(model.parameters()), MUON, tables)
+    groups = {g["optimizer"]: {id(p) for p in g["params"]} for g in opt.param_groups}
+    assert len(tables) == 2 and all(id(t) in groups["adamw"] and id(t) not in groups["muon"] for t in tables)
+    _grads(model, 0)
+    opt.step()
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim() > 0)
+    norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)  # the planner leaves them out
+    planned = drafter_state(arch, DrafterSettings(optimizer="muon"))["optimizer_state"] * GIB
+    assert state == pytest.approx(planned + 8 * norms, rel=1e-12)
