@@ -23,11 +23,21 @@ Against the verifier the predecessors are the verifier's argmaxes of the previou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from dflash.drafter.dflash2 import CandidateSelector
+
+class CandidateSelector(Protocol):
+    """What the loss reads of a selector (:class:`dflash.drafter.dflash2.CandidateSelector`, which
+    the drafter layer above this one defines)."""
+
+    top_k: int
+
+    def edges(self, hidden: Tensor, previous: Tensor, candidates: Tensor) -> Tensor:
+        """hidden [..., H], previous [...] token ids, candidates [..., k] ids -> scores [..., k]."""
+        ...
 
 
 @dataclass

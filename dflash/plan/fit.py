@@ -17,7 +17,7 @@ import torch
 from dflash.config import Config, GpuSpec
 from dflash.config.modes import layout_of, mode_of
 from dflash.plan.inputs import PlanInputs, typical_packet
-from dflash.plan.memory import GIB, DrafterSettings, memory_per_role
+from dflash.plan.memory import GIB, DrafterSettings, eval_decode_bytes, eval_memory, memory_per_role
 
 DRAFTER_ROLES = ("drafter", "colocated")
 
@@ -42,9 +42,10 @@ def need_gib(cfg: Config, inputs: PlanInputs, role: str, settings: DrafterSettin
 
 def role_memory(cfg: Config, inputs: PlanInputs, settings: DrafterSettings) -> dict[str, dict[str, float]]:
     """GiB by item of every role with ``settings`` on the config's typical packet (the memory model;
-    the optimizer's state is ``optim.name``'s)."""
+    the optimizer's state is ``optim.name``'s; with ``eval.every > 0`` the periodic eval's items,
+    :func:`dflash.plan.memory.eval_memory`)."""
     settings = dataclasses.replace(settings, optimizer=str(cfg.optim.name))
-    return memory_per_role(
+    memory = memory_per_role(
         inputs.target.meta,
         inputs.arch,
         inputs.packet,
@@ -55,6 +56,13 @@ def role_memory(cfg: Config, inputs: PlanInputs, settings: DrafterSettings) -> d
         dtypes=inputs.dtypes,
         settings=settings,
     )
+    if cfg.eval.every > 0:
+        tokens = cfg.data.max_length + cfg.eval.max_new_tokens + inputs.arch.block_size
+        decode = eval_decode_bytes(inputs.target.meta, tokens, inputs.dtypes.target_bytes)
+        weights = memory["target"]["weights"]
+        memory["drafter"] = eval_memory(memory["drafter"], weights, decode, own_target=False)
+        memory["colocated"] = eval_memory(memory["colocated"], weights, decode, own_target=True)
+    return memory
 
 
 @dataclass(frozen=True)

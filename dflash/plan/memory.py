@@ -352,6 +352,45 @@ def memory_per_role(
     return {"target": t, "drafter": d, "colocated": colocated_memory(t, d)}
 
 
+EVAL_ITEMS = ("eval_target", "eval_decode")
+"""Items :func:`eval_memory` adds to a drafter rank when ``eval.every > 0`` (the rehearsal runs the
+training step only, so its comparison leaves them out)."""
+
+
+def target_cache_bytes(target: TargetShape, tokens: int, a: int) -> int:
+    """The target's decode cache for one sequence of ``tokens`` (``a`` bytes per element): keys and
+    values of its full-attention layers, and per linear-attention layer the fp32 recurrent state and
+    the convolution window."""
+    full = target.num_layers - target.num_linear_layers
+    kv = full * 2 * target.num_kv_heads * target.head_dim * tokens * a
+    nv, dk, dv = target.linear_num_value_heads, target.linear_key_head_dim, target.linear_value_head_dim
+    conv = (2 * target.linear_num_key_heads * dk + nv * dv) * target.linear_conv_kernel_dim * a
+    return kv + target.num_linear_layers * (nv * dk * dv * 4 + conv)
+
+
+def eval_decode_bytes(target: TargetShape, tokens: int, a: int) -> float:
+    """The working set of one held-out conversation's speculative decode (batch 1, ``tokens`` = prompt
+    + ``eval.max_new_tokens`` + a block): the target's cache (:func:`target_cache_bytes`) and the
+    prefill's largest layer working set (its lm_head runs on the last position only)."""
+    return target_cache_bytes(target, tokens, a) + tokens * max(working_bytes_per_token(target, a).values())
+
+
+def eval_memory(
+    items: dict[str, float], target_weights_gib: float, decode_bytes: float, *, own_target: bool
+) -> dict[str, float]:
+    """A drafter rank's ``items`` with the periodic eval (``eval.every > 0``): ``eval_target``, the copy
+    of the whole target a disaggregated drafter loads to verify with (GiB, resident from start-up;
+    ``own_target``: a co-located rank verifies with its own, 0), and ``eval_decode``, what the decode's
+    working set (:func:`eval_decode_bytes`) needs beyond the training step's transient items, which are
+    free between steps."""
+    transient = sum(items.get(k, 0.0) for k in ("activations", "loss_workspace", "activations_peak"))
+    return {
+        **items,
+        "eval_target": 0.0 if own_target else target_weights_gib,
+        "eval_decode": max(0.0, decode_bytes / GIB - transient),
+    }
+
+
 def trained_bytes_per_param(optimizer: str) -> int:
     """fp32 weights, gradients and the optimizer state of ``optim.name`` per trained parameter."""
     return 4 + 4 + STATE_BYTES_PER_PARAM[optimizer]

@@ -12,6 +12,7 @@ from dflash.plan.fit import LEVERS, AnchorCaps
 from dflash.plan.inputs import attention_kinds, typical_packet
 from dflash.plan.launch import launch_command
 from dflash.plan.links import intranode_link, link_for
+from dflash.plan.memory import EVAL_ITEMS
 from dflash.plan.planner import ROLES, Plan, make_plan
 from dflash.plan.throughput import Split, placement
 from dflash.targets.families import active_params, num_params
@@ -356,8 +357,13 @@ def measured_summary(plan: Plan, measured: dict[str, RoleMeasurement]) -> dict[s
     """The JSON keys of a rehearsal: measured and estimated GiB per role (same keys)."""
     return {
         "measured_gib": {role: round(m.peak_gib, 3) for role, m in measured.items()},
-        "estimated_gib": {role: round(sum(plan.memory[role].values()), 3) for role in measured},
+        "estimated_gib": {role: round(_rehearsed_estimate(plan, role), 3) for role in measured},
     }
+
+
+def _rehearsed_estimate(plan: Plan, role: str) -> float:
+    """The estimated GiB of what the rehearsal runs: ``role``'s items but the periodic eval's."""
+    return sum(v for k, v in plan.memory[role].items() if k not in EVAL_ITEMS)
 
 
 def render_anchor_caps(caps: AnchorCaps) -> str:
@@ -392,8 +398,8 @@ def render_measured(plan: Plan, measured: dict[str, RoleMeasurement], top: int =
         "activation checkpointing), GiB measured / estimated:"
     ]
     for role, m in measured.items():
-        est = plan.memory[role]
-        total = sum(est.values())
+        est = {k: v for k, v in plan.memory[role].items() if k not in EVAL_ITEMS}
+        total = _rehearsed_estimate(plan, role)
         items = measured_items(role, m.by_term)
         keys = list(est) + [k for k in items if k not in est]
         parts = ", ".join(f"{k} {items.get(k, 0.0):.2f}/{est.get(k, 0.0):.2f}" for k in keys)

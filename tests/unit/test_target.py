@@ -118,7 +118,7 @@ def test_resolve_layer_ids(saved):
     assert resolve_layer_ids(tcfg(saved["untied"], layer_ids=[0, 5]), meta) == [0, 5]
     with pytest.raises(ValueError, match=r"target\.layer_ids=\[1, 6\].*outside"):
         resolve_layer_ids(tcfg(saved["untied"], layer_ids=[1, 6]), meta)
-    with pytest.raises(ValueError, match=r"target\.layer_ids.*duplicate"):
+    with pytest.raises(ValueError, match=r"target\.layer_ids=\[2, 2\].*listed more than once"):
         resolve_layer_ids(tcfg(saved["untied"], layer_ids=[2, 2]), meta)
     with pytest.raises(ValueError, match=r"target\.num_taps=5"):  # 6 layers: round() gives duplicates
         resolve_layer_ids(tcfg(saved["untied"], num_taps=5), meta)
