@@ -17,7 +17,9 @@ from dflash.plan.fit import (
     role_memory,
 )
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs, plan_device
+from dflash.plan.links import link_for
 from dflash.plan.memory import DrafterSettings, drafter_num_params, target_memory
+from dflash.plan.nccl import nccl_gib_per_role
 from dflash.plan.throughput import (
     RoleTimes,
     Split,
@@ -79,6 +81,9 @@ class Plan:
     replica_fits: dict[int, bool]
     tp_bytes_per_packet: dict[int, dict[str, float]]
     """Bytes one rank of a k-GPU replica sends per packet (``all_reduce``, ``gather``), by k."""
+    nccl_gib: dict[str, float]
+    """Estimated GiB of NCCL buffers per rank of each role of the configured (else the recommended)
+    split (:mod:`dflash.plan.nccl`), inside ``plan.reserved_gib``."""
 
     @property
     def mode(self) -> str:
@@ -194,6 +199,22 @@ def _costs(cfg: Config, inputs: PlanInputs, target_attention: AttentionKind) -> 
     )
 
 
+CUDA_CONTEXT_GIB = 0.5
+"""The CUDA context and cuBLAS workspaces per process, roughly (the rest of ``plan.reserved_gib``)."""
+
+
+def _reserve_warnings(nccl: dict[str, float], reserved_gib: float) -> list[str]:
+    """A warning when NCCL's estimated buffers and the CUDA context exceed ``plan.reserved_gib``."""
+    role, gib = max(nccl.items(), key=lambda kv: kv[1])
+    if gib + CUDA_CONTEXT_GIB <= reserved_gib:
+        return []
+    return [
+        f"a {role} rank's NCCL buffers (~{gib:.1f} GiB estimated) and CUDA context (~{CUDA_CONTEXT_GIB:g} GiB) "
+        f"exceed plan.reserved_gib={reserved_gib:g}: raise it to {gib + CUDA_CONTEXT_GIB + 1:.0f} so the plan "
+        "keeps them out of the tensors' share (make gpu-check reports the real figure)"
+    ]
+
+
 def _dense_attention_warning(costs: PacketCosts, cross: float) -> str:
     return (
         f"the target's attention computes every pair of the packed row (target.attn_implementation resolves "
@@ -254,6 +275,15 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     )
     need = {role: sum(memory[role].values()) for role in ROLES}
     cross = _cross_document_flop(cfg, inputs, costs)
+    best = best_split(splits) if splits else co
+    shown = configured or best
+    nccl = nccl_gib_per_role(
+        link_for(gpu, world),
+        num_targets=shown.num_targets,
+        num_drafters=shown.num_drafters,
+        target_tp=shown.target_tp,
+        colocated=shown.mode == "colocated",
+    )
     return Plan(
         inputs=inputs,
         costs=costs,
@@ -265,14 +295,16 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         times=times,
         splits=splits,
         colocated=co,
-        best=best_split(splits) if splits else co,
+        best=best,
         configured=configured,
         world_size=world,
         warnings=list(inputs.target.problems)
         + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world, settings)
-        + ([_dense_attention_warning(costs, cross)] if cross > 0.05 * costs.target_flop else []),
+        + ([_dense_attention_warning(costs, cross)] if cross > 0.05 * costs.target_flop else [])
+        + _reserve_warnings(nccl, p.reserved_gib),
         layouts=layouts,
         replica_memory={1: memory["target"], **replica_memory},
         replica_fits=replica_fits,
         tp_bytes_per_packet=sent,
+        nccl_gib=nccl,
     )

@@ -122,6 +122,7 @@ def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None
         "mfu_drafter": plan.times.mfu_drafter,
         "mfu_delta_rule": plan.times.mfu_delta_rule,
         "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
+        "nccl_gib": {role: round(gib, 3) for role, gib in plan.nccl_gib.items()},
         "target_rank_memory_gib": {str(k): round(sum(m.values()), 2) for k, m in plan.replica_memory.items()},
         "activation_checkpointing": plan.settings.checkpoint,
         "fits": dict(plan.fits),
@@ -260,6 +261,13 @@ def _memory_lines(plan: Plan) -> list[str]:
         lines.append(f"  {role:<9} {sum(items.values()):7.1f}  {verdict:<12}  ({text})")
     if plan.layouts:
         lines.append("  (target/k: one rank of a tensor-parallel replica of k GPUs)")
+    split = plan.configured or plan.best
+    nccl = ", ".join(f"{role} {gib:.2f}" for role, gib in plan.nccl_gib.items())
+    reserved = gpu.hbm_gb * 1e9 / 2**30 - plan.capacity_gib
+    lines.append(
+        f"  NCCL buffers, estimated for {split.label} over {link_for(gpu, plan.world_size).kind}: {nccl} GiB per "
+        f"rank, inside plan.reserved_gib={reserved:.1f}"
+    )
     return [*lines, ""]
 
 
