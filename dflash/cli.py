@@ -130,13 +130,16 @@ def report_user_error(err: UserError, rank: int) -> None:
 @contextmanager
 def value_errors_are_user_errors() -> Iterator[None]:
     """Inside: a ``ValueError`` (the project's convention for a config or data mistake, raised before
-    anything runs) or a full disk (``DiskFull``: every rank that builds the same cache meets it)
-    becomes a ``UserError``: one readable message, no traceback."""
+    anything runs) becomes a ``UserError``: one readable message, no traceback; so does a full disk
+    (``DiskFull``), printed by the rank that met it (the one that built the cache entry: torchrun
+    stops the others, which wait for its lock)."""
     try:
         yield
     except UserError:
         raise
-    except (ValueError, DiskFull) as e:
+    except DiskFull as e:
+        raise UserError(str(e), scope="here") from None
+    except ValueError as e:
         raise UserError(str(e)) from None
 
 
