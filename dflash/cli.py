@@ -7,8 +7,9 @@
 - a key the schema does not know (``+train.max_step=5``) and a secret in the config are refused
   before the task starts;
 - a ``UserError`` is printed as its message alone (no traceback) by the rank its scope names,
-  written to every rank's log, and the process exits with ``EXIT_USER_ERROR``; any other exception
-  is logged with its traceback, recorded for torchrun (``error.json``) and exits 1;
+  written to every rank's log, and the process exits with ``EXIT_USER_ERROR``; so is a full disk
+  (``dflash.files.DiskFull``: the rank that met it prints it); any other exception is logged with
+  its traceback, recorded for torchrun (``error.json``) and exits 1;
 - secret values are redacted from every log record (``dflash.config.secrets``).
 
 It also registers the ``${dflash.run_id:}`` resolver: the id of this launch, shared by all its
@@ -42,6 +43,7 @@ from dflash.config import EXIT_USER_ERROR, UserError
 from dflash.config.checks import check_known_keys, free_form_overrides, override_key_problems
 from dflash.config.help import render_help
 from dflash.config.secrets import config_secret_problems, install_log_redaction, redact
+from dflash.files import DiskFull
 from dflash.versions import warn_untested_versions
 
 log = logging.getLogger("dflash")
@@ -128,11 +130,15 @@ def report_user_error(err: UserError, rank: int) -> None:
 @contextmanager
 def value_errors_are_user_errors() -> Iterator[None]:
     """Inside: a ``ValueError`` (the project's convention for a config or data mistake, raised before
-    anything runs) becomes a ``UserError``: one readable message, no traceback."""
+    anything runs) becomes a ``UserError``: one readable message, no traceback; so does a full disk
+    (``DiskFull``), printed by the rank that met it (the one that built the cache entry: torchrun
+    stops the others, which wait for its lock)."""
     try:
         yield
     except UserError:
         raise
+    except DiskFull as e:
+        raise UserError(str(e), scope="here") from None
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -157,6 +163,9 @@ def _recorded(task: Task, dcfg: DictConfig, run_dir: Path) -> int | None:
         return task(dcfg, run_dir)
     except UserError as e:
         report_user_error(e, global_rank())
+        return EXIT_USER_ERROR
+    except DiskFull as e:
+        report_user_error(UserError(str(e), scope="here"), global_rank())
         return EXIT_USER_ERROR
     except Exception as e:
         text = str(e)

@@ -14,6 +14,11 @@
   quota, file size limit) is undone, so the file holds the whole line or none of it, and the error
   names the file and the cause. ``drop_torn_tail(path)`` removes a line torn by a crash before a
   writer resumes.
+- ``DiskFull``: what every write above raises when the disk refuses it (no space, a quota, a file
+  size limit): one line naming the path, the cause, the free space there and the fix (the caller's
+  ``fix``, e.g. the config field that moves the file to another disk); nothing partial is left.
+  ``disk_full_error`` recognises a full disk in any exception (an ``OSError``, or the text of
+  safetensors', tokenizers' and torch's own errors for it).
 - ``file_digest(path)``: size and sha256 of a file (every byte, or evenly spaced blocks of a huge
   one); ``digest_files``/``digest_problems`` record and check them for a directory of cache files.
 - ``file_lock(path)``: an exclusive ``flock``; the kernel releases it when the holder dies
@@ -77,33 +82,135 @@ def _temp_sibling(path: Path, kind: str) -> Path:
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+_FULL_CAUSES = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large (a file size limit, ulimit -f)",
+}
+_FULL_TEXTS = {
+    "no space left on device": errno.ENOSPC,
+    "os error 28": errno.ENOSPC,
+    "disk quota exceeded": errno.EDQUOT,
+    "os error 122": errno.EDQUOT,
+    "file too large": errno.EFBIG,
+    "os error 27": errno.EFBIG,
+}
+"""How safetensors, tokenizers (Rust ``io::Error``) and others word a full disk in their own errors."""
+LOW_SPACE_BYTES = 64 << 20
+"""Below this much free space a failed write is taken for a full disk whatever its error says (torch's
+own message for ENOSPC is ``[enforce fail at inline_container.cc] unexpected pos``)."""
+DEFAULT_FIX = "free space there, or put it on a larger disk"
+
+
+def cache_fix(field: str) -> str:
+    """The fix of a full disk under one of dflash's caches, ``field`` being the config field of it."""
+    return (
+        f"free space there, or move the cache to a larger disk: {field}=<dir> (or DFLASH_CACHE_DIR=<dir>, "
+        "the root of every dflash cache)"
+    )
+
+
+class DiskFull(OSError):
+    """A write the disk refused (no space, a quota or a file size limit). ``str()`` is one line:
+    the path, the cause, the free space there and the fix; ``errno`` is the cause's."""
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Free bytes (for this user) on the file system of ``path`` or of its nearest existing parent."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def human_bytes(n: float) -> str:
+    """``12 MiB``, ``3.4 GiB``, ``512 B``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}" if n < 10 * size else f"{n / size:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _full_errno(err: BaseException) -> int | None:
+    """The errno of a full disk in ``err`` or the exceptions it was raised from, else None."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL_CAUSES:
+            return e.errno
+        text = str(e).lower()
+        for needle, code in _FULL_TEXTS.items():
+            if needle in text:
+                return code
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def disk_full_error(
+    err: BaseException, path: str | os.PathLike[str], fix: str = DEFAULT_FIX
+) -> DiskFull | None:
+    """``err`` as a :class:`DiskFull` naming ``path`` when it is a full disk (its errno or its text
+    says so, or it is an error without an errno, such as torch's, and less than
+    :data:`LOW_SPACE_BYTES` is free there), else None."""
+    if isinstance(err, DiskFull):
+        return err
+    free = free_bytes(path)
+    code = _full_errno(err)
+    unexplained = isinstance(err, RuntimeError) or (isinstance(err, OSError) and err.errno is None)
+    if code is None and not (unexplained and free is not None and free < LOW_SPACE_BYTES):
+        return None
+    code = code or errno.ENOSPC
+    room = f"{human_bytes(free)} free there" if free is not None else "free space unknown"
+    out = DiskFull(f"writing {path} failed: {_FULL_CAUSES[code]} ({room}); {fix}")
+    out.errno = code
+    return out
+
+
+@contextmanager
+def naming_full_disk(path: str | os.PathLike[str], fix: str = DEFAULT_FIX) -> Iterator[None]:
+    """Inside: a write that fails on a full disk raises :class:`DiskFull` naming ``path``."""
+    try:
+        yield
+    except Exception as e:
+        full = disk_full_error(e, path, fix)
+        if full is None or full is e:
+            raise
+        raise full from None
+
+
 @contextmanager
 def atomic_file(
-    path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8"
+    path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8", *, fix: str = DEFAULT_FIX
 ) -> Iterator[IO]:
     """Open a temp sibling of ``path`` for writing; on a clean exit it replaces ``path`` atomically.
 
-    On an exception the temp file is removed and ``path`` is untouched.
+    On an exception the temp file is removed and ``path`` is untouched; a full disk is raised as
+    :class:`DiskFull` naming ``path`` and ``fix`` (what to do besides freeing space).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(path, "tmp")
-    try:
-        with open(tmp, mode, encoding=None if "b" in mode else encoding) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        make_public(tmp)
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with naming_full_disk(path, fix):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_sibling(path, "tmp")
+        try:
+            with open(tmp, mode, encoding=None if "b" in mode else encoding) as fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+            make_public(tmp)
+            os.replace(tmp, path)
+            fsync_path(path.parent)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> Path:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, fix: str = DEFAULT_FIX) -> Path:
     """Write ``data`` to ``path`` atomically (see :func:`atomic_file`); returns ``path``."""
-    with atomic_file(path, "wb") as fh:
+    with atomic_file(path, "wb", fix=fix) as fh:
         fh.write(data.encode() if isinstance(data, str) else data)
     return Path(path)
 
@@ -141,38 +248,40 @@ def _fsync_tree(root: Path) -> None:
 
 
 @contextmanager
-def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike[str], *, fix: str = DEFAULT_FIX) -> Iterator[Path]:
     """Yield an empty temp directory; on a clean exit it becomes ``path`` (replacing any old one).
 
     Every file is fsynced before the directory is put in place. On an exception the temp
-    directory is removed and ``path`` is untouched.
+    directory is removed and ``path`` is untouched; a full disk is raised as :class:`DiskFull`
+    naming ``path`` and ``fix``.
     """
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _restore_interrupted(final)
-    tmp = _temp_sibling(final, "tmp")
-    tmp.mkdir()
-    try:
-        yield tmp
-        make_public(tmp)
-        _fsync_tree(tmp)
-        if not final.exists():
-            os.rename(tmp, final)
-        elif _exchange(tmp, final):
-            shutil.rmtree(tmp)  # now the old content
-        else:
-            old = _temp_sibling(final, "old")
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        fsync_path(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with naming_full_disk(final, fix):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _restore_interrupted(final)
+        tmp = _temp_sibling(final, "tmp")
+        tmp.mkdir()
+        try:
+            yield tmp
+            make_public(tmp)
+            _fsync_tree(tmp)
+            if not final.exists():
+                os.rename(tmp, final)
+            elif _exchange(tmp, final):
+                shutil.rmtree(tmp)  # now the old content
+            else:
+                old = _temp_sibling(final, "old")
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old)
+            fsync_path(final.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _write_failure(path: str | os.PathLike[str], err: OSError, written: int, total: int) -> OSError:
-    """The error of an append the file system refused, in words (a full disk is named as such)."""
+    """The error of an append the file system refused, in words (a full disk is a :class:`DiskFull`)."""
     cause = {
         errno.ENOSPC: "no space left on device: free disk space",
         errno.EDQUOT: "disk quota exceeded: free space or raise the quota",
@@ -180,10 +289,13 @@ def _write_failure(path: str | os.PathLike[str], err: OSError, written: int, tot
         errno.EIO: "I/O error (EIO; on some file systems this is also how a full disk shows)",
     }.get(err.errno or 0, os.strerror(err.errno or errno.EIO))
     undone = "the partial line was removed" if written else "nothing was written"
-    return OSError(
-        err.errno or errno.EIO,
-        f"appending to {path} failed after {written} of {total} bytes: {cause}; {undone}, earlier lines are intact",
-    )
+    message = f"appending to {path} failed after {written} of {total} bytes: {cause}; {undone}, earlier lines are intact"
+    if err.errno not in _FULL_CAUSES:
+        return OSError(err.errno or errno.EIO, message)
+    free = free_bytes(path)
+    full = DiskFull(f"{message} ({human_bytes(free) if free is not None else 'unknown'} free there)")
+    full.errno = err.errno
+    return full
 
 
 def append_line(path: str | os.PathLike[str], line: str, *, follow_symlinks: bool = True) -> None:
@@ -258,8 +370,9 @@ def file_lock(
     (a ``BlockingIOError``) carrying the holder's note. ``holder``: a note (who holds it) written
     into the file while the lock is held. The kernel releases the lock when the process dies."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with naming_full_disk(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     with os.fdopen(fd, "r+") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)

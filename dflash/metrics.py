@@ -20,6 +20,13 @@ Only the drafter leader logs. Every other rank, and ``logging.mode=disabled``, g
   ``WANDB_API_KEY`` itself). argv, program, git, code, host, requirements and console capture are
   all off (see ``_wandb_settings``). Config values that hold the value of a secret environment
   variable are redacted.
+- W&B never stops a run. ``wandb.init`` may take ``logging.init_timeout_s``; when an online run
+  cannot start (no network, a server that does not answer, a key W&B refuses), or when W&B fails
+  during the run (a ``log`` call raising: its service died), the run goes on logging offline to
+  ``<run_dir>/wandb`` under the same run id, after one warning naming the cause (the variable
+  ``WANDB_API_KEY``, never its value) and the ``wandb sync`` command that uploads it later; if even
+  offline logging fails, W&B is off for the rest of the run (``metrics.jsonl`` has every row). A
+  full disk under the run directory at ``wandb.init`` is a ``DiskFull`` (one line, exit 2).
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from shlex import quote
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 
 from dflash.config import LoggingConfig
-from dflash.config.secrets import redact_config
-from dflash.files import atomic_write
+from dflash.config.secrets import redact, redact_config
+from dflash.files import atomic_write, disk_full_error
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -58,6 +66,10 @@ _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 @runtime_checkable
 class MetricLogger(Protocol):
     run_id: str | None
+    mode: str
+    """Where rows go now: online, offline or disabled (offline after a fallback from online)."""
+    fallback: str | None
+    """Why W&B logging fell back to offline or off during this launch (None: it did not)."""
 
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
@@ -70,6 +82,8 @@ class NullLogger:
     """Logs nothing. Used on non-leader ranks and with ``logging.mode=disabled``."""
 
     run_id: str | None = None
+    mode = "disabled"
+    fallback: str | None = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         pass
@@ -87,7 +101,7 @@ class NullLogger:
         self.close(exit_code=1 if exc[0] is not None else 0)
 
 
-def _wandb_settings(wandb: Any) -> Any:
+def _wandb_settings(wandb: Any, init_timeout_s: float) -> Any:
     """Settings that keep secrets, argv and the environment out of every W&B file.
 
     Checked on the wandb version pyproject.toml pins (0.31.x: the secrets test reads every file a
@@ -108,6 +122,7 @@ def _wandb_settings(wandb: Any) -> Any:
         console="off",
         disable_job_creation=True,
         silent=True,  # no banner and no end-of-run block: the run prints its own summary
+        init_timeout=init_timeout_s,
     )
 
 
@@ -130,6 +145,24 @@ def _new_run_id() -> str:
     return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
+def sync_command(run_dir: Path) -> str:
+    """The shell command that uploads the offline W&B runs of ``run_dir`` (shell-quoted; the glob
+    after the quoted directory stays outside the quotes)."""
+    return f"wandb sync {quote(str(Path(run_dir) / 'wandb'))}/offline-run-*"
+
+
+def _why_wandb_failed(err: BaseException, cfg: LoggingConfig) -> str:
+    """One line on why W&B failed: the key (named by its variable, never its value), the server's
+    silence, or the error's first line (secret values redacted)."""
+    name = type(err).__name__
+    first = redact(str(err).strip().splitlines()[0] if str(err).strip() else "")
+    if name == "AuthenticationError" or "api key" in first.lower():
+        return f"the API key in WANDB_API_KEY was refused ({name}: {first}); check the variable (wandb.ai/authorize)"
+    if name == "CommError" or "timed out" in first.lower():
+        return f"no answer within logging.init_timeout_s={cfg.init_timeout_s:g} ({name}: {first})"
+    return f"{name}: {first}"
+
+
 class WandbLogger:
     """W&B run of the drafter leader; see the module docstring for the rules it follows."""
 
@@ -143,7 +176,9 @@ class WandbLogger:
     ) -> None:
         import wandb  # lazy: most processes never log
 
-        self.mode = cfg.mode
+        self.cfg = cfg
+        self.mode = str(cfg.mode)
+        self.fallback: str | None = None
         self.run_dir = Path(run_dir)
         self._closed = False
         if resume_id is not None and not _RUN_ID_RE.match(resume_id):
@@ -158,46 +193,107 @@ class WandbLogger:
             self.run_id = resume_id or _read_run_id(id_file) or _new_run_id()
             if _read_run_id(id_file) != self.run_id:
                 atomic_write(id_file, self.run_id + "\n")
-
-        self.run = wandb.init(
-            mode=cast(Literal["online", "offline", "disabled"], cfg.mode),
+        self._init_args = dict(
             project=cfg.project,
             entity=cfg.entity,
             name=cfg.name or run_name,
             id=self.run_id,
             resume="allow",
-            dir=None if cfg.mode == "disabled" else str(self.run_dir),  # disabled: wandb would mkdir it
             config=redact_config(config),
-            settings=_wandb_settings(wandb),
+            settings=_wandb_settings(wandb, cfg.init_timeout_s),
             reinit="create_new",
         )
-        self.run.define_metric(STEP_KEY)
-        self.run.define_metric("*", step_metric=STEP_KEY)
+        try:
+            self.run: Any = self._start(self.mode)
+        except Exception as e:
+            full = disk_full_error(
+                e, self.run_dir / "wandb", "free space there, or put the run on a larger disk"
+            )
+            if full is not None:
+                raise full from None
+            self._fall_back(e, "could not start")
+        if self.mode != "disabled":
+            logger.info("W&B %s run %s in %s", self.mode, self.run_id, self.run_dir)
+
+    def _start(self, mode: str) -> Any:
+        """``wandb.init`` in ``mode``, with the run's metric definitions."""
+        import wandb
+
+        run = wandb.init(
+            mode=cast(Literal["online", "offline", "disabled"], mode),
+            dir=None if mode == "disabled" else str(self.run_dir),  # disabled: wandb would mkdir it
+            **self._init_args,
+        )
+        run.define_metric(STEP_KEY)
+        run.define_metric("*", step_metric=STEP_KEY)
         for key, ops in SUMMARY_METRICS.items():
-            self.run.define_metric(key, step_metric=STEP_KEY, summary=ops)
-        if cfg.mode != "disabled":
-            logger.info("W&B %s run %s in %s", cfg.mode, self.run_id, self.run_dir)
+            run.define_metric(key, step_metric=STEP_KEY, summary=ops)
+        return run
+
+    def _fall_back(self, err: BaseException, when: str) -> None:
+        """After W&B failed (``when``): one warning, then the rest of the run offline under the same
+        run id (wandb's service restarted), or with W&B off if offline fails too."""
+        import wandb
+
+        why = _why_wandb_failed(err, self.cfg)
+        self.run = None
+        try:
+            wandb.teardown()  # the failed run holds the run id (and maybe a dead service)
+        except Exception:
+            pass
+        if self.mode != "disabled" and self.fallback is None:
+            try:
+                self.run = self._start("offline")
+                self.mode = "offline"
+            except Exception as again:
+                why += f"; offline logging failed too ({type(again).__name__}: {redact(str(again))[:200]})"
+        if self.run is None:
+            self.mode = "disabled"
+            where = f"W&B is off for the rest of the run; {self.run_dir / 'metrics.jsonl'} keeps every row"
+        else:
+            where = f"logging to W&B offline in {self.run_dir / 'wandb'}; upload it later: {sync_command(self.run_dir)}"
+        self.fallback = f"logging.mode={self.cfg.mode}: {why}"
+        logger.warning("W&B %s: %s; %s", when, why, where)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is None:
+            return
         row: dict[str, Any] = {}
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor):
                 v = v.item()
             row[k] = v
         row[STEP_KEY] = int(step)
-        self.run.log(row)
+        try:
+            self.run.log(row)
+        except Exception as e:
+            self._fall_back(e, f"stopped taking rows at step {int(step)}")
+            if self.run is not None:
+                self.run.log(row)
 
     def summary(self, values: dict[str, float]) -> None:
-        self.run.summary.update(
-            {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
-        )
+        if self.run is None:
+            return
+        values = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+        try:
+            self.run.summary.update(values)
+        except Exception as e:
+            self._fall_back(e, "failed writing the run summary")
+            if self.run is not None:
+                self.run.summary.update(values)
 
     def close(self, exit_code: int = 0) -> None:
-        """Finish the run (idempotent). A non-zero ``exit_code`` marks the run as failed."""
+        """Finish the run (idempotent). A non-zero ``exit_code`` marks the run as failed. A W&B that
+        fails here is a warning, never the run's failure."""
         if self._closed:
             return
         self._closed = True
-        self.run.finish(exit_code=exit_code)
+        if self.run is None:
+            return
+        try:
+            self.run.finish(exit_code=exit_code)
+        except Exception as e:
+            logger.warning("W&B could not finish the run (%s: %s)", type(e).__name__, redact(str(e))[:200])
         if self.mode != "disabled":
             _flush_wandb_service()
 

@@ -265,6 +265,10 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
     _loss_problems(cfg, p)
     _optim_and_train_problems(cfg, p)
     _eval_problems(cfg, p)
+    p.need(
+        cfg.logging.init_timeout_s > 0,
+        f"logging.init_timeout_s={cfg.logging.init_timeout_s}: must be > 0 (seconds wandb.init may take)",
+    )
     return list(p)
 
 

@@ -633,6 +633,11 @@ class LoggingConfig:
     """W&B run name; None = the run directory's name."""
     progress_bar: bool = field(default=True, metadata=FREE)
     """A progress bar on the drafter leader's console."""
+    init_timeout_s: float = field(default=30.0, metadata=FREE)
+    """Seconds ``wandb.init`` may take. An online run that cannot start within it (no network, a
+    server that does not answer) or whose key W&B refuses goes on offline in ``<run dir>/wandb``
+    after one warning, as does a run whose W&B fails mid-run; the summary prints the ``wandb sync``
+    command that uploads it later."""
 
 
 @dataclass

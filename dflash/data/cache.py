@@ -43,7 +43,7 @@ from dflash.data.tokenize import (
     check_skip_fraction,
     tokenize_records,
 )
-from dflash.files import atomic_directory, digest_files, digest_problems, file_lock
+from dflash.files import atomic_directory, cache_fix, digest_files, digest_problems, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def save_dataset(ds: TokenizedDataset, final: Path, meta: dict[str, Any]) -> Non
     """Write ``ds`` (its four tensors) and ``meta`` (plus the digest of the tensors' file and a
     checksum of itself) to the directory ``final`` atomically, replacing any old one
     (``atomic_directory``: the files end with the user's default, world-readable mode)."""
-    with atomic_directory(final) as tmp:
+    with atomic_directory(final, fix=cache_fix("data.cache_dir")) as tmp:
         save_file({name: getattr(ds, name).contiguous() for name in _TENSORS}, str(tmp / DATA_FILE))
         meta = {**meta, "files": digest_files(tmp, [DATA_FILE], sample_above=FULL_HASH_LIMIT)}
         meta["checksum"] = meta_checksum(meta)

@@ -36,7 +36,7 @@ import torch
 from dflash.data.chat import prompt_ids
 from dflash.data.regenerate.hf_backend import generate
 from dflash.data.stdlib import code_snippets
-from dflash.files import atomic_file, atomic_write, digest_problems, file_digest, file_lock
+from dflash.files import atomic_file, atomic_write, cache_fix, digest_problems, file_digest, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,8 @@ def build_embedded_corpus(
         with _torch_threads(1 if torch.device(device).type == "cpu" else torch.get_num_threads()):
             responses, stops = generate(model, tokenizer, prompts, max_new_tokens)
         del model
-        with atomic_file(out_path) as fh:
+        fix = cache_fix("data.cache_dir")
+        with atomic_file(out_path, fix=fix) as fh:
             for conv, prompt, ids, stop in zip(convs, prompts, responses, stops, strict=True):
                 text = tokenizer.decode(ids, skip_special_tokens=False)
                 response = ids if stop is None else ids + [stop]
@@ -196,7 +197,7 @@ def build_embedded_corpus(
                     )
                     + "\n"
                 )
-        atomic_write(meta_path, json.dumps({**want, "corpus": file_digest(out_path)}, indent=1))
+        atomic_write(meta_path, json.dumps({**want, "corpus": file_digest(out_path)}, indent=1), fix=fix)
         log.info(
             "embedded corpus: %d prompts x <=%d tokens (%d finished with eos) in %.1fs -> %s",
             num_prompts,

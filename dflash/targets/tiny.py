@@ -40,7 +40,7 @@ import torch
 from dflash.config import TargetConfig, TinyTargetConfig
 from dflash.data.chat import render
 from dflash.data.stdlib import code_snippets, stdlib_text_files
-from dflash.files import atomic_directory, digest_files, digest_problems, file_lock
+from dflash.files import atomic_directory, cache_fix, digest_files, digest_problems, file_lock
 from dflash.targets.families import FAMILIES, family_of
 
 log = logging.getLogger(__name__)
@@ -319,7 +319,7 @@ def ensure_tiny_target(path: str | os.PathLike, spec: TinyTargetConfig) -> Path:
             return out
         t0 = time.perf_counter()
         shipped = prebuilt_marker(want)
-        with atomic_directory(out) as tmp:
+        with atomic_directory(out, fix=cache_fix("paths.cache_dir")) as tmp:
             if shipped is not None:
                 _install_prebuilt(tmp, shipped)
             else:

@@ -30,10 +30,19 @@ COMPLETE marker exists:
 1. Write every file, COMPLETE last, into a hidden temp sibling ``root/.step_00000012.tmp-*``.
 2. fsync every file and the directory, then put it in place as ``step_00000012`` (replacing an
    existing copy of the same step by an atomic exchange), and fsync ``root``.
-3. Retention runs only after that.
+3. Retention runs only after that (unless the disk is short of space: below).
 
 A crash at any point leaves either the previous state or the complete new checkpoint; a hidden
-temp directory or a ``step_*`` directory without COMPLETE is ignored. Loading checks the size and
+temp directory or a ``step_*`` directory without COMPLETE is ignored.
+
+Retention keeps the newest ``keep`` complete checkpoints. When the disk has less free space than
+the newest checkpoint took, the save first removes the ones its retention would remove afterwards
+(never the newest complete one), so a relaunch with a smaller ``train.keep_checkpoints`` on a disk
+that checkpoints filled can save again. A checkpoint is removed by renaming it to a hidden
+``.step_*.prune-*`` sibling first (it stops being a checkpoint in one step), then deleting its
+COMPLETE marker, then the rest: a kill mid-removal never leaves a marked, incomplete checkpoint,
+and the next save removes the hidden leftover. A full disk is a ``CheckpointDiskFull``: one line
+naming the directory, the free space and the fix. Loading checks the size and
 sha256 of every file against COMPLETE before deserialising anything. The only deserialisers used are
 safetensors, json, ``torch.load(weights_only=True)`` and, for DCP's ``.metadata``, torch's
 weights-only unpickler with DCP's metadata records allowed.
@@ -42,7 +51,6 @@ weights-only unpickler with DCP's metadata records allowed.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -57,7 +65,7 @@ from typing import Any
 
 import torch
 
-from dflash.files import atomic_directory, file_digest, fsync_path
+from dflash.files import DiskFull, atomic_directory, file_digest, free_bytes, fsync_path, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +92,15 @@ ShardWriter = Callable[[Path | None], None]
 passing the directory to write (``<checkpoint>/state``), the others None."""
 
 _STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
-_STRAY_RE = re.compile(r"^\.step_(\d{8,})\.(tmp|old)-\d+(-[0-9a-f]+)?$")
+_STRAY_RE = re.compile(r"^\.step_(\d{8,})\.(tmp|old|prune)-\d+(-[0-9a-f]+)?$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, damaged or cannot be written."""
+
+
+class CheckpointDiskFull(CheckpointError, DiskFull):
+    """A checkpoint the disk could not take; the message is one line (directory, free space, fix)."""
 
 
 @dataclass
@@ -277,14 +289,16 @@ def save_checkpoint(
     keep: int = 2,
 ) -> Path:
     """Write ``root/step_<step>`` atomically and return its path. Older checkpoints beyond the
-    newest ``keep`` and leftovers of interrupted saves are removed after the new one is complete.
+    newest ``keep`` and leftovers of interrupted saves are removed after the new one is complete,
+    or before it when the disk is short of space (:func:`_make_room`).
 
     The drafter state is either whole (``model_state`` and ``optimizer_state``, format 1) or written
     by ``shards`` into ``state/`` (format 2; the other drafters call their ``shards`` with None
     meanwhile).
 
-    Raises ``CheckpointError`` (the temporary directory is removed) when writing fails, e.g. on
-    ENOSPC, and ``TypeError``/``ValueError`` for state that cannot be checkpointed safely.
+    Raises ``CheckpointError`` (the temporary directory is removed) when writing fails,
+    ``CheckpointDiskFull`` on a full disk, and ``TypeError``/``ValueError`` for state that cannot be
+    checkpointed safely.
     """
     if keep < 2:
         raise ValueError(f"train.keep_checkpoints={keep} must be >= 2; set train.keep_checkpoints=2")
@@ -314,8 +328,13 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     t0 = time.perf_counter()
+    _make_room(root, step, keep)
+    fix = (
+        f"free space there (the checkpoints beyond train.keep_checkpoints={keep} are removed before a save "
+        "that needs their room), or put the run on a larger disk (hydra.run.dir=...), and relaunch to resume"
+    )
     try:
-        with atomic_directory(final) as tmp:
+        with atomic_directory(final, fix=fix) as tmp:
             if shards is not None:
                 shards(tmp / STATE_DIR)
             else:
@@ -342,25 +361,68 @@ def save_checkpoint(
             _write_bytes(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
     except (TypeError, ValueError):
         raise
+    except DiskFull as e:
+        raise CheckpointDiskFull(f"checkpoint step {step}: {e}") from None
     except Exception as e:
-        raise CheckpointError(f"writing checkpoint step {step} under {root} failed: {_why(e, root)}") from e
+        raise CheckpointError(f"writing checkpoint step {step} under {root} failed: {e!r}") from e
 
     _apply_retention(root, step, keep)
     logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - t0)
     return final
 
 
-def _why(err: BaseException, root: Path) -> str:
-    """The cause of a failed write in words: a full disk is named as such (torch's own message for
-    it is ``[enforce fail at inline_container.cc] unexpected pos``)."""
-    free = shutil.disk_usage(root).free if root.exists() else None
-    full = getattr(err, "errno", None) == errno.ENOSPC or (free is not None and free < 64 << 20)
-    if full:
-        return (
-            f"no space left on the device of {root} ({(free or 0) / 2**20:.0f} MiB free): free space there, "
-            f"or put the run on a larger disk (hydra.run.dir=...) and resume ({type(err).__name__}: {err})"
+def _checkpoint_bytes(path: Path) -> int:
+    """Bytes the files of one checkpoint directory take."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _prune(root: Path, path: Path) -> None:
+    """Remove one checkpoint so that a kill at any moment leaves no marked, incomplete checkpoint:
+    rename it to a hidden stray (no longer a ``step_*`` directory), delete its marker, then the rest."""
+    stray = root / f".{path.name}.prune-{os.getpid()}-{os.urandom(4).hex()}"
+    os.rename(path, stray)
+    try:
+        fsync_path(root)
+    except OSError:
+        pass
+    (stray / MARKER).unlink(missing_ok=True)
+    _rmtree(stray)
+
+
+def _remove_strays(root: Path) -> None:
+    """Leftovers of interrupted saves and removals (hidden ``.step_*.tmp/old/prune-*`` directories)."""
+    for p in root.iterdir():
+        if _STRAY_RE.match(p.name) and p.is_dir():
+            logger.info("removing leftover of an interrupted save: %s", p)
+            _rmtree(p)
+
+
+def _make_room(root: Path, new_step: int, keep: int) -> None:
+    """Before saving ``new_step``: remove the leftovers of interrupted saves, and, while the disk has
+    less free space than the newest complete checkpoint takes (+5% and 16 MiB), the complete
+    checkpoints the retention after this save would remove anyway, oldest first. The newest
+    ``keep - 1`` (>= 1) older complete checkpoints are never touched here."""
+    _remove_strays(root)
+    older = [(s, p) for s, p in _list_step_dirs(root) if s < new_step and _is_marked(p)]
+    if len(older) < keep:
+        return
+    size = _checkpoint_bytes(older[0][1])
+    need = int(size * 1.05) + (16 << 20)
+    for _, path in reversed(older[keep - 1 :]):
+        free = free_bytes(root)
+        if free is None or free >= need:
+            return
+        logger.warning(
+            "%s free under %s, the last checkpoint took %s: removing %s before saving step %d "
+            "(train.keep_checkpoints=%d)",
+            human_bytes(free),
+            root,
+            human_bytes(size),
+            path.name,
+            new_step,
+            keep,
         )
-    return repr(err)
+        _prune(root, path)
 
 
 def _apply_retention(root: Path, new_step: int, keep: int) -> None:
@@ -388,11 +450,8 @@ def _apply_retention(root: Path, new_step: int, keep: int) -> None:
         else:
             marked.append((step, path))
     for _, path in marked[keep:]:
-        _rmtree(path)
-    for p in root.iterdir():
-        if _STRAY_RE.match(p.name) and p.is_dir():
-            logger.info("removing leftover of an interrupted save: %s", p)
-            _rmtree(p)
+        _prune(root, path)
+    _remove_strays(root)
     try:
         fsync_path(root)
     except OSError:

@@ -22,7 +22,7 @@ from dflash.cli import global_rank, quiet_console, run_app, value_errors_are_use
 from dflash.config import Config, UserError, register_configs, to_config
 from dflash.config.checks import validate
 from dflash.distributed.topology import Topology
-from dflash.files import atomic_write
+from dflash.files import DiskFull, atomic_write
 from dflash.train.checkpoint import LoadedCheckpoint
 
 log = logging.getLogger("dflash")
@@ -72,7 +72,7 @@ def train(dcfg: DictConfig, run_dir: Path) -> int:
     with ExitStack() as cleanup:
         try:
             return _train(dcfg, run_dir, rank, cleanup)
-        except UserError:
+        except (UserError, DiskFull):  # one line, printed by dflash.cli
             raise
         except Exception as e:
             log.exception("rank %d failed", rank)

@@ -76,12 +76,14 @@ def summary_table(
     drafter_dir: Path | None,
     checkpoint: Path | None,
     wandb_mode: str,
+    wandb_fallback: str | None = None,
     extra: dict[str, str] | None = None,
     not_exported: str = "the run did not finish",
     cap: int | None = None,
 ) -> str:
     """A short two-column table (``status`` first) for the console and the log (``cap``:
-    ``drafter.max_anchors_per_packet``, for the anchors line)."""
+    ``drafter.max_anchors_per_packet``, for the anchors line; ``wandb_mode``: where W&B rows went
+    in the end, ``wandb_fallback``: why that is not the configured mode)."""
     rows: list[tuple[str, str]] = [("run", str(run_dir)), ("status", status)]
     if s.last:
         rows.append(("train/loss", f"{s.last['train/loss']:.4f} (first logged {s.first['train/loss']:.4f})"))
@@ -115,11 +117,14 @@ def summary_table(
     rows.append(
         ("metrics", f"{run_dir / METRICS_FILE}; curves: python -m dflash.report {quote(str(run_dir))}")
     )
+    why = f" ({wandb_fallback})" if wandb_fallback else ""
     if wandb_mode == "offline":
         runs = quote(str(run_dir / "wandb"))  # the glob after it stays outside the quotes
         rows.append(
-            ("W&B", f"offline: wandb leet {runs} (terminal UI); upload: wandb sync {runs}/offline-run-*")
+            ("W&B", f"offline{why}: wandb leet {runs} (terminal UI); upload: wandb sync {runs}/offline-run-*")
         )
+    elif why:
+        rows.append(("W&B", f"off{why}"))
     elif wandb_mode == "online":
         rows.append(("W&B", "online run (see the W&B page of the project)"))
     width = max(len(k) for k, _ in rows)

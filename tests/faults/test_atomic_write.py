@@ -26,7 +26,7 @@ import dflash.files as files
 pytestmark = pytest.mark.faults
 
 SIZE = 1 << 20
-_PATCHED = ("open", "replace", "rename", "fsync", "mkdir", "chmod", "write", "rmtree", "_exchange")
+_PATCHED = ("open", "replace", "rename", "fsync", "mkdir", "chmod", "write", "unlink", "rmtree", "_exchange")
 
 
 def _payload(version: int) -> bytes:
@@ -71,7 +71,7 @@ def _die_at_call(n: int) -> None:
 
     builtins.open = wrap(builtins.open)
     for mod, names in (
-        (os, ("replace", "rename", "fsync", "mkdir", "chmod", "write")),
+        (os, ("replace", "rename", "fsync", "mkdir", "chmod", "write", "unlink")),  # rmtree unlinks too
         (shutil, ("rmtree",)),
     ):
         for name in names:
@@ -180,3 +180,41 @@ def test_random_sigkills_leave_a_complete_version(tmp_path):
         files._restore_interrupted(tmp_path / "drafter")  # what the next atomic_directory does first
         versions.append((_version_of_file(tmp_path / "state.bin"), _version_of_dir(tmp_path / "drafter")))
     assert len({v for v, _ in versions}) > 1  # the writer did make progress between the kills
+
+
+def test_a_checkpoint_killed_while_retention_removes_it_is_never_marked_and_incomplete(tmp_path):
+    """Retention removes step 1 of 3 (keep 2), killed before each of its filesystem calls (each file
+    rmtree deletes included): every ``step_*`` directory left with a COMPLETE marker verifies, and
+    the next save's retention removes what the kill left (was: step 1 marked, without optimizer.pt)."""
+    import torch
+
+    from dflash.train import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+
+    def save(step: int) -> None:
+        ckpt.save_checkpoint(
+            root,
+            step,
+            model_state={"w": torch.full((256,), float(step))},
+            optimizer_state={"state": {}, "param_groups": []},
+            scheduler_state={},
+            train_state=ckpt.TrainState(step=step),
+            rng_state={},
+            contract={},
+            config_yaml="",
+            keep=3,
+        )
+
+    for step in (1, 2, 3):
+        save(step)
+
+    def check() -> None:
+        for path in root.glob("step_*"):
+            if (path / ckpt.MARKER).exists():
+                ckpt.verify_checkpoint(path)
+
+    kills = _killed_at_every_step(lambda: ckpt._apply_retention(root, 3, 2), check, root)
+    assert kills >= 5, kills
+    ckpt._apply_retention(root, 3, 2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003"]

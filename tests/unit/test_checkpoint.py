@@ -19,6 +19,7 @@ import dflash.train.checkpoint as ckpt_mod
 from dflash.files import file_digest
 from dflash.train.checkpoint import (
     MARKER,
+    CheckpointDiskFull,
     CheckpointError,
     TrainState,
     find_resume_checkpoint,
@@ -204,7 +205,7 @@ def test_failed_resave_keeps_previous_copy(tmp_path, monkeypatch):
         real(path, data)
 
     monkeypatch.setattr(ckpt_mod, "_write_bytes", no_space_for_marker)
-    with pytest.raises(CheckpointError, match="No space left"):
+    with pytest.raises(CheckpointError, match="(?i)no space left"):
         _save(tmp_path, 10, seed=1)
     assert _steps(tmp_path) == ["step_00000005", "step_00000010"]
     assert _equal_tree(
@@ -224,6 +225,61 @@ def test_enospc_during_payload_leaves_previous_intact(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert _steps(tmp_path) == ["step_00000005"]
     assert find_resume_checkpoint(tmp_path).step == 5
+
+
+def _du(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_a_disk_checkpoints_filled_takes_a_save_with_fewer_kept(tmp_path, monkeypatch, caplog):
+    """The disk filled with 4 checkpoints (it holds 4.5); a save that may remove none fails in one
+    line, leaving nothing partial; relaunched with train.keep_checkpoints=2, the save first removes
+    the checkpoints its retention would remove anyway."""
+    for s in (1, 2, 3, 4):
+        _save(tmp_path, s, keep=4)
+    capacity = _du(tmp_path) + _du(tmp_path / "step_00000004") // 2
+    real = ckpt_mod._write_bytes
+
+    def disk(path, data):  # the files written so far must fit on the disk
+        if _du(tmp_path) + len(data) > capacity:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(ckpt_mod, "_write_bytes", disk)
+    monkeypatch.setattr(ckpt_mod, "free_bytes", lambda _: capacity - _du(tmp_path))
+    with pytest.raises(CheckpointDiskFull) as err:  # keep=5: nothing may go, the save cannot fit
+        _save(tmp_path, 5, keep=5)
+    line = str(err.value)
+    assert (
+        "\n" not in line and f"writing {tmp_path / 'step_00000005'} failed: no space left on device (" in line
+    )
+    assert " free there); free space there (the checkpoints beyond train.keep_checkpoints=5" in line
+    assert _steps(tmp_path) == [f"step_0000000{s}" for s in (1, 2, 3, 4)]  # nothing partial left
+    with caplog.at_level(logging.WARNING, logger="dflash.train.checkpoint"):
+        _save(tmp_path, 5, keep=2)  # was: the same failure (old checkpoints went only after a save)
+    assert _steps(tmp_path) == ["step_00000004", "step_00000005"]
+    assert "removing step_00000001 before saving step 5" in caplog.text
+    assert find_resume_checkpoint(tmp_path).step == 5
+
+
+def test_with_room_to_spare_old_checkpoints_go_only_after_the_save(tmp_path, monkeypatch):
+    for s in (1, 2, 3):
+        _save(tmp_path, s, keep=3)
+    seen: list[list[str]] = []
+    real = ckpt_mod._write_bytes
+
+    def spy(path, data):
+        seen.append(_steps(tmp_path))
+        real(path, data)
+
+    monkeypatch.setattr(ckpt_mod, "_write_bytes", spy)
+    _save(tmp_path, 4, keep=2)
+    assert [n for n in seen[0] if n.startswith("step_")] == [
+        "step_00000001",
+        "step_00000002",
+        "step_00000003",
+    ]
+    assert _steps(tmp_path) == ["step_00000003", "step_00000004"]
 
 
 def test_abandoned_newer_checkpoints_are_moved_aside_on_save(tmp_path, caplog):

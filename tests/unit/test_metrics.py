@@ -4,9 +4,12 @@ resume, no secret in any file (R12), and the memory / timing / progress helpers.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +174,99 @@ def test_human_count():
         "12.3M",
         "1.05B",
     ]
+
+
+# ---- W&B unreachable, refusing the key, or dying mid-run (issue 32, item 6): the run logs offline
+
+
+def _closed_port_server(monkeypatch) -> None:
+    """W&B's server on a port nothing listens on (connection refused at once), a well-formed key."""
+    from ranks import free_port
+
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("WANDB_API_KEY", "unreachable" + "0" * 33)  # well formed: 44 characters, no "-"
+
+
+def _warnings(caplog) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "dflash.metrics"
+    ]
+
+
+def test_unreachable_server_goes_offline_within_the_timeout(tmp_path, monkeypatch, caplog):
+    _closed_port_server(monkeypatch)
+    cfg = LoggingConfig(mode="online", project="dflash-test", init_timeout_s=2)
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="dflash.metrics"):
+        log = WandbLogger(cfg, tmp_path, CONFIG, run_name="unit")
+    took = time.perf_counter() - t0
+    for step in (1, 2):
+        log.log({"train/loss": 3.0 - step}, step)
+    log.close()
+    assert took < 15, took  # was: 91 s in wandb.init, then a CommError traceback
+    (warning,) = _warnings(caplog)
+    assert "no answer within logging.init_timeout_s=2" in warning
+    assert f"wandb sync {tmp_path / 'wandb'}/offline-run-*" in warning
+    assert log.mode == "offline" and "logging.mode=online" in str(log.fallback)
+    run = read_wandb_run(find_wandb_file_offline(tmp_path))
+    assert run.run_id == log.run_id and [r["train/loss"] for r in run.history] == [2.0, 1.0]
+
+
+def find_wandb_file_offline(run_dir: Path) -> Path:
+    (f,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    return f
+
+
+def test_a_key_wandb_refuses_is_named_by_its_variable_never_its_value(tmp_path, monkeypatch, caplog, capfd):
+    _closed_port_server(monkeypatch)
+    key = "MALFORMED" + "k" * 30  # 39 characters: wandb refuses it at login
+    assert len(key) == 39
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    cfg = LoggingConfig(mode="online", project="dflash-test", init_timeout_s=2)
+    with caplog.at_level(logging.WARNING, logger="dflash.metrics"):
+        log = WandbLogger(cfg, tmp_path, CONFIG, run_name="unit")
+        log.log({"train/loss": 1.0}, 1)
+        log.close()
+    (warning,) = _warnings(caplog)
+    assert "WANDB_API_KEY was refused" in warning and key not in warning
+    assert (
+        log.mode == "offline"
+        and read_wandb_run(find_wandb_file_offline(tmp_path)).history[0]["train/loss"] == 1.0
+    )
+    out = capfd.readouterr()
+    assert key not in out.out + out.err
+    hits = [str(f) for f in _files(tmp_path) if key.encode() in f.read_bytes()]
+    assert hits == []
+
+
+def _kill_wandb_service() -> int:
+    """SIGKILL this process's wandb-core children (W&B's service dying); returns how many."""
+    me, killed = str(os.getpid()), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            comm = stat.with_name("comm").read_text().strip()
+        except OSError:
+            continue
+        if fields[1] == me and comm.startswith("wandb-core"):
+            os.kill(int(stat.parent.name), signal.SIGKILL)
+            killed += 1
+    return killed
+
+
+def test_wandb_dying_mid_run_continues_offline_with_one_warning(tmp_path, caplog):
+    log = WandbLogger(OFFLINE, tmp_path, CONFIG, run_name="unit")
+    log.log({"train/loss": 5.0}, 1)
+    assert _kill_wandb_service() >= 1
+    time.sleep(0.5)
+    with caplog.at_level(logging.WARNING, logger="dflash.metrics"):
+        for step in (2, 3, 4):
+            log.log({"train/loss": 5.0 - step}, step)  # was: ConnectionResetError out of the training loop
+        log.summary({"final/tokens_seen": 7})
+        log.close()
+    (warning,) = _warnings(caplog)
+    assert "stopped taking rows at step 2" in warning and "wandb sync" in warning
+    assert log.mode == "offline"
+    runs = find_wandb_files(tmp_path)  # the dead service's file, then the new one, under the same id
+    assert len(runs) == 2 and read_wandb_run(runs[-1]).run_id == log.run_id
+    assert [r["train/step"] for r in read_wandb_run(runs[-1]).history] == [2, 3, 4]
