@@ -30,10 +30,13 @@ def test_each_role_counts_its_communicators_and_peers():
     assert one["drafter"] > many["drafter"] - nccl_bytes(NVLINK, collectives=1, p2p_peers=0) / 2**30
     tp = nccl_gib_per_role(NVLINK, num_targets=3, num_drafters=2, target_tp=2, colocated=False)
     assert tp["target"] == pytest.approx(nccl_bytes(NVLINK, collectives=2, p2p_peers=2) / 2**30)
-    assert nccl_gib_per_role(PCIE, num_targets=7, num_drafters=1, target_tp=1, colocated=False)["drafter"] < (
-        one["drafter"]
+    assert (
+        nccl_gib_per_role(PCIE, num_targets=7, num_drafters=1, target_tp=1, colocated=False)["drafter"]
+        < (one["drafter"])
     )
-    assert nccl_gib_per_role(NVLINK, num_targets=1, num_drafters=1, target_tp=1, colocated=True) == {"colocated": 0}
+    assert nccl_gib_per_role(NVLINK, num_targets=1, num_drafters=1, target_tp=1, colocated=True) == {
+        "colocated": 0
+    }
 
 
 def test_the_plan_prints_them_and_warns_when_the_reserve_is_short(capsys):
@@ -45,7 +48,12 @@ def test_the_plan_prints_them_and_warns_when_the_reserve_is_short(capsys):
     out = run(compose_config("plan_app", base))
     text = capsys.readouterr().out
     assert "NCCL buffers, estimated for 7:1 over NVLink" in text
-    assert set(out["nccl_gib"]) == {"target", "drafter"} and json.loads(text.strip().splitlines()[-1])["nccl_gib"]
+    assert (
+        set(out["nccl_gib"]) == {"target", "drafter"}
+        and json.loads(text.strip().splitlines()[-1])["nccl_gib"]
+    )
     assert not any("NCCL buffers" in w for w in out["warnings"])
     short = run(compose_config("plan_app", [*base, "plan.reserved_gib=1"]))
-    assert any("plan.reserved_gib=1" in w and "NCCL buffers" in w for w in short["warnings"]), short["warnings"]
+    assert any("plan.reserved_gib=1" in w and "NCCL buffers" in w for w in short["warnings"]), short[
+        "warnings"
+    ]
