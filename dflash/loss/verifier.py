@@ -4,23 +4,29 @@ The drafter's loss compares drafter logits ``z_d = h_d W^T`` with verifier logit
 (``W`` is the frozen target lm_head, shared by the drafter). Materialising both for every supervised
 slot is tens of GB at a 150K-250K vocabulary. :func:`verifier_loss` instead:
 
-1. drops the rows whose weight is 0 (``index_select`` of the hidden states, before any GEMM);
-2. for each chunk of ``C`` rows projects both hidden chunks into two preallocated fp32 ``[C, V]``
-   buffers (fp32 accumulation for bf16 inputs: ``mm(..., out_dtype=float32)`` on CUDA, upcast
-   operands on CPU; never a bf16 GEMM followed by ``.float()``);
-3. walks the chunk in row blocks and, per block: max/argmax of both logit rows (blocked ``amax``),
-   ``d = z_v - z_d`` into a small ``[S, V]`` scratch, the verifier softmax in place, one row dot
-   ``sum p (z_v - z_d)`` for the KL, the drafter softmax in place, and the gradient
-   ``dL/dz_d`` written in place over the drafter logits (``q - c p``; the one-hot parts are
-   scattered once per chunk). CPU fast path at ``T = 1``: the GEMMs produce base-2 logits
+1. drops the rows whose weight is 0 (``index_select`` of the hidden states, before any GEMM) and,
+   with ``verifier_index`` (row ``r`` reads verifier row ``verifier_index[r]``: the rows of
+   overlapping blocks share positions), orders the rows by it (no copy when already ordered);
+2. for each chunk of ``C`` rows projects the drafter hidden chunk into a preallocated fp32
+   ``[C, V]`` buffer and the chunk's distinct verifier rows (``P_c <= C``; without
+   ``verifier_index`` each row's own) into a ``[P_c, V]`` one (fp32 accumulation for bf16 inputs:
+   ``mm(..., out_dtype=float32)`` on CUDA, upcast operands on CPU; never a bf16 GEMM followed by
+   ``.float()``): the verifier's GEMM, argmax, softmax and log-sum-exp are done once per position
+   (``kernels.position_math``), not once per row;
+3. walks the chunk in row blocks and, per block: max/argmax of the drafter rows (blocked ``amax``),
+   the rows' verifier softmax (a view, or gathered from the per-position buffer into an ``[S, V]``
+   scratch), one row dot ``sum p z_d`` for the KL (``sum p z_v`` is the position's), the drafter
+   softmax in place, and the gradient ``dL/dz_d`` written in place over the drafter logits
+   (``q - c p``; the one-hot parts are scattered once per chunk). CPU fast path at ``T = 1``: the GEMMs produce base-2 logits
    (``h / ln 2`` times ``W^T``) and the softmaxes become unnormalised ``exp2(z2 - max)`` (``exp2``
    is cheaper than ``exp`` on CPU), the row sums folded into the coefficients;
 4. ``dh_chunk = G @ W`` (one GEMM), scaled per row by ``w_r * s / sum(w)`` (and ``1 / s_d`` on the
    exp2 path) on the ``[C, H]`` result.
 
 Only ``dh`` (``[R, H]``, the drafter dtype) is kept for backward, which returns
-``grad_output * dh``. No ``[R, V]`` tensor, no recompute in backward, no ``roll``. FLOPs: 3 GEMMs of
-``2 R H V`` each for ce+kl (2 for ce only), which is what the materialising path costs too.
+``grad_output * dh``. No ``[R, V]`` tensor, no recompute in backward, no ``roll``. FLOPs: 2 GEMMs of
+``2 R H V`` (drafter logits, ``dh``) and the verifier's ``2 U H V`` over the ``U`` distinct
+positions (``U = R`` without ``verifier_index``; ~R/10 for the recipe's overlapping blocks).
 
 Per row ``r`` (all logits in fp32, or fp64 for fp64 inputs)::
 
@@ -35,17 +41,20 @@ Per row ``r`` (all logits in fp32, or fp64 for fp64 inputs)::
 so it never underflows). The row argmax uses a blocked ``amax`` (one reduction over the row, then
 ``argmax`` over one block of columns only); ties resolve to the first index, as ``torch.argmax``.
 
-Elementwise passes over each ``[S, V]`` row block (ce+kl, T = 1, CPU): 2 blocked max reads, 1
-``sub`` for ``d`` (read 2, write 1), per distribution 1 ``exp2_`` in place and 1 row ``sum`` (the
-only transcendental work: 2 per logit, the minimum; the max is subtracted first only for rows whose
-base-2 maximum is outside [-20, 64] in fp32), 1 ``mul_`` + ``sum`` for the row dot and 1
-``addcmul_`` for the gradient (read 2, write 1). The general path (``T != 1``, CUDA,
-``compile=True``) uses in-place softmaxes, and at ``T != 1`` a second scratch for
+Elementwise passes over each ``[S, V]`` row block (ce+kl, T = 1, CPU): 1 blocked max read, 1
+gather of the rows' verifier softmax when rows share positions (read 1, write 1), 1 ``mul`` +
+``sum`` for the row dot, 1 ``exp2_`` in place and 1 row ``sum`` for the drafter (the max is
+subtracted first only for rows whose base-2 maximum is outside [-20, 64] in fp32) and 1
+``addcmul_`` for the gradient (read 2, write 1); per distinct position, once: 1 blocked max, a copy,
+1 ``exp2_``, a ``sum``, the normalisation and the ``sum p z_v`` dot. The general path (``T != 1``,
+CUDA, ``compile=True``) uses in-place softmaxes, and at ``T != 1`` the scratch for
 ``softmax(z_d / T)``. ce only: 1 blocked max read, 1 ``exp2_`` + ``sum`` and the label scatter. No
 ``[C, V]`` buffer is allocated per chunk, and on CPU the workspace is kept between calls.
 
-Memory beyond the inputs: ``[C, V]`` fp32 x 2 (x 1 without ``verifier_hidden``) and the
-``[S, V]`` scratch (x 2 at ``T != 1``; S = 128 rows on CPU, 256 on CUDA) in one workspace (on
+Memory beyond the inputs: ``[C, V]`` fp32 for the drafter, ``[P_max, V]`` for the verifier (the most
+distinct positions of a chunk; ``C`` without ``verifier_index``, none without ``verifier_hidden``)
+and an ``[S, V]`` scratch (x 2 when rows share positions: the gathered verifier rows; S = 128 rows on
+CPU, 256 on CUDA) in one workspace (on
 Linux CPU backed by transparent huge pages, and kept for the next call, so a fresh multi-GB buffer's
 first-touch page faults are paid once; ``keep_workspace=False`` or :func:`release_workspace` to
 free it), plus ``dh`` ``[R, H]`` and a compacted copy of the kept
