@@ -12,6 +12,14 @@ inputs (drawn on the device with ``--device cuda``), and prints one JSON line; t
 - ``naive``        full verifier logits, ``roll``, full drafter logits, ``log_softmax``, autograd;
 - ``naive_ce``     full drafter logits + ``F.cross_entropy``, autograd;
 - ``torch_lce``    ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(batch_chunk_size=C))``;
+- ``per_row`` / ``per_position`` (and ``*_ce``): the rows of real blocks, ``rows / 15`` anchors
+                   of 16 slots drawn over ``--positions`` positions (default ``2 * anchors``, the
+                   recipe's density: 8,192 anchors over 16,384 tokens), rows in position order as
+                   ``dflash_loss`` passes them, ``[positions, H]`` verifier hidden states; the verifier
+                   rows gathered per row (``per_row``, the loss before the verifier work was shared)
+                   or ``verifier_index`` (``per_position``: the verifier's work once per distinct
+                   position). ``*_ce`` is the CE recipe with the verifier metrics (ce=1, kl=0); the
+                   others ce+kl. ``per_position*`` add ``time_vs_per_row`` / ``mem_vs_per_row``;
 - ``limit``        only the GEMMs of the chunked ce+kl loss (3 x 2RHV: verifier and drafter logits,
                    dh = G @ W) into preallocated fp32 buffers at chunk C: this machine's matmul limit;
 - ``limit_ce``     the same with the 2 GEMMs of ce only.
@@ -30,6 +38,8 @@ the same chunk size. On CUDA ``tflops`` counts the useful 2RHV per GEMM (6RHV fo
     python scripts/bench_loss.py                       # CPU default: R=4096 H=256 V=151936 fp32
     python scripts/bench_loss.py --rows 512 --repeats 2 --cases chunked,limit
     python scripts/bench_loss.py --device cuda --dtype bf16 --rows 32768 --hidden 4096 --chunks 1024,4096,8192
+    python scripts/bench_loss.py --hidden 1024 --rows 1920 --chunks 1024 --repeats 1 \
+        --cases per_row,per_position,per_row_ce,per_position_ce   # verifier per row vs per position
 
 ``scripts/gpu_check.py`` runs it (part b) and adds the fraction of the GPU's bf16 peak.
 """
@@ -45,10 +55,22 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ALL_CASES = ["limit", "limit_ce", "chunked", "chunked_ce", "chunked_dpace", "torch_lce", "naive", "naive_ce"]
-CHUNKED_CASES = {"limit", "limit_ce", "chunked", "chunked_ce", "chunked_dpace", "torch_lce"}
+POSITION_CASES = ["per_row", "per_position", "per_row_ce", "per_position_ce"]
+ALL_CASES = [
+    "limit",
+    "limit_ce",
+    "chunked",
+    "chunked_ce",
+    "chunked_dpace",
+    "torch_lce",
+    "naive",
+    "naive_ce",
+    *POSITION_CASES,
+]
+CHUNKED_CASES = {"limit", "limit_ce", "chunked", "chunked_ce", "chunked_dpace", "torch_lce", *POSITION_CASES}
 CE_ONLY = {"limit_ce", "chunked_ce", "chunked_dpace", "torch_lce", "naive_ce"}
 DPACE_BLOCK = 16
+BLOCK = 16  # slots of a block of the per_row / per_position cases (15 supervised rows each)
 
 
 def _parse() -> argparse.Namespace:
@@ -75,6 +97,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: the usable cores)")
     p.add_argument("--cases", default=",".join(ALL_CASES), help="comma list of cases to run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--positions",
+        type=int,
+        default=0,
+        help="per_row / per_position: positions the blocks are drawn over (default 2 x anchors)",
+    )
     p.add_argument("--logit-std", type=float, default=3.0, help="std of the random logits")
     p.add_argument("--timeout", type=float, default=3600.0, help="per-case subprocess timeout (s)")
     p.add_argument(
@@ -146,6 +174,13 @@ def _run_case(a: argparse.Namespace) -> dict:
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}[a.dtype]
     cuda = dev.type == "cuda"
     R, H, V, C = a.rows, a.hidden, a.vocab, a.chunk
+    blocks = positions = 0
+    if a.case in POSITION_CASES:
+        blocks = R // (BLOCK - 1)
+        R = blocks * (BLOCK - 1)
+        positions = a.positions or 2 * blocks
+        if blocks < 1 or positions < blocks + BLOCK - 1:
+            raise SystemExit(f"--positions {positions} cannot hold {blocks} blocks of {BLOCK} slots")
 
     # On CUDA the inputs are drawn on the device: at R=32768, H=4096, V=151936 a CPU draw takes
     # seconds per case (each case is its own process), a device draw milliseconds.
@@ -223,6 +258,35 @@ def _run_case(a: argparse.Namespace) -> dict:
             out = verifier_loss(h_d, None, w_head, labels, weights, ce=1.0, chunk_size=C, reweight=reweight)
             out.loss.backward()
             last["loss"] = out.loss.detach()
+    elif a.case in POSITION_CASES:
+        sys.path.insert(0, str(REPO))
+        from dflash.loss.verifier import verifier_loss
+
+        g_cpu = torch.Generator().manual_seed(a.seed + 2)
+        anchors = torch.randperm(positions - BLOCK + 1, generator=g_cpu)[:blocks]
+        # slot k = 1..15 of the block at anchor a reads the verifier row a + k - 1; rows in position order
+        index = (anchors[:, None] + torch.arange(BLOCK - 1)).reshape(-1).sort().values
+        final = torch.randn(positions, H, generator=g_cpu).to(dev, dt)
+        index_dev = index.to(dev)
+        kl = 0.0 if a.case.endswith("_ce") else 1.0
+        shared = a.case.startswith("per_position")
+
+        def step():
+            h_d.grad = None
+            hv = final if shared else final[index_dev]  # the per-row gather is part of the old step
+            out = verifier_loss(
+                h_d,
+                hv,
+                w_head,
+                labels,
+                weights,
+                ce=1.0,
+                kl=kl,
+                chunk_size=C,
+                verifier_index=index if shared else None,
+            )
+            out.loss.backward()
+            last["loss"] = out.loss.detach()
     elif a.case == "torch_lce":
         from torch.nn import LinearCrossEntropyOptions
 
@@ -296,7 +360,7 @@ def _run_case(a: argparse.Namespace) -> dict:
     n_gemm = 2 if ce_only else 3
     rec = {
         "case": a.case,
-        "terms": "ce" if ce_only else "ce+kl",
+        "terms": "ce" if ce_only or a.case.endswith("_ce") else "ce+kl",
         "chunk": C if a.case in CHUNKED_CASES else None,
         "rows": R,
         "hidden": H,
@@ -321,6 +385,8 @@ def _run_case(a: argparse.Namespace) -> dict:
         rec["loss"] = last["loss"].item()
         rec["grad_norm"] = grad.norm().item()
         rec["grad_probe"] = (grad * probe.to(dev)).sum().item()
+    if a.case in POSITION_CASES:
+        rec.update(blocks=blocks, positions=positions, verifier_positions=int(index.unique().numel()))
     if cuda:
         rec["tflops_6rhv"] = round(6 * R * H * V / best / 1e12, 2)
         rec["gpu"] = torch.cuda.get_device_name(dev)
@@ -347,8 +413,8 @@ def main() -> None:
             raise SystemExit(f"--cases: unknown {c!r}; known {ALL_CASES}")
     plan = []
     for c in cases:
-        t = "ce" if c in CE_ONLY else "ce+kl"
-        if t not in terms:
+        t = "ce" if c in CE_ONLY or c.endswith("_ce") else "ce+kl"
+        if t not in terms and c not in POSITION_CASES:
             continue
         plan += [(c, k) for k in chunks] if c in CHUNKED_CASES else [(c, 0)]
     base_args = [
@@ -374,6 +440,8 @@ def main() -> None:
         str(a.logit_std),
         "--settle",
         str(a.settle),
+        "--positions",
+        str(a.positions),
     ]
     results = []
     for case, chunk in plan:
@@ -445,6 +513,8 @@ def main() -> None:
             _ratios(r, find("chunked_ce", r["chunk"]), "ce")
         if r["case"] == "chunked_ce":
             _ratios(r, find("torch_lce", r["chunk"]), "torch_lce")
+        if r["case"].startswith("per_position"):
+            _ratios(r, find(r["case"].replace("per_position", "per_row"), r["chunk"]), "per_row")
         print(json.dumps(r), flush=True)
 
 

@@ -91,13 +91,18 @@ def supervised_slots(
     return label_valid & loss_mask.gather(1, label_pos.view(B, N * bs)).view(B, N, bs).bool()
 
 
-def num_supervised(
+def supervised_positions(
     loss_mask: torch.Tensor, doc_ids: torch.Tensor, anchors: torch.Tensor, block_size: int
-) -> int:
-    """The supervised rows R of ``dflash_loss`` for these [B, S] / [B, N] inputs, counted where they
-    live: the trainer counts on its host copies and passes R as ``num_rows`` (static padding adds
-    none: padding blocks have no anchor and the padded context is another, unsupervised document)."""
-    return int(supervised_slots(*label_slots(doc_ids, anchors, block_size), loss_mask).sum())
+) -> torch.Tensor:
+    """[R] int64, sorted: for each supervised row of ``dflash_loss`` on these [B, S] / [B, N]
+    inputs, the position ``b * S + a + k - 1`` whose final hidden state is its verifier row; R is
+    its length. Computed where the inputs live: the trainer computes it on its host copies and
+    passes it as ``verifier_positions`` (static padding adds no row: padding blocks have no anchor
+    and the padded context is another, unsupervised document)."""
+    label_pos, label_valid = label_slots(doc_ids, anchors, block_size)
+    B, S = loss_mask.shape
+    key = label_pos - 1 + S * torch.arange(B, device=label_pos.device).view(B, 1, 1)
+    return key[supervised_slots(label_pos, label_valid, loss_mask)].sort().values
 
 
 def pad_to_static(
@@ -147,6 +152,7 @@ def dflash_loss(
     normalizer: float | None = None,
     num_rows: int | None = None,
     selector_scale: float | None = None,
+    verifier_positions: torch.Tensor | None = None,
 ) -> ObjectiveOutput:
     """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss (+ DFlash2's
     selector loss).
@@ -169,9 +175,14 @@ def dflash_loss(
     labels' range are asserted on the device); None: R is found on the device (host syncs).
     ``selector_scale``: DFlash2's selector loss coefficient at this step (``selector_coefficient``;
     None: ``loss_cfg.selector``). For DFlash2 the tau sums follow its selector chain.
+    ``verifier_positions``: ``supervised_positions`` of these inputs on the host (the trainer's host
+    copies; asserted on the device). The verifier's logits, softmax and argmax are computed once per
+    distinct position the supervised rows read (``verifier_loss(verifier_index=...)``, rows in
+    position order), and with it that needs no host sync; None: read back from the device.
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+    final_in = final_hidden  # the verifier's rows: padding adds no position a supervised row reads
     if static_shape is not None:
         aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors = pad_to_static(
             aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, *static_shape
@@ -189,17 +200,26 @@ def dflash_loss(
     coefs = coefficients(loss_cfg)
     selector = getattr(drafter, "candidate_selector", None)
     wants_verifier = verifier_metrics or (selector is not None and loss_cfg.selector_label == "verifier")
-    verifier_hidden = final_hidden if needs_verifier_logits(coefs, wants_verifier) else None
+    verifier_hidden = None
+    if needs_verifier_logits(coefs, wants_verifier):
+        verifier_hidden = final_in.reshape(-1, final_in.shape[-1])
     dpace = loss_cfg.dpace > 0
     sup = _supervised_slots(
-        blocks, loss_mask, input_ids, verifier_hidden, None if dpace else loss_cfg.gamma, hidden, num_rows
+        blocks,
+        loss_mask,
+        input_ids,
+        final_in.shape[1] if verifier_hidden is not None else None,
+        None if dpace else loss_cfg.gamma,
+        hidden,
+        num_rows,
     )
     if num_rows is not None:
         _assert_labels_in_vocab(sup.labels, lm_head_weight.shape[0])
+    verifier_index = _host_verifier_index(sup, verifier_positions)
     rows_hidden = hidden.reshape(-1, hidden.shape[-1])[sup.rows]
     out = verifier_loss(
         rows_hidden,
-        sup.verifier_rows,
+        verifier_hidden,
         lm_head_weight,
         sup.labels,
         sup.weights.view(-1)[sup.rows],
@@ -213,6 +233,7 @@ def dflash_loss(
         coefs=coefs,
         reweight=_dpace_reweight(sup, loss_cfg.dpace) if dpace else None,
         reweight_normalizer=loss_cfg.dpace_normalizer,
+        verifier_index=verifier_index,
     )
     loss, sel = out.loss, None
     if selector is not None:
@@ -271,26 +292,29 @@ def _selector_step(selector, rows_hidden, head, input_ids, blocks, sup, out, los
 @dataclass
 class _Supervised:
     """The supervised slots of a batch: ``supervised`` / ``weights`` [B, N, bs], and per
-    supervised row (R of them, in [B*N*bs] order) its index, data label and verifier hidden row."""
+    supervised row (R of them) its index in [B*N*bs], data label and, when the verifier is
+    computed, the position ``b * S + a + k - 1`` of its verifier row (the rows then in the order of
+    those positions, else in [B*N*bs] order)."""
 
     supervised: torch.Tensor
     weights: torch.Tensor
     rows: torch.Tensor
     labels: torch.Tensor
-    verifier_rows: torch.Tensor | None
+    verifier_index: torch.Tensor | None
 
 
 def _supervised_slots(
     blocks,
     loss_mask: torch.Tensor,
     input_ids: torch.Tensor,
-    final_hidden: torch.Tensor | None,
+    verifier_len: int | None,
     gamma: float | None,
     hidden: torch.Tensor,
     num_rows: int | None,
 ) -> _Supervised:
     """The supervised slots, weighted by the decay of ``gamma`` (None: 1 each, D-PACE weighs them
-    later); with ``num_rows`` (R known) found without a host sync."""
+    later); with ``num_rows`` (R known) found without a host sync. ``verifier_len``: the length S of
+    the rows of the verifier's positions (None: no verifier)."""
     B, N, bs = blocks.label_pos.shape
     flat_pos = blocks.label_pos.view(B, N * bs)
     supervised = supervised_slots(blocks.label_pos, blocks.label_valid, loss_mask)
@@ -302,12 +326,33 @@ def _supervised_slots(
     else:
         torch._assert_async(supervised.sum() == num_rows, "num_rows is not the number of supervised slots")
         rows = torch.nonzero_static(supervised.view(-1), size=num_rows).squeeze(1)
+    verifier_index = None
+    if verifier_len is not None:
+        key = rows // (N * bs) * verifier_len + flat_pos.reshape(-1)[rows] - 1
+        verifier_index, order = torch.sort(key, stable=True)
+        rows = rows[order]
     labels = input_ids.gather(1, flat_pos).reshape(-1)[rows]
-    verifier_rows = None
-    if final_hidden is not None:
-        prev = (flat_pos - 1).clamp(min=0)
-        verifier_rows = final_hidden[rows // (N * bs), prev.reshape(-1)[rows]]
-    return _Supervised(supervised, weights, rows, labels, verifier_rows)
+    return _Supervised(supervised, weights, rows, labels, verifier_index)
+
+
+def _host_verifier_index(sup: _Supervised, host: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows' verifier positions on the host: the caller's ``verifier_positions`` (asserted equal
+    to the device's on the device), else read back (a host sync on an accelerator)."""
+    if sup.verifier_index is None:
+        return None
+    if host is None:
+        return sup.verifier_index.cpu()
+    if host.shape != sup.verifier_index.shape:
+        raise ValueError(
+            f"verifier_positions has {host.numel()} rows but the batch supervises {sup.verifier_index.numel()}: "
+            "pass supervised_positions of the same inputs"
+        )
+    device = sup.verifier_index.device
+    torch._assert_async(
+        (sup.verifier_index == host.to(device, non_blocking=True)).all(),
+        "verifier_positions are not the supervised rows' positions (supervised_positions of these inputs)",
+    )
+    return host
 
 
 def _dpace_reweight(sup: _Supervised, a: float) -> Callable[[torch.Tensor], torch.Tensor]:

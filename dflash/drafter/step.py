@@ -4,7 +4,8 @@ periodic eval run, so the rehearsal cannot drift from what trains.
 :class:`StepPlan` is what a run's step needs, resolved once (the attention kernel and the autocast
 of the device, the static shape a compiled flex kernel needs, how anchors are drawn);
 :func:`plan_anchors` draws a packet's anchors on the host from its host copies (no device read,
-and what the host then knows, the supervised row count R, goes with them); :func:`objective_step`
+and what the host then knows, the supervised rows and the positions their verifier rows read, goes
+with them); :func:`objective_step`
 runs blocks -> drafter -> chunked verifier-logit loss under the plan's autocast and returns the
 objective's loss and metric sums (:class:`dflash.drafter.objective.ObjectiveOutput`). The backward
 stays with the caller: the trainer's gradient reduction, the rehearsal's memory accounting, none in
@@ -24,7 +25,7 @@ from dflash.config import Config, LossConfig
 from dflash.config.resolve import drafter_attention, torch_dtype
 from dflash.drafter.blocks import eligible_anchors, offered_anchors, sample_anchors
 from dflash.drafter.model import DFlashDraftModel
-from dflash.drafter.objective import ObjectiveOutput, dflash_loss, num_supervised
+from dflash.drafter.objective import ObjectiveOutput, dflash_loss, supervised_positions
 from dflash.targets.packing import doc_ids_from_positions, packet_positions
 
 
@@ -109,14 +110,24 @@ class PacketAnchors:
     """[1, T] RoPE positions restarting at 0 per document."""
     anchors: Tensor
     """[1, N] anchor positions, -1 padding."""
-    num_rows: int
-    """R: the supervised slots of these blocks."""
+    verifier_positions: Tensor
+    """[R] sorted: the position each supervised slot's verifier row is at (``supervised_positions``)."""
     offered: int
     """The anchors ``drafter.num_anchors`` offers before ``max_anchors_per_packet``."""
 
     @property
     def num_blocks(self) -> int:
         return int((self.anchors >= 0).sum())
+
+    @property
+    def num_rows(self) -> int:
+        """R: the supervised slots of these blocks."""
+        return int(self.verifier_positions.numel())
+
+    @property
+    def verifier_rows(self) -> int:
+        """The distinct positions the supervised slots' verifier rows are at."""
+        return int(torch.unique_consecutive(self.verifier_positions).numel())
 
 
 def plan_anchors(plan: StepPlan, seq_lens: Tensor, loss_mask: Tensor, index: int) -> PacketAnchors:
@@ -133,8 +144,9 @@ def plan_anchors(plan: StepPlan, seq_lens: Tensor, loss_mask: Tensor, index: int
         offered = int(offered_anchors(mask, docs, plan.num_anchors))
         generator = anchor_generator(plan.seed, index)
         anchors = sample_anchors(mask, docs, plan.num_anchors, generator, plan.max_anchors)
-    num_rows = num_supervised(mask, docs, anchors, plan.block_size)
-    return PacketAnchors(positions, anchors, num_rows, offered)
+    return PacketAnchors(
+        positions, anchors, supervised_positions(mask, docs, anchors, plan.block_size), offered
+    )
 
 
 def objective_step(
@@ -177,4 +189,5 @@ def objective_step(
             normalizer=plan.normalizer,
             num_rows=anchors.num_rows,
             selector_scale=selector_scale,
+            verifier_positions=anchors.verifier_positions,
         )

@@ -57,6 +57,7 @@ def planner_figures(
         num_seqs=max(1, round(packet["seqs"])),
         num_anchors=round(packet["blocks"]),
         loss_rows=round(packet["supervised_slots"]),
+        verifier_rows=None,  # the estimate from these anchors and tokens
         target_tokens=tokens,
         target_row_tokens=tokens if cfg.target.pack else inputs.packet.target_row_tokens,
     )

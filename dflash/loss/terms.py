@@ -43,7 +43,7 @@ class LossTerm:
     value: Callable[[Mapping[str, Any]], Any]
     """Per-row value from the quantities (a mapping name -> ``[S]`` tensor)."""
     needs_verifier: bool
-    """It needs the verifier logits (a verifier GEMM per row)."""
+    """It needs the verifier logits (a verifier GEMM per distinct position the rows read)."""
     q1: float = 0.0
     """Coefficient of ``q_1`` in d(term)/d(z_d)."""
     kl_basis: float = 0.0

@@ -4,23 +4,29 @@ The drafter's loss compares drafter logits ``z_d = h_d W^T`` with verifier logit
 (``W`` is the frozen target lm_head, shared by the drafter). Materialising both for every supervised
 slot is tens of GB at a 150K-250K vocabulary. :func:`verifier_loss` instead:
 
-1. drops the rows whose weight is 0 (``index_select`` of the hidden states, before any GEMM);
-2. for each chunk of ``C`` rows projects both hidden chunks into two preallocated fp32 ``[C, V]``
-   buffers (fp32 accumulation for bf16 inputs: ``mm(..., out_dtype=float32)`` on CUDA, upcast
-   operands on CPU; never a bf16 GEMM followed by ``.float()``);
-3. walks the chunk in row blocks and, per block: max/argmax of both logit rows (blocked ``amax``),
-   ``d = z_v - z_d`` into a small ``[S, V]`` scratch, the verifier softmax in place, one row dot
-   ``sum p (z_v - z_d)`` for the KL, the drafter softmax in place, and the gradient
-   ``dL/dz_d`` written in place over the drafter logits (``q - c p``; the one-hot parts are
-   scattered once per chunk). CPU fast path at ``T = 1``: the GEMMs produce base-2 logits
+1. drops the rows whose weight is 0 (``index_select`` of the hidden states, before any GEMM) and,
+   with ``verifier_index`` (row ``r`` reads verifier row ``verifier_index[r]``: the rows of
+   overlapping blocks share positions), orders the rows by it (no copy when already ordered);
+2. for each chunk of ``C`` rows projects the drafter hidden chunk into a preallocated fp32
+   ``[C, V]`` buffer and the chunk's distinct verifier rows (``P_c <= C``; without
+   ``verifier_index`` each row's own) into a ``[P_c, V]`` one (fp32 accumulation for bf16 inputs:
+   ``mm(..., out_dtype=float32)`` on CUDA, upcast operands on CPU; never a bf16 GEMM followed by
+   ``.float()``): the verifier's GEMM, argmax, softmax and log-sum-exp are done once per position
+   (``kernels.position_math``), not once per row;
+3. walks the chunk in row blocks and, per block: max/argmax of the drafter rows (blocked ``amax``),
+   the rows' verifier softmax (a view, or gathered from the per-position buffer into an ``[S, V]``
+   scratch), one row dot ``sum p z_d`` for the KL (``sum p z_v`` is the position's), the drafter
+   softmax in place, and the gradient ``dL/dz_d`` written in place over the drafter logits
+   (``q - c p``; the one-hot parts are scattered once per chunk). CPU fast path at ``T = 1``: the GEMMs produce base-2 logits
    (``h / ln 2`` times ``W^T``) and the softmaxes become unnormalised ``exp2(z2 - max)`` (``exp2``
    is cheaper than ``exp`` on CPU), the row sums folded into the coefficients;
 4. ``dh_chunk = G @ W`` (one GEMM), scaled per row by ``w_r * s / sum(w)`` (and ``1 / s_d`` on the
    exp2 path) on the ``[C, H]`` result.
 
 Only ``dh`` (``[R, H]``, the drafter dtype) is kept for backward, which returns
-``grad_output * dh``. No ``[R, V]`` tensor, no recompute in backward, no ``roll``. FLOPs: 3 GEMMs of
-``2 R H V`` each for ce+kl (2 for ce only), which is what the materialising path costs too.
+``grad_output * dh``. No ``[R, V]`` tensor, no recompute in backward, no ``roll``. FLOPs: 2 GEMMs of
+``2 R H V`` (drafter logits, ``dh``) and the verifier's ``2 U H V`` over the ``U`` distinct
+positions (``U = R`` without ``verifier_index``; ~R/10 for the recipe's overlapping blocks).
 
 Per row ``r`` (all logits in fp32, or fp64 for fp64 inputs)::
 
@@ -35,17 +41,20 @@ Per row ``r`` (all logits in fp32, or fp64 for fp64 inputs)::
 so it never underflows). The row argmax uses a blocked ``amax`` (one reduction over the row, then
 ``argmax`` over one block of columns only); ties resolve to the first index, as ``torch.argmax``.
 
-Elementwise passes over each ``[S, V]`` row block (ce+kl, T = 1, CPU): 2 blocked max reads, 1
-``sub`` for ``d`` (read 2, write 1), per distribution 1 ``exp2_`` in place and 1 row ``sum`` (the
-only transcendental work: 2 per logit, the minimum; the max is subtracted first only for rows whose
-base-2 maximum is outside [-20, 64] in fp32), 1 ``mul_`` + ``sum`` for the row dot and 1
-``addcmul_`` for the gradient (read 2, write 1). The general path (``T != 1``, CUDA,
-``compile=True``) uses in-place softmaxes, and at ``T != 1`` a second scratch for
+Elementwise passes over each ``[S, V]`` row block (ce+kl, T = 1, CPU): 1 blocked max read, 1
+gather of the rows' verifier softmax when rows share positions (read 1, write 1), 1 ``mul`` +
+``sum`` for the row dot, 1 ``exp2_`` in place and 1 row ``sum`` for the drafter (the max is
+subtracted first only for rows whose base-2 maximum is outside [-20, 64] in fp32) and 1
+``addcmul_`` for the gradient (read 2, write 1); per distinct position, once: 1 blocked max, a copy,
+1 ``exp2_``, a ``sum``, the normalisation and the ``sum p z_v`` dot. The general path (``T != 1``,
+CUDA, ``compile=True``) uses in-place softmaxes, and at ``T != 1`` the scratch for
 ``softmax(z_d / T)``. ce only: 1 blocked max read, 1 ``exp2_`` + ``sum`` and the label scatter. No
 ``[C, V]`` buffer is allocated per chunk, and on CPU the workspace is kept between calls.
 
-Memory beyond the inputs: ``[C, V]`` fp32 x 2 (x 1 without ``verifier_hidden``) and the
-``[S, V]`` scratch (x 2 at ``T != 1``; S = 128 rows on CPU, 256 on CUDA) in one workspace (on
+Memory beyond the inputs: ``[C, V]`` fp32 for the drafter, ``[P_max, V]`` for the verifier (the most
+distinct positions of a chunk; ``C`` without ``verifier_index``, none without ``verifier_hidden``)
+and an ``[S, V]`` scratch (x 2 when rows share positions: the gathered verifier rows; S = 128 rows on
+CPU, 256 on CUDA) in one workspace (on
 Linux CPU backed by transparent huge pages, and kept for the next call, so a fresh multi-GB buffer's
 first-touch page faults are paid once; ``keep_workspace=False`` or :func:`release_workspace` to
 free it), plus ``dh`` ``[R, H]`` and a compacted copy of the kept
@@ -72,7 +81,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from dflash.loss.device import kernel_device
-from dflash.loss.kernels import LN2, LOG2E, block_math_exp2, get_block_math
+from dflash.loss.kernels import LN2, LOG2E, block_math_exp2, get_kernels, position_math_exp2
 from dflash.loss.terms import BY_NAME, TERMS, GradientPlan, computed_terms, gradient_plan
 from dflash.loss.workspace import acquire_workspace, return_workspace
 
@@ -182,21 +191,27 @@ class _Cfg:
     reweight: Callable[[Tensor], Tensor] | None = None
     """Per-row loss values [R] -> multipliers [R] of the row weights (``verifier_loss(reweight=...)``)."""
     reweight_normalizer: str = "sum"
+    verifier_index: Tensor | None = None
+    """[R] host int64: the verifier row each row reads (``verifier_loss(verifier_index=...)``)."""
     result: dict = field(default_factory=dict)
 
 
 @dataclass
 class _Rows:
-    """The rows with weight > 0 (a compacted copy when some rows have weight 0), in order."""
+    """The rows with weight > 0 in the order they are computed (a compacted copy when some rows
+    have weight 0 or ``verifier_index`` had to be sorted)."""
 
     keep: Tensor
-    """[n] int64 indices of the kept rows among the R rows."""
+    """[n] int64 indices of the kept rows among the R rows, in computing order."""
     compact: bool
     h_d: Tensor
     h_v: Tensor | None
+    """[n, H] (each row its own verifier row) or, with ``index``, the caller's ``[P, H]``."""
     labels: Tensor
     weights: Tensor
     """[n] in the compute dtype."""
+    index: Tensor | None = None
+    """[n] host int64, non-decreasing: the verifier row each kept row reads (None: its own)."""
 
     @property
     def n(self) -> int:
@@ -204,23 +219,74 @@ class _Rows:
 
 
 def _kept_rows(
-    h_d: Tensor, h_v: Tensor | None, labels: Tensor, weights: Tensor, cdt: torch.dtype, every_row: bool
+    h_d: Tensor,
+    h_v: Tensor | None,
+    labels: Tensor,
+    weights: Tensor,
+    cdt: torch.dtype,
+    every_row: bool,
+    index: Tensor | None,
 ) -> _Rows:
-    """The rows with weight > 0 (``every_row``: all of them, as the caller vouches: no host sync)."""
+    """The rows with weight > 0 (``every_row``: all of them, as the caller vouches: no host sync);
+    with a host ``index`` ([R] verifier rows), ordered by it (stable; no copy when already sorted)."""
+    r_all, device = h_d.shape[0], h_d.device
     if every_row:
-        keep = torch.arange(h_d.shape[0], device=h_d.device)
+        keep = torch.arange(r_all, device=device)
     else:
         keep = torch.nonzero(weights > 0).view(-1)
-    if keep.numel() == h_d.shape[0]:
-        return _Rows(keep, False, h_d, h_v, labels, weights.to(cdt))
+    reordered = False
+    if index is not None:
+        if keep.numel() != r_all:
+            index = index[keep.cpu()]
+        if index.numel() > 1 and not bool((index[1:] >= index[:-1]).all()):
+            order = torch.argsort(index, stable=True)
+            index = index[order]
+            keep = keep.index_select(0, order.to(device, non_blocking=True))
+            reordered = True
+    if keep.numel() == r_all and not reordered:
+        return _Rows(keep, False, h_d, h_v, labels, weights.to(cdt), index)
     return _Rows(
         keep,
         True,
         h_d.index_select(0, keep),
-        h_v.index_select(0, keep) if h_v is not None else None,
+        h_v if index is not None or h_v is None else h_v.index_select(0, keep),
         labels.index_select(0, keep),
         weights.index_select(0, keep).to(cdt),
+        index,
     )
+
+
+@dataclass
+class _Positions:
+    """The distinct verifier rows each chunk of kept rows reads (rows sorted by ``_Rows.index``)."""
+
+    rows: Tensor
+    """[sum_c P_c] int64 on the device: chunk after chunk, its distinct verifier rows."""
+    local: Tensor
+    """[n] int64 on the device: each kept row's position among its chunk's ``P_c``."""
+    bounds: list[tuple[int, int]]
+    """Per chunk, its slice of ``rows``."""
+
+    @property
+    def most(self) -> int:
+        """The largest ``P_c``: rows of the per-position buffer."""
+        return max(u1 - u0 for u0, u1 in self.bounds)
+
+    @classmethod
+    def plan(cls, index: Tensor, chunk: int, device: torch.device) -> _Positions:
+        """From the host ``index`` (sorted) and the chunk size: host work, two non-blocking copies."""
+        rows, local, bounds, at = [], [], [], 0
+        for c0 in range(0, index.numel(), chunk):
+            distinct, inverse = torch.unique_consecutive(index[c0 : c0 + chunk], return_inverse=True)
+            rows.append(distinct)
+            local.append(inverse)
+            bounds.append((at, at + distinct.numel()))
+            at += distinct.numel()
+        return cls(
+            torch.cat(rows).to(device, non_blocking=True),
+            torch.cat(local).to(device, non_blocking=True),
+            bounds,
+        )
 
 
 def row_quantities(with_verifier: bool, cfg: _Cfg) -> set[str]:
@@ -261,11 +327,14 @@ class _RowStats:
 class _ChunkLoop:
     """The chunk buffers of one call and the work on one chunk of kept rows.
 
-    Per chunk: both projections into the fp32 ``[C, V]`` buffers, the row blocks (``block_math``
-    or, on the CPU exp2 path, ``block_math_exp2``) that fill the per-row outputs and leave the
-    gradient w.r.t. the drafter logits over the drafter buffer, the one-hot parts of that gradient
-    scattered once, and ``dh = G @ W`` scaled per row by ``w_r * s / normalizer`` (``/ s_d`` on
-    the exp2 path)."""
+    Per chunk: the drafter projection into the fp32 ``[C, V]`` buffer; the verifier projection of
+    the chunk's distinct verifier rows (``P_c <= C``; each row's own without ``verifier_index``)
+    into the per-position buffer and, in blocks, the verifier softmax there (``position_math``);
+    then the row blocks (``block_math`` or, on the CPU exp2 path, ``block_math_exp2``, each reading
+    its rows' verifier softmax: a view of the per-position buffer, or gathered into a scratch) that
+    fill the per-row outputs and leave the gradient w.r.t. the drafter logits over the drafter
+    buffer, the one-hot parts of that gradient scattered once, and ``dh = G @ W`` scaled per row by
+    ``w_r * s / normalizer`` (``/ s_d`` on the exp2 path)."""
 
     def __init__(self, w: Tensor, rows: _Rows, chunk: int, cdt: torch.dtype, cfg: _Cfg) -> None:
         device, vocab, hid = w.device, w.shape[0], w.shape[1]
@@ -276,18 +345,22 @@ class _ChunkLoop:
         self.w_t = self.w_mm.t()
         with_v = rows.h_v is not None
         self.rb = max(1, min(cfg.row_block, chunk))
-        n_sc = 0 if not with_v else (1 if cfg.temperature == 1.0 else 2)
-        n_big = 2 if with_v else 1
-        numel = (n_big * chunk + n_sc * self.rb) * vocab
+        self.positions = (
+            _Positions.plan(rows.index, chunk, device) if with_v and rows.index is not None else None
+        )
+        n_pos = 0 if not with_v else (self.positions.most if self.positions is not None else chunk)
+        # scratch blocks: the row dot / q_T, and the gathered verifier rows when rows share positions
+        n_sc = 0 if not with_v else (1 if self.positions is None else 2)
+        numel = (chunk + n_pos + n_sc * self.rb) * vocab
         self.ws_full = acquire_workspace(numel, cdt, device, cfg.keep_workspace)
         ws = self.ws_full[:numel]
-        bufs = ws[: n_big * chunk * vocab].view(n_big, chunk, vocab)
-        self.zd_buf, self.zv_buf = bufs[0], (bufs[1] if with_v else None)
-        scr = ws[n_big * chunk * vocab :].view(n_sc, self.rb, vocab)
+        self.zd_buf = ws[: chunk * vocab].view(chunk, vocab)
+        self.zv_buf = ws[chunk * vocab : (chunk + n_pos) * vocab].view(n_pos, vocab) if with_v else None
+        scr = ws[(chunk + n_pos) * vocab :].view(n_sc, self.rb, vocab)
         self.sc = scr[0] if n_sc >= 1 else None
-        self.sc2 = scr[1] if n_sc >= 2 else None
+        self.gathered = scr[1] if n_sc >= 2 else None
         self.dh_buf = torch.empty((chunk, hid), dtype=cdt, device=device) if cfg.need_grad else None
-        self.block_fn = get_block_math(cfg.compile)
+        self.position_fn, self.block_fn = get_kernels(cfg.compile)
         # CPU, T = 1, fp32/fp64 GEMM operands: base-2 logits from (h / ln 2) @ W^T and the exp2 path
         self.use_exp2 = (
             _CPU_EXP2
@@ -300,10 +373,11 @@ class _ChunkLoop:
         self.z_scale = LN2 if self.use_exp2 else 1.0  # natural logit per unit of the buffers
         self.arange_c = torch.arange(chunk, device=device)
         self.fac_c = torch.ones(chunk, dtype=cdt, device=device)  # per-row s_d of the exp2 path
+        self.chunk_no = 0
 
     def close(self) -> None:
         """Give the workspace back (kept for the next call on CPU unless ``keep_workspace=False``)."""
-        self.zd_buf = self.zv_buf = self.sc = self.sc2 = None  # type: ignore[assignment]
+        self.zd_buf = self.zv_buf = self.sc = self.gathered = None  # type: ignore[assignment]
         return_workspace(self.ws_full, self.cfg.keep_workspace)
 
     def _project(self, hc: Tensor, out: Tensor) -> None:
@@ -313,21 +387,45 @@ class _ChunkLoop:
             hc = hc * self.h_scale
         _device_mm(hc, self.w_t, out)
 
+    def _verifier(self, c0: int, c1: int) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor | None]:
+        """The chunk's verifier positions: their softmax (in the per-position buffer), their
+        ``(argmax, log-sum-exp, sum p z)`` and each row's position among them (None: row r's is r)."""
+        rows = self.rows
+        assert rows.h_v is not None and self.zv_buf is not None and self.sc is not None
+        local = None
+        if self.positions is None:
+            hv = rows.h_v[c0:c1]
+        else:
+            u0, u1 = self.positions.bounds[self.chunk_no]
+            hv = rows.h_v.index_select(0, self.positions.rows[u0:u1])
+            local = self.positions.local[c0:c1]
+        pc = hv.shape[0]
+        zv = self.zv_buf[:pc]
+        self._project(hv, zv)
+        stats = [torch.empty(pc, dtype=dt, device=zv.device) for dt in (torch.int64, self.cdt, self.cdt)]
+        for b0 in range(0, pc, self.rb):
+            b1 = min(b0 + self.rb, pc)
+            sc_b = self.sc[: b1 - b0]
+            if self.use_exp2:
+                got = position_math_exp2(zv[b0:b1], sc_b)
+            else:
+                got = self.position_fn(zv[b0:b1], sc_b, self.cfg.temperature)
+            for dst, x in zip(stats, got, strict=True):
+                dst[b0:b1] = x
+        return zv, (stats[0], stats[1], stats[2]), local
+
     def run(self, c0: int, c1: int, out: _RowStats, dh: Tensor | None, normalizer: Tensor) -> None:
         """Kept rows ``[c0, c1)``: per-row outputs into ``out``, their gradient rows into ``dh``."""
         rows, cfg, n = self.rows, self.cfg, c1 - c0
         zd = self.zd_buf[:n]
         self._project(rows.h_d[c0:c1], zd)
-        zv = None
-        if rows.h_v is not None:
-            assert self.zv_buf is not None
-            zv = self.zv_buf[:n]
-            self._project(rows.h_v[c0:c1], zv)
+        verifier = self._verifier(c0, c1) if rows.h_v is not None else None
+        self.chunk_no += 1
         rows_c, lab_c = self.arange_c[:n], rows.labels[c0:c1]
         zlab = zd[rows_c, lab_c]
         if self.z_scale != 1.0:
             zlab = zlab * self.z_scale
-        s_used = self._blocks(zd, zv, zlab, c0, out)
+        s_used = self._blocks(zd, verifier, zlab, c0, out)
         if not (cfg.need_grad and s_used > 0):
             return
         fac = self.fac_c[:n]
@@ -351,31 +449,46 @@ class _ChunkLoop:
         else:
             dh[c0:c1] = dh_c
 
-    def _blocks(self, zd: Tensor, zv: Tensor | None, zlab: Tensor, c0: int, out: _RowStats) -> float:
+    def _blocks(
+        self,
+        zd: Tensor,
+        verifier: tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor | None] | None,
+        zlab: Tensor,
+        c0: int,
+        out: _RowStats,
+    ) -> float:
         """The row blocks of one chunk; returns the gradient scale ``s`` of the last block."""
         cfg, n, s_used = self.cfg, zd.shape[0], 0.0
         fac = self.fac_c[:n]
         for b0 in range(0, n, self.rb):
             b1 = min(b0 + self.rb, n)
             m = b1 - b0
-            zv_b = zv[b0:b1] if zv is not None else None
+            pv, pos = None, None
+            if verifier is not None:
+                zv, (av, lse, pz), local = verifier
+                if local is None:  # each row its own position: a view
+                    pv, pos = zv[b0:b1], (av[b0:b1], lse[b0:b1], pz[b0:b1])
+                else:
+                    idx = local[b0:b1]
+                    assert self.gathered is not None
+                    pv = torch.index_select(zv, 0, idx, out=self.gathered[:m])
+                    pos = (av.index_select(0, idx), lse.index_select(0, idx), pz.index_select(0, idx))
             sc_b = self.sc[:m] if self.sc is not None else None
             a_coef, b_coef = cfg.grad.q1, cfg.grad.kl_basis
             if self.use_exp2:
-                ad, lse_d1, av, zav, kl_r, s, sd = block_math_exp2(
-                    zv_b, zd[b0:b1], sc_b, a_coef, b_coef, cfg.need_grad
+                ad, lse_d1, zav, kl_r, s, sd = block_math_exp2(
+                    pv, zd[b0:b1], sc_b, pos, a_coef, b_coef, cfg.need_grad
                 )
                 fac[b0:b1] = sd
             else:
-                sc2_b = self.sc2[:m] if self.sc2 is not None else None
-                _, ad, lse_d1, av, zav, kl_r, s = self.block_fn(
-                    zv_b, zd[b0:b1], sc_b, sc2_b, a_coef, b_coef, cfg.temperature, cfg.need_grad
+                _, ad, lse_d1, zav, kl_r, s = self.block_fn(
+                    pv, zd[b0:b1], sc_b, pos, a_coef, b_coef, cfg.temperature, cfg.need_grad
                 )
             g0, g1 = c0 + b0, c0 + b1
             out.ad[g0:g1] = ad
-            if zv is not None:
+            if pos is not None:
                 assert out.av is not None
-                out.av[g0:g1] = av
+                out.av[g0:g1] = pos[0]
             q = {"lse_d1": lse_d1, "zlab": zlab[b0:b1], "zav": zav, "kl": kl_r}
             for name, values in out.terms.items():
                 values[g0:g1] = BY_NAME[name].value(q)
@@ -463,7 +576,7 @@ def _forward_impl(
     # autocast would recast the GEMMs to bf16 outputs: the precision here is explicit instead
     with _no_autocast(h_d.device):
         cdt = torch.float64 if torch.float64 in (h_d.dtype, w.dtype) else torch.float32
-        rows = _kept_rows(h_d, h_v, labels, weights, cdt, every_row=cfg.checked_rows)
+        rows = _kept_rows(h_d, h_v, labels, weights, cdt, cfg.checked_rows, cfg.verifier_index)
         out = _RowStats.empty(rows.n, h_v is not None, cfg, cdt, h_d.device)
         w_sum = rows.weights.sum()
         normalizer = (
@@ -535,7 +648,9 @@ def _shape(x: object) -> tuple:
     return tuple(getattr(x, "shape", ()))
 
 
-def _check_tensors(h_d: Tensor, h_v: Tensor | None, w: Tensor, labels: Tensor, weights: Tensor) -> None:
+def _check_tensors(
+    h_d: Tensor, h_v: Tensor | None, w: Tensor, labels: Tensor, weights: Tensor, index: Tensor | None
+) -> None:
     """Shapes, dtypes, devices and grad flags of the tensor arguments (ValueError naming the argument)."""
     if not isinstance(h_d, Tensor) or h_d.dim() != 2:
         raise ValueError(
@@ -556,10 +671,12 @@ def _check_tensors(h_d: Tensor, h_v: Tensor | None, w: Tensor, labels: Tensor, w
             "lm_head_weight must not require grad (the head is frozen); pass lm_head_weight.detach()"
         )
     if h_v is not None:
-        if not isinstance(h_v, Tensor) or tuple(h_v.shape) != (r_all, hid):
+        if index is None and (not isinstance(h_v, Tensor) or tuple(h_v.shape) != (r_all, hid)):
             raise ValueError(
                 f"verifier_hidden must be [R={r_all}, H={hid}] like drafter_hidden, got {_shape(h_v)}"
             )
+        if index is not None and (not isinstance(h_v, Tensor) or h_v.dim() != 2 or h_v.shape[1] != hid):
+            raise ValueError(f"verifier_hidden must be [P, H={hid}] with verifier_index, got {_shape(h_v)}")
         if not h_v.is_floating_point():
             raise ValueError(f"verifier_hidden must be floating point, got {h_v.dtype}")
         if h_v.device != device:
@@ -580,6 +697,22 @@ def _check_tensors(h_d: Tensor, h_v: Tensor | None, w: Tensor, labels: Tensor, w
         raise ValueError(f"weights is on device {weights.device} but drafter_hidden on {device}")
     if weights.requires_grad:
         raise ValueError("weights must not require grad")
+    if index is not None:
+        if h_v is None:
+            raise ValueError("verifier_index needs verifier_hidden (the rows it indexes)")
+        if not isinstance(index, Tensor) or tuple(index.shape) != (r_all,):
+            raise ValueError(f"verifier_index must be [R={r_all}], got {_shape(index)}")
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise ValueError(f"verifier_index must be an integer tensor, got {index.dtype}")
+
+
+def _host_index(index: Tensor, positions: int) -> Tensor:
+    """The host int64 copy of ``verifier_index`` (a host sync when it is on an accelerator), checked
+    to lie in ``[0, P)``."""
+    host = index.to("cpu", torch.int64)
+    if host.numel() and (int(host.min()) < 0 or int(host.max()) >= positions):
+        raise ValueError(f"verifier_index must lie in [0, P={positions}) (the rows of verifier_hidden)")
+    return host
 
 
 def _check_settings(
@@ -641,9 +774,10 @@ def _checked_settings(
     tuning: dict,
     keep_workspace: bool,
     checked_rows: bool,
+    index: Tensor | None,
 ) -> _Cfg:
     """Every argument of :func:`verifier_loss` checked (ValueError naming it), as the call's settings."""
-    _check_tensors(h_d, h_v, w, labels, weights)
+    _check_tensors(h_d, h_v, w, labels, weights, index)
     unknown = sorted(set(given) - set(BY_NAME))
     if unknown:
         raise ValueError(f"unknown loss term(s) {unknown}: the terms are {list(BY_NAME)}")
@@ -674,6 +808,7 @@ def _checked_settings(
         checked_rows=bool(checked_rows),
         reweight=tuning["reweight"],
         reweight_normalizer=tuning["reweight_normalizer"],
+        verifier_index=None if index is None or h_v is None else _host_index(index, h_v.shape[0]),
     )
 
 
@@ -695,6 +830,7 @@ def verifier_loss(
     coefs: Mapping[str, float] | None = None,
     reweight: Callable[[Tensor], Tensor] | None = None,
     reweight_normalizer: str = "sum",
+    verifier_index: Tensor | None = None,
     **term_coefs: float,
 ) -> VerifierLossOutput:
     """Weighted loss terms (:mod:`dflash.loss.terms`: ce, kl, verifier_ce) of the drafter logits
@@ -704,8 +840,10 @@ def verifier_loss(
         drafter_hidden: ``[R, H]`` float, the drafter's final hidden of the supervised slots; the
             only input that receives a gradient.
         verifier_hidden: ``[R, H]`` float, the target's final (post-norm) hidden at position
-            ``slot - 1``, without grad. May be None when ``kl == verifier_ce == 0``; then the
-            verifier GEMM is skipped and the verifier stats are None.
+            ``slot - 1``, without grad; with ``verifier_index``, ``[P, H]`` (e.g. every position of
+            a packet), row ``r`` reading ``verifier_hidden[verifier_index[r]]``. May be None when
+            ``kl == verifier_ce == 0``; then the verifier GEMM is skipped and the verifier stats
+            are None.
         lm_head_weight: ``[V, H]`` frozen lm_head (must not require grad).
         labels: ``[R]`` integer data tokens. Checked to lie in ``[0, V)`` on rows with weight > 0;
             rows with weight 0 may hold anything (e.g. ``-100``).
@@ -736,6 +874,11 @@ def verifier_loss(
             vocabulary.
         reweight_normalizer: with ``reweight`` and no ``normalizer``: ``N = sum_r w_r m_r``
             (``sum``) or ``sum_r w_r`` (``count``). The output's ``weight_sum`` is that ``N``.
+        verifier_index: ``[R]`` integer indices into ``verifier_hidden`` (None: row ``r`` reads
+            row ``r``). The verifier's work (its logits, argmax, softmax, log-sum-exp) is then done
+            once per distinct index of a chunk and shared by the rows that read it; rows are
+            computed in index order (non-decreasing indices cost no copy). Read on the host: a
+            CPU tensor costs no host sync.
 
     Returns:
         :class:`VerifierLossOutput`: ``loss`` (scalar, fp32 or fp64; 0 with a zero gradient when
@@ -768,6 +911,7 @@ def verifier_loss(
         ),
         keep_workspace,
         checked_rows,
+        verifier_index,
     )
     labels, vh = labels.to(torch.int64), verifier_hidden.detach() if verifier_hidden is not None else None
     if cfg.need_grad:

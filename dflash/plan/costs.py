@@ -46,8 +46,9 @@ Drafter step (forward + backward), per packet:
   ``2*H*V`` (forward only) and the selector ``2*H*r + 2*k*r`` (3x);
 - the loss over the ``R`` supervised slots with the frozen lm_head, chunked: drafter logits
   ``2*R*H*V``, the logit gradient ``dh = G @ W`` ``2*R*H*V``, and the verifier logits
-  ``2*R*H*V`` when a term or the metrics need them (KL, verifier-CE, accuracy against the verifier
-  argmax and tau_hat).
+  ``2*U*H*V`` when a term or the metrics need them (KL, verifier-CE, accuracy against the verifier
+  argmax and tau_hat): once per distinct position ``U`` the rows read (each covered by ~``R/U``
+  overlapping blocks), not per row.
 
 Attention keys per query (:data:`AttentionKind`): ``"sparse"`` kernels skip masked tiles
 (flex_attention, flash-attention varlen), so a target query at position ``p`` of its document
@@ -89,6 +90,8 @@ class PacketShape:
 
     - ``loss_rows``: supervised slots (default ``num_anchors * (block_size - 1)``: every slot
       after the given one of every block);
+    - ``verifier_rows``: the distinct positions those slots' verifier rows are at (default
+      :func:`verifier_positions`: anchors uniform over the packet);
     - ``target_tokens`` / ``target_row_tokens``: tokens the target computes and the length of one
       of its rows (default: one packed row, ``tokens``; padded rows: ``num_seqs * L_max`` and
       ``L_max``);
@@ -107,6 +110,7 @@ class PacketShape:
     num_seqs: int
     num_anchors: int
     loss_rows: int | None = None
+    verifier_rows: int | None = None
     target_tokens: int | None = None
     target_row_tokens: int | None = None
     drafter_context_tokens: int | None = None
@@ -244,6 +248,22 @@ def drafter_keys_per_query(packet: PacketShape, block_size: int, attention: Atte
     return (real * anchor_context + blocks * block_size) / blocks
 
 
+def loss_rows(packet: PacketShape, block_size: int) -> int:
+    """R: the packet's supervised slots (``PacketShape.loss_rows`` or every slot of every block)."""
+    return packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (block_size - 1)
+
+
+def verifier_positions(packet: PacketShape, block_size: int) -> int:
+    """U: the distinct positions the supervised slots' verifier rows are at
+    (``PacketShape.verifier_rows``; default: ``num_anchors`` blocks uniform over ``tokens``, a
+    position covered unless none of the ``block_size - 1`` anchors before it is drawn), at most R."""
+    rows = loss_rows(packet, block_size)
+    if packet.verifier_rows is not None:
+        return min(packet.verifier_rows, rows)
+    drawn = min(1.0, packet.num_anchors / packet.tokens)
+    return min(rows, round(packet.tokens * (1 - (1 - drawn) ** (block_size - 1))))
+
+
 def packet_costs(
     target: TargetShape,
     drafter: DrafterArch,
@@ -284,13 +304,13 @@ def packet_costs(
     drafter_layers_flop = 3 * drafter.num_layers * (layer_flop + attn) + 2 * fc
     drafter_attention_flop = 3 * drafter.num_layers * attn
 
-    rows = packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (bs - 1)
+    rows = loss_rows(packet, bs)
     gemm = 2 * rows * h * drafter.vocab_size
     verifier = needs_verifier_logits(coefficients(loss), verifier_metrics)
     loss_flop = {
         "drafter_logits": gemm,
         "logit_grad": gemm,
-        "verifier_logits": gemm if verifier else 0,
+        "verifier_logits": 2 * verifier_positions(packet, bs) * h * drafter.vocab_size if verifier else 0,
         "candidate_logits": rows * family.head_no_grad_flop_per_row(drafter),
         "selector": 3 * rows * family.head_flop_per_row(drafter),
     }

@@ -212,7 +212,9 @@ def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:
     Per sample of length ``L``: the supervised span is the last ``s = supervised_fraction * L``
     tokens (prompt first), giving ``s - 1`` eligible anchors, ``min(num_anchors, s - 1)`` of them,
     at most ``max_anchors_per_packet`` per packet; a block's slots fall inside the span with
-    probability ``1 - B / (2 s)``; an anchor sees ``L - s/2`` context tokens on average. A flex run
+    probability ``1 - B / (2 s)``; a position of the span is read by some slot's verifier row unless
+    none of the ``B - 1`` anchors before it is drawn (``1 - (1 - n / (s - 1))^(B - 1)`` for ``n``
+    anchors); an anchor sees ``L - s/2`` context tokens on average. A flex run
     pads the drafter's context to the token budget and its blocks to ``max_anchors_per_packet``
     (the static shape).
     """
@@ -238,16 +240,21 @@ def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:
         computed = row * len(doc_lengths)
     anchors = loss_rows = 0.0
     context = 0.0
+    covered: list[tuple[float, float]] = []  # per document: its span and the fraction of anchors drawn
     for length in docs:
         span = stats.supervised_fraction * length
         per_doc = min(d.num_anchors, max(0, int(span) - 1))
         anchors += per_doc
         loss_rows += per_doc * (bs - 1) * (max(0.0, 1 - bs / (2 * span)) if span > 0 else 0.0)
         context += per_doc * (length - span / 2)
+        covered.append((span, per_doc / (span - 1) if span > 1 else 0.0))
     planned = int(anchors)
+    thinned = 1.0
     if d.max_anchors_per_packet is not None and planned > d.max_anchors_per_packet:
-        loss_rows *= d.max_anchors_per_packet / planned
+        thinned = d.max_anchors_per_packet / planned
+        loss_rows *= thinned
         planned = d.max_anchors_per_packet
+    positions = sum(span * (1 - (1 - min(1.0, f * thinned)) ** (bs - 1)) for span, f in covered)
     static = (
         drafter_attention(d.attention, plan_device(cfg)) == "flex" and d.max_anchors_per_packet is not None
     )
@@ -256,6 +263,7 @@ def typical_packet(cfg: Config, stats: DataStats) -> PacketShape:
         num_seqs=len(docs),
         num_anchors=planned,
         loss_rows=round(loss_rows),
+        verifier_rows=round(min(positions, loss_rows)),
         target_tokens=computed,
         target_row_tokens=row,
         drafter_context_tokens=budget if static else None,

@@ -44,9 +44,11 @@ Drafter rank (bf16 autocast, the GPU default; fp32 runs count 4 bytes and no cas
 - with per-layer checkpointing (``drafter.activation_checkpointing``) the layers keep only their
   inputs ``(L + 1)*Q*4H`` (and the context, already counted); the peak is the larger of the loss (weight casts
   still cached) and the backward of one layer (its activations recomputed, ``Q*(4H + 4F)`` of gradients);
-- the loss workspace: ``(2C + 256)*V*4`` (drafter and verifier logit chunks, the 256-row scratch;
-  ``C*V*4`` without a verifier), the bf16 copy of a gradient chunk ``C*V*2``, the gathered drafter rows
-  and their gradient ``2*R*H*4``, the verifier rows ``R*H*a`` and ``C*H*4``.
+- the loss workspace: ``(C + C_v + 2*256)*V*4`` (the drafter logit chunk, the verifier's chunk of
+  the ``C_v = min(C, C*U/R + B)`` distinct positions a chunk's rows read (``U`` of them in all), the
+  256-row scratch and the rows' gathered verifier softmax; ``(2C + 256)*V*4`` when no two rows share
+  a position, ``C*V*4`` without a verifier), the bf16 copy of a gradient chunk ``C*V*2``, the
+  gathered drafter rows and their gradient ``2*R*H*4`` and ``C*H*4``.
 
 Co-located rank: the target's weights, the drafter's state, one packet, and the larger of the target
 forward and the drafter step's transient (activations and loss workspace).
@@ -59,7 +61,7 @@ from typing import TYPE_CHECKING
 
 from dflash.config import TargetShape
 from dflash.drafter.family_costs import family_costs
-from dflash.plan.costs import AttentionKind, PacketShape
+from dflash.plan.costs import AttentionKind, PacketShape, loss_rows, verifier_positions
 from dflash.targets.families import described_fields, params_by_part, weights_message, working_bytes_per_token
 from dflash.targets.tp import TpLayout
 
@@ -250,16 +252,27 @@ def drafter_activations(
 
 
 def loss_workspace_bytes(
-    drafter: DrafterArch, rows: int, chunk_rows: int, *, verifier_logits: bool, dtypes: RunDtypes
+    drafter: DrafterArch,
+    rows: int,
+    chunk_rows: int,
+    *,
+    verifier_logits: bool,
+    dtypes: RunDtypes,
+    positions: int | None = None,
 ) -> float:
-    """Bytes of the chunked loss at its peak (module doc)."""
+    """Bytes of the chunked loss at its peak (module doc); ``positions``: the distinct verifier
+    positions ``U`` of the rows (None: one per row)."""
     v, h, a = drafter.vocab_size, drafter.hidden_size, dtypes.target_bytes
     chunk = min(chunk_rows, max(rows, 1))
-    scratch = min(CUDA_ROW_BLOCK if dtypes.cuda else 128, chunk) if verifier_logits else 0
-    logits = ((2 if verifier_logits else 1) * chunk + scratch) * v * 4
+    per_chunk = (
+        chunk if positions is None else min(chunk, -(-chunk * positions // max(rows, 1)) + drafter.block_size)
+    )
+    block = min(CUDA_ROW_BLOCK if dtypes.cuda else 128, chunk)
+    scratch = (1 if per_chunk == chunk else 2) * block if verifier_logits else 0
+    logits = (chunk + (per_chunk if verifier_logits else 0) + scratch) * v * 4
     if a < 4:
         logits += chunk * v * 2 if dtypes.cuda else v * h * 4  # the bf16 gradient chunk / an fp32 head
-    rows_bytes = 2 * rows * h * 4 + (rows * h * a if verifier_logits else 0) + chunk * h * 4
+    rows_bytes = 2 * rows * h * 4 + chunk * h * 4
     selector = rows * family_costs(drafter).head_activation_bytes_per_row(drafter)
     return logits + rows_bytes + selector
 
@@ -279,14 +292,19 @@ def drafter_memory(
     h, bs = drafter.hidden_size, drafter.block_size
     blocks = packet.drafter_blocks if packet.drafter_blocks is not None else packet.num_anchors
     q, s = blocks * bs, packet.drafter_context_tokens or packet.tokens
-    rows = packet.loss_rows if packet.loss_rows is not None else packet.num_anchors * (bs - 1)
+    rows = loss_rows(packet, bs)
     at_loss, backward = drafter_activations(drafter, q, s, dtypes, settings.checkpoint)
     # a packet short of the static shape is grown to it: a copy of its hidden states for the step
     grown = s * (drafter.num_taps + 1) * h * dtypes.target_bytes if s > packet.tokens else 0
     at_loss += grown
     backward += grown + shard_backward_bytes(drafter, settings)
     workspace = loss_workspace_bytes(
-        drafter, rows, loss_chunk_rows, verifier_logits=verifier_logits, dtypes=dtypes
+        drafter,
+        rows,
+        loss_chunk_rows,
+        verifier_logits=verifier_logits,
+        dtypes=dtypes,
+        positions=verifier_positions(packet, bs),
     )
     if at_loss + workspace >= backward:
         activations, loss = at_loss, workspace

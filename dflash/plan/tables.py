@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
+from dflash.plan.costs import verifier_positions
 from dflash.plan.fit import LEVERS, AnchorCaps
 from dflash.plan.inputs import attention_kinds, typical_packet
 from dflash.plan.launch import launch_command
@@ -216,7 +217,7 @@ def _packet_lines(plan: Plan) -> list[str]:
     inp, c, pk, arch = plan.inputs, plan.costs, plan.inputs.packet, plan.inputs.arch
     return [
         f"Per packet: {pk.num_seqs} samples, {pk.tokens} tokens, {pk.num_anchors} anchors x {arch.block_size} slots, "
-        f"{pk.loss_rows} loss rows; drafter computes {pk.drafter_context_tokens or pk.tokens} context rows and "
+        f"{pk.loss_rows} loss rows reading {verifier_positions(pk, arch.block_size)} verifier positions; drafter computes {pk.drafter_context_tokens or pk.tokens} context rows and "
         f"{pk.drafter_blocks if pk.drafter_blocks is not None else pk.num_anchors} blocks",
         *_padding_lines(plan),
         "  role     what                                      TFLOP",
@@ -226,7 +227,7 @@ def _packet_lines(plan: Plan) -> list[str]:
         f"             of which attention                 {_tf(c.drafter_attention_flop)}",
         f"           loss: drafter logits                 {_tf(c.drafter_loss_flop['drafter_logits'])}",
         f"           loss: logit gradient (dh = G W)      {_tf(c.drafter_loss_flop['logit_grad'])}",
-        f"           loss: verifier logits                {_tf(c.drafter_loss_flop['verifier_logits'])}",
+        f"           loss: verifier logits, per position  {_tf(c.drafter_loss_flop['verifier_logits'])}",
         *(
             [
                 f"           loss: candidate logits (DFlash2)     {_tf(c.drafter_loss_flop['candidate_logits'])}",

@@ -347,7 +347,9 @@ class DrafterTrainer:
         host = host_fields(packet)
         anchors = plan_anchors(self.step_plan, host.seq_lens, host.loss_mask, packet.index)
         local.anchors_offered += anchors.offered
-        local.shapes.append(self._packet_shape(packet, anchors.num_blocks, anchors.num_rows))
+        local.shapes.append(
+            self._packet_shape(packet, anchors.num_blocks, anchors.num_rows, anchors.verifier_rows)
+        )
         return objective_step(
             self.model,
             self.embed,
@@ -597,13 +599,17 @@ class DrafterTrainer:
         """Step ``step`` (1-based) is a row of W&B / metrics.jsonl (every drafter agrees)."""
         return step % self.cfg.train.log_every == 0 or step == self.setup.num_steps
 
-    def _packet_shape(self, packet: Packet, num_anchors: int, loss_rows: int) -> PacketShape:
-        """The packet as trained (its documents, real blocks and loss rows), for the cost model."""
+    def _packet_shape(
+        self, packet: Packet, num_anchors: int, loss_rows: int, verifier_rows: int
+    ) -> PacketShape:
+        """The packet as trained (its documents, real blocks, loss rows and the distinct positions
+        their verifier rows are at), for the cost model."""
         return PacketShape(
             tokens=packet.num_tokens,
             num_seqs=packet.num_seqs,
             num_anchors=num_anchors,
             loss_rows=loss_rows,
+            verifier_rows=verifier_rows,
             drafter_context_tokens=static[0] if (static := self.step_plan.static_shape) else None,
             drafter_blocks=static[1] if static else None,
         )

@@ -140,7 +140,9 @@ def test_live_bytes_count_each_storage_until_its_last_view_dies():
 
 def test_the_peak_equals_memtracker_and_the_loss_takes_its_cuda_branches():
     """LiveBytes and torch's MemTracker follow the same drafter step to the same byte; the step
-    ran the loss's CUDA branches (the bf16 copy of a gradient chunk, the 256-row scratch)."""
+    ran the loss's CUDA branches (the bf16 copy of a gradient chunk, the 256-row scratches) with the
+    verifier once per position (a workspace of the C drafter rows, the chunk's P <= C distinct
+    verifier positions, two scratches: P < C, as the blocks' rows share positions)."""
     cfg, inputs = _inputs(SMALL)
     (m,) = rehearse_drafter(cfg, inputs, cross_check=True).values()
     assert m.memtracker_peak_bytes == m.peak_bytes
@@ -149,7 +151,12 @@ def test_the_peak_equals_memtracker_and_the_loss_takes_its_cuda_branches():
     grads = [w for w in whats if f", {vocab}] bfloat16" in w]
     assert grads, whats  # the gradient chunk cast to bf16 for its GEMM (CPU keeps fp32 and copies W)
     chunk = int(grads[0].split(",")[0].lstrip("["))
-    assert any(w.startswith(f"[{(2 * chunk + 256) * vocab}] float32") for w in whats), whats
+    block = min(256, chunk)
+    flat = [
+        int(w[1:].split("]")[0]) for w in whats if w.split(" ")[1] == "float32" and "," not in w.split(" ")[0]
+    ]
+    positions = [n // vocab - chunk - 2 * block for n in flat if n % vocab == 0]
+    assert any(0 < p < chunk // 2 for p in positions), whats  # per row (P = C): the old layout
 
 
 # ----------------------------------------------------------------------------------------------

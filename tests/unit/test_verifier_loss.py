@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.loss.kernels import block_math, block_math_exp2, max_argmax
+from dflash.loss.kernels import block_math, block_math_exp2, max_argmax, position_math, position_math_exp2
 from dflash.loss.verifier import VerifierLossOutput, default_chunk_size, verifier_loss
 from dflash.loss.workspace import release_workspace
 
@@ -314,24 +314,30 @@ def test_max_argmax_blocked_matches_argmax():
 @pytest.mark.parametrize("offset", [0.0, 1000.0, -1000.0])  # +-1000: the max-shifted exp2 branch
 @pytest.mark.parametrize("with_verifier", [True, False])
 def test_exp2_block_matches_softmax_block(with_verifier, offset):
-    """The CPU T = 1 path (base-2 logits, unnormalised exp2) against the general softmax path."""
+    """The CPU T = 1 path (base-2 logits, unnormalised exp2) against the general softmax path, both
+    stages: the verifier positions, then rows reading them (gathered: rows share positions)."""
     g = torch.Generator().manual_seed(2)
-    zv = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4 + offset if with_verifier else None
+    zv = torch.randn(4, 777, generator=g, dtype=torch.float64) * 4 + offset
     zd = torch.randn(6, 777, generator=g, dtype=torch.float64) * 4 + offset
+    local = torch.tensor([0, 0, 1, 2, 2, 3])
     coef = dict(q1=0.5 + (0.25 if with_verifier else 0.0), kl=1.0 if with_verifier else 0.0)
     l2e = 1 / torch.log(torch.tensor(2.0, dtype=torch.float64))
-    zv1, zd1 = (zv.clone() if with_verifier else None), zd.clone()
-    zv2, zd2 = (zv * l2e if with_verifier else None), zd * l2e
+    zv1, zd1, zv2, zd2 = zv.clone(), zd.clone(), zv * l2e, zd * l2e
     sc1, sc2 = torch.empty_like(zd), torch.empty_like(zd)
-    _, ad, lse, av, zav, kl_r, s = block_math(
-        zv1, zd1, sc1, None, coef["q1"], coef["kl"], temperature=1.0, need_grad=True
-    )
-    ad2, lse2, av2, zav2, kl2, s2, sd = block_math_exp2(zv2, zd2, sc2, need_grad=True, **coef)
+    pos1, pos2, pv1, pv2 = None, None, None, None
+    if with_verifier:
+        pos1 = tuple(x[local] for x in position_math(zv1, sc1[:4], 1.0))
+        pos2 = tuple(x[local] for x in position_math_exp2(zv2, sc2[:4]))
+        pv1, pv2 = zv1[local], zv2[local]
+        torch.testing.assert_close(pv2, pv1, rtol=1e-12, atol=1e-14)  # the same verifier softmax
+        assert torch.equal(pos1[0], pos2[0])
+        torch.testing.assert_close(pos2[1], pos1[1] * l2e, rtol=1e-12, atol=1e-12)  # base-2 lse
+    _, ad, lse, zav, kl_r, s = block_math(pv1, zd1, sc1, pos1, coef["q1"], coef["kl"], 1.0, True)
+    ad2, lse2, zav2, kl2, s2, sd = block_math_exp2(pv2, zd2, sc2, pos2, coef["q1"], coef["kl"], True)
     assert torch.equal(ad, ad2) and s == s2
     torch.testing.assert_close(lse2, lse, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(zd2 / sd[:, None], zd1, rtol=1e-12, atol=1e-14)  # G'' / s_d == G'
     if with_verifier:
-        assert torch.equal(av, av2)
         torch.testing.assert_close(zav2, zav, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(kl2, kl_r, rtol=1e-10, atol=1e-12)
 
