@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash.config import TargetShape
-from dflash.drafter.family_costs import family_costs
+from dflash.drafter.families import family_costs
 from dflash.plan.costs import AttentionKind, PacketShape
 from dflash.targets.families import described_fields, params_by_part, weights_message, working_bytes_per_token
 from dflash.targets.tp import TpLayout
