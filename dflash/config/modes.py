@@ -163,6 +163,21 @@ def layout_of(t: TopologyConfig, world_size: int, per_node: int | None = None) -
     return mode_of(t).layout(t, world_size, per_node or local_world_size(world_size))
 
 
+PLANNED_WORLD_LIMIT = 65536
+"""The largest launch :func:`planned_world_size` looks at."""
+
+
+def planned_world_size(t: TopologyConfig) -> int:
+    """The world size a tool outside torchrun (``dflash.data.prepare``) plans for: the smallest
+    one-node launch the mode's rules accept (``split``: the targets' ranks + the drafters, one
+    drafter when ``num_drafters`` is open; ``colocated``: ``num_drafters`` or one rank); 1 when none
+    does (an unknown mode, contradictory fields), so that the checks report the problems."""
+    mode = MODES.get(str(t.mode))
+    if mode is None:
+        return 1
+    return next((w for w in range(1, PLANNED_WORLD_LIMIT + 1) if not mode.problems(t, w, w)), 1)
+
+
 def topology_problems(t: TopologyConfig, world_size: int, per_node: int | None = None) -> list[str]:
     """What is wrong with the topology for a launch of ``world_size`` ranks: an unknown mode, the
     mode's own rules, and the rules every mode shares (replicas inside a node, queue and timeouts)."""

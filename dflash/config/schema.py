@@ -820,13 +820,6 @@ def register_configs() -> None:
     cs.store(name="dflash_schema", node=Config)
 
 
-def planned_world_size(t: TopologyConfig) -> int:
-    """The world size the topology describes, for tools that run outside torchrun (``prepare``):
-    targets (replicas x ``target_tp`` ranks) + drafters; a co-located or open-ended topology counts
-    one drafter."""
-    return t.num_targets * t.target_tp + (t.num_drafters if t.num_drafters is not None else 1)
-
-
 class UserError(ValueError):
     """A mistake the user can fix (config, data path, run directory): printed as its message alone,
     without a traceback, by one rank, and the process exits with ``EXIT_USER_ERROR``.

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from dflash.cli import run_app, value_errors_are_user_errors
-from dflash.config import FREE, Config, planned_world_size, to_config
+from dflash.config import FREE, Config, to_config
+from dflash.config.modes import planned_world_size
 
 if TYPE_CHECKING:
     import torch

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 from dflash.config import DRAFTER_LAYER_TYPES, FULL_ATTENTION, SLIDING_ATTENTION, Config, DrafterConfig
+from dflash.config.schema import DrafterFamilyName
 
 if TYPE_CHECKING:
     from dflash.targets.families import TargetMeta
@@ -63,8 +64,9 @@ class DrafterArch:
                 f"target_layer_ids={self.target_layer_ids}: tap ids must be distinct decoder layers >= 0 in "
                 "increasing order (vLLM and SGLang collect the taps in layer order)"
             )
-        if self.family not in FAMILY_FIELDS:
-            raise ValueError(f"family={self.family!r}: must be one of {sorted(FAMILY_FIELDS)}")
+        names = [f.value for f in DrafterFamilyName]
+        if self.family not in names:
+            raise ValueError(f"family={self.family!r}: must be one of {names}")
         if self.family == "dflash2":
             if (
                 self.conv_kernel_size < 1
@@ -142,7 +144,7 @@ class DrafterArch:
         """The fields as a dict, without the fields of another family (a DFlash-1 arch reads as it did
         before families existed, so its run contract and checkpoints are unchanged)."""
         d = asdict(self)
-        own = FAMILY_FIELDS[self.family]
+        own = family_fields(self.family)
         for name in {f for fields in FAMILY_FIELDS.values() for f in fields} - set(own):
             d.pop(name)
         if self.family == "dflash":
@@ -151,10 +153,15 @@ class DrafterArch:
 
 
 FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
-    "dflash": (),
     "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
 }
-"""The ``DrafterArch`` fields each family adds to the shared ones (written to ``dflash_config``)."""
+"""The ``DrafterArch`` fields each family adds to the shared ones (written to ``dflash_config``); a
+family without any has no entry."""
+
+
+def family_fields(family: str) -> tuple[str, ...]:
+    """The ``DrafterArch`` fields ``family`` adds (``dflash_config`` keys of its export)."""
+    return FAMILY_FIELDS.get(family, ())
 
 
 ROPE_KEYS_DROPPED = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
@@ -279,7 +286,7 @@ def build_arch(
         layer_types=layer_types,
         sliding_window=window,
         family=str(d.family),
-        **{name: getattr(d, name) for name in FAMILY_FIELDS[str(d.family)]},
+        **{name: getattr(d, name) for name in family_fields(str(d.family))},
     )
 
 

@@ -40,8 +40,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash.config.checks import tap_ids_problem
-from dflash.drafter.arch import DrafterArch, mask_token_problem, rope_from_config
-from dflash.drafter.families import FAMILIES, family_of, family_of_architectures
+from dflash.drafter.arch import DrafterArch, family_fields, mask_token_problem, rope_from_config
+from dflash.drafter.families import FAMILIES, build_drafter, family_of, family_of_architectures
 from dflash.drafter.model import DFlashDraftModel
 from dflash.files import atomic_directory
 
@@ -73,7 +73,7 @@ def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype)
         "block_size": arch.block_size,
     }
     family = family_of(arch)
-    dflash_config.update({name: getattr(arch, name) for name in family.fields})
+    dflash_config.update({name: getattr(arch, name) for name in family_fields(arch.family)})
     causal = {t == SLIDING_ATTENTION for t in arch.layer_types}
     if len(causal) == 1:
         cfg["is_causal"] = dflash_config["causal"] = causal.pop()
@@ -185,10 +185,10 @@ def arch_from_export(config: dict) -> DrafterArch:
     family = family_of_architectures(list(config.get("architectures") or []))
     dcfg = config.get("dflash_config") or {}
     try:
-        missing = [name for name in family.fields if name not in dcfg]
+        missing = [name for name in family_fields(family.name) if name not in dcfg]
         if missing:
             raise KeyError(f"dflash_config.{missing[0]}")
-        own = {name: dcfg[name] for name in family.fields}
+        own = {name: dcfg[name] for name in family_fields(family.name)}
         num_layers = config["num_hidden_layers"]
         block_size = _block_size_of(config)
         layer_ids = _tap_ids_of(config)
@@ -273,7 +273,7 @@ def tensor_problems(path: str | os.PathLike, arch: DrafterArch) -> list[str]:
     from safetensors import safe_open
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in family_of(arch).model(arch).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in build_drafter(arch).state_dict().items()}
     file = Path(path) / "model.safetensors"
     with safe_open(str(file), framework="pt") as f:
         found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -302,7 +302,7 @@ def warm_start_problems(
             f"{current.family}; set drafter.family={saved.family}"
         ]
     for field, fix in (
-        *((f, f"set drafter.{f} to the saved value") for f in family_of(current).fields),
+        *((f, f"set drafter.{f} to the saved value") for f in family_fields(current.family)),
         ("hidden_size", "train a drafter for this target instead"),
         (
             "target_layer_ids",

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from dflash.config import LossConfig, TargetShape
-from dflash.drafter.family_costs import family_costs
+from dflash.drafter.families import family_costs
 from dflash.loss.terms import coefficients, needs_verifier_logits
 from dflash.targets.families import KERNEL_PARTS, flop_by_part, tp_traffic_per_token
 from dflash.targets.tp import TpLayout

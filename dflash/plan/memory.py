@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash.config import TargetShape
-from dflash.drafter.family_costs import family_costs
+from dflash.drafter.families import family_costs
 from dflash.plan.costs import AttentionKind, PacketShape, loss_rows, verifier_positions
 from dflash.targets.families import described_fields, params_by_part, weights_message, working_bytes_per_token
 from dflash.targets.tp import TpLayout

@@ -19,12 +19,12 @@ from dflash.config import (
     UserError,
     contract_values,
     dataset_settings,
-    planned_world_size,
     register_configs,
     schema_leaves,
     to_config,
 )
 from dflash.config.checks import check_known_keys, validate
+from dflash.config.modes import planned_world_size
 from dflash.distributed.topology import Topology
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

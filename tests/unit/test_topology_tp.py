@@ -9,8 +9,9 @@ from datetime import timedelta
 import pytest
 
 from dflash.cli import compose_config
-from dflash.config import TopologyConfig, planned_world_size, register_configs, to_config
+from dflash.config import TopologyConfig, register_configs, to_config
 from dflash.config.checks import validate
+from dflash.config.modes import planned_world_size
 from dflash.distributed import process_group
 from dflash.distributed.links import LinkGroups
 from dflash.distributed.process_group import backend_timeout_s, replica_wait_s
@@ -61,6 +62,8 @@ def _cfg(*overrides: str):
 def test_the_world_size_check_counts_every_rank_of_every_replica():
     cfg = _cfg("topology.target_tp=2")  # 2 replicas x 2 + 1 drafter
     assert planned_world_size(cfg.topology) == 5
+    assert planned_world_size(_cfg("topology=colocated").topology) == 1
+    assert planned_world_size(_cfg("topology=colocated", "topology.num_drafters=4").topology) == 4
     validate(cfg, 5)
     with pytest.raises(ValueError) as err:
         validate(cfg, 3)
