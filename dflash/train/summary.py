@@ -149,7 +149,12 @@ def summary_table(
         rows.append(
             (
                 "eval/tau",
-                f"{e['eval/tau']:.3f} at step {int(e['train/step'])} (eval/tau_hat {e.get('eval/tau_hat', math.nan):.3f})",
+                f"{e['eval/tau']:.3f} at step {int(e['train/step'])} (eval/tau_hat {e.get('eval/tau_hat', math.nan):.3f}"
+                + (
+                    f"; cut short by eval.max_share: {int(e.get('eval/num_output_tokens', 0))} new tokens)"
+                    if e.get("eval/cut_short")
+                    else ")"
+                ),
             )
         )
     if (anchors := anchors_line(s.rows, cap)) is not None:

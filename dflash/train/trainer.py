@@ -81,6 +81,7 @@ from dflash.train.summary import (
     balance_line,
     eval_line,
     jsonable,
+    recent_figures,
     status_line,
     step_line,
     summary_table,
@@ -841,3 +842,5 @@ class DrafterTrainer:
         )
         log_to_files(logging.INFO, "\n" + table)
         print(table, flush=True)
+        if self.summary.recent:  # the W&B run's summary: the same pooled figures beside the last step's
+            self.logger.summary({f"{k}_recent": v for k, v in recent_figures(self.summary.recent).items()})
