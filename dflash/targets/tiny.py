@@ -11,10 +11,10 @@ repeated tokens, and the drafter's acceptance figures mean something.
 The build is keyed on the whole spec and guarded by a file lock, so every rank may call
 ``ensure_tiny_target`` at once and only one builds; conf/target/tiny.yaml puts each spec in its own
 directory (``TinyTargetConfig.cache_subdir``), so switching between specs never rebuilds one. A
-build that trains shows a progress bar on the console of the process that builds. The default spec (conf/target/tiny.yaml: 400
-steps of 4 x 128 tokens) is not trained where it runs: its build ships with the package
-(``prebuilt/``, made once by ``scripts/build_tiny_prebuilt.py``) and is copied into place, checked
-against the digests it was shipped with. Training on the machine would give every CPU its own
+build that trains shows a progress bar on the console of the process that builds. The default spec
+(conf/target/tiny.yaml: 400 steps of 4 x 128 tokens) is not trained where it runs: its build ships
+with the package (``prebuilt/``, made once by ``scripts/build_tiny_prebuilt.py``) and is copied into
+place, checked against the digests it was shipped with. Training on the machine would give every CPU its own
 target (its float sums differ from the first step: AVX2 and AVX-512 kernels, thread counts), and so
 its own corpus, loss curve and demo figures; the shipped one is the same everywhere. Any other spec
 is trained here (one CPU thread, deterministic on one machine).

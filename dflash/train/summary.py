@@ -6,9 +6,9 @@ and, when the run ends, a short table to the console and the log (``summary_tabl
 run stands, the loss and acceptance estimates of the recent steps (pooled over the last
 ``RECENT_STEPS`` logged steps, never the last step alone: the last step of an epoch can hold a
 single sample), the last real eval, throughput, where the exported drafter is and how to look at
-the W&B run offline. ``python -m dflash.report`` draws the
-curves from the same ``metrics.jsonl``. Every command in the table is shell-quoted: pasted, it runs
-as printed whatever the run directory holds (spaces, ``=``, non-ASCII).
+the W&B run offline. ``python -m dflash.report`` draws the curves from the same ``metrics.jsonl``.
+Every command in the table is shell-quoted: pasted, it runs as printed whatever the run directory
+holds (spaces, ``=``, non-ASCII).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ class RunSummary:
 
     num_steps: int
     first: dict[str, float] = field(default_factory=dict)
-    last: dict[str, float] = field(default_factory=dict)
     recent: list[dict[str, float]] = field(default_factory=list)
     """The last ``RECENT_STEPS`` logged train rows."""
     last_eval: dict[str, float] = field(default_factory=dict)
@@ -69,7 +68,6 @@ class RunSummary:
     def add(self, m: dict[str, float]) -> None:
         if "train/loss" in m:
             self.first = self.first or dict(m)
-            self.last = dict(m)
             self.recent = [*self.recent[1 - RECENT_STEPS :], dict(m)]
             self.tokens_per_s.append(m.get("perf/tokens_per_s", 0.0))
             self.rows.append(
