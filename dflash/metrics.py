@@ -456,10 +456,18 @@ class PhaseTimer:
 
 @contextmanager
 def progress_bar(
-    total: int | None, initial: int, enabled: bool, desc: str = "train"
+    total: int | None,
+    initial: int,
+    enabled: bool,
+    desc: str = "train",
+    unit: str = "step",
+    *,
+    nested: bool = False,
 ) -> Iterator[tqdm | None]:
     """A tqdm bar on stdout, where the console log goes (None when not ``enabled``); while it is
-    open, console log records are written above it (``logging_redirect_tqdm``), not glued onto it."""
+    open, console log records are written above it (``logging_redirect_tqdm``), not glued onto it.
+    ``nested``: opened while another bar is open (the periodic eval's, under the training bar): it
+    goes below that one and is cleared when closed."""
     if not enabled:
         yield None
         return
@@ -469,11 +477,12 @@ def progress_bar(
     bar = tqdm(
         total=total,
         initial=initial,
-        unit="step",
+        unit=unit,
         file=sys.stdout,
         dynamic_ncols=True,
         smoothing=0.1,
         desc=desc,
+        leave=not nested,
     )
     try:
         with logging_redirect_tqdm(loggers=[logging.getLogger()]):

@@ -104,11 +104,12 @@ def tiny_hybrid_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_target_dir(session_cache: Path) -> Path:
     """The default tiny target + tokenizer (conf/target/tiny.yaml): the shipped build
     (dflash/targets/prebuilt), copied once for the session where the training config looks for it
-    (``${paths.cache_dir}/tiny_target_v1``)."""
+    (``${paths.cache_dir}/tiny_targets/qwen3-<spec hash>``)."""
     from dflash.config import TinyTargetConfig
     from dflash.targets.tiny import ensure_tiny_target
 
-    return ensure_tiny_target(session_cache / "tiny_target_v1", TinyTargetConfig())
+    spec = TinyTargetConfig()
+    return ensure_tiny_target(session_cache / spec.cache_subdir(), spec)
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +123,7 @@ def tiny_moe_target_dir(session_cache: Path) -> Path:
     from dflash.targets.tiny import ensure_tiny_target
 
     spec = TinyTargetConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/target/tiny_moe.yaml").tiny))
-    return ensure_tiny_target(session_cache / "tiny_moe_target_v1", spec)
+    return ensure_tiny_target(session_cache / spec.cache_subdir(), spec)
 
 
 @pytest.fixture(scope="session")

@@ -233,6 +233,10 @@ def _eval_problems(cfg: Config, p: _Problems) -> None:
     """The periodic eval and the held-out conversations it needs."""
     ev = cfg.eval
     p.need(ev.every >= 0, f"eval.every={ev.every}: must be >= 0 (0 = off)")
+    p.need(
+        ev.max_share is None or ev.max_share > 0,
+        f"eval.max_share={ev.max_share}: must be > 0 (a share of the training time) or null (no limit)",
+    )
     if ev.every > 0:
         p.need(
             ev.num_prompts >= 1,

@@ -11,6 +11,8 @@ group); it holds no logic beyond the field metadata and ``to_config``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import signal
 import typing
 from collections.abc import Iterator
@@ -244,6 +246,38 @@ class TinyTargetConfig:
     """Experts each token is routed to (MoE types)."""
     moe_intermediate_size: int = field(default=64, metadata=CONTRACT)
     """FFN width of one expert (and of qwen3_5_moe_text's shared expert)."""
+
+    def key(self) -> dict[str, Any]:
+        """The cache key of a build: every field, the expert fields only for an MoE spec (so a dense
+        spec keeps the key it had before those fields existed)."""
+        key = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if not self.num_experts:
+            for k in TINY_MOE_FIELDS:
+                key.pop(k)
+        return key
+
+    def cache_subdir(self) -> str:
+        """Where under ``paths.cache_dir`` this spec's build lives (conf/target/tiny.yaml):
+        ``tiny_targets/<model_type>-<12 hex digits of the key's sha256>``, one directory per spec,
+        so switching specs (dense, hybrid, MoE) never rebuilds another's."""
+        digest = hashlib.sha256(json.dumps(self.key(), sort_keys=True).encode()).hexdigest()
+        return f"tiny_targets/{self.model_type}-{digest[:12]}"
+
+
+TINY_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def _tiny_subdir(spec: DictConfig | None) -> str:
+    """``${dflash.tiny_dir:${.tiny}}``: ``TinyTargetConfig.cache_subdir`` of ``target.tiny``."""
+    if spec is None:
+        return "tiny_targets/none"  # target.tiny=null: the user's target.path is what loads
+    fields = OmegaConf.to_container(spec, resolve=True)
+    assert isinstance(fields, dict)
+    return TinyTargetConfig(**{str(k): v for k, v in fields.items()}).cache_subdir()
+
+
+if not OmegaConf.has_resolver("dflash.tiny_dir"):
+    OmegaConf.register_new_resolver("dflash.tiny_dir", _tiny_subdir)
 
 
 @dataclass
@@ -603,7 +637,13 @@ class EvalConfig:
     """The periodic eval during training: real speculative decoding of held-out prompts."""
 
     every: int = field(default=0, metadata=FREE)
-    """Run speculative decoding on held-out prompts every N steps on the drafter leader (0 = off)."""
+    """Run speculative decoding on held-out prompts every N steps and after the last step (never at
+    step 0), each drafter on its share of the prompts (0 = off)."""
+    max_share: float | None = field(default=0.2, metadata=FREE)
+    """Keep the periodic eval within this share of the training time: an eval may take this share of
+    the seconds trained so far in this launch, less what earlier evals took; at that deadline the
+    prompt being decoded ends and no other starts (the metrics cover what was decoded;
+    ``eval/cut_short`` counts the drafters it stopped). null = no limit."""
     num_prompts: int = field(default=8, metadata=FREE)
     """Held-out prompts the periodic eval decodes (shared among the drafters)."""
     max_new_tokens: int = field(default=64, metadata=FREE)

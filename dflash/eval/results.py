@@ -163,14 +163,16 @@ def evaluate(
     warmup: bool = True,
     progress: Callable[[int, PromptResult], None] | None = None,
     on_step: Callable[[StepTrace], None] | None = None,
+    should_end: Callable[[], bool] | None = None,
     verbose: bool = True,
 ) -> EvalReport:
     """Speculative (and, with ``baseline``, block-size-1) greedy generation of every prompt.
 
     prompts: token ids (e.g. from :func:`~dflash.eval.loading.load_prompts`). tokenizer: only for readable mismatch
     reports (may be None). ``progress(i, result)`` is called after each prompt, ``on_step(trace)``
-    after every decode step (an exception it raises ends the eval). ``verbose``: a log line per
-    prompt at INFO (else DEBUG).
+    after every decode step (an exception it raises ends the eval). ``should_end()`` turning true
+    ends the prompt in progress after its current decode step (its steps so far count) and starts
+    no other. ``verbose``: a log line per prompt at INFO (else DEBUG).
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
@@ -189,6 +191,7 @@ def evaluate(
             layer_ids=layer_ids,
             block_size=bs,
             on_step=on_step,
+            should_end=should_end,
         )
 
     if warmup:
@@ -198,6 +201,8 @@ def evaluate(
         gen(prompts[0], block_size, n)
     results = []
     for i, ids in enumerate(prompts):
+        if should_end is not None and should_end():
+            break
         ar = gen(ids, 1, max_new_tokens) if baseline else None
         spec = gen(ids, block_size, max_new_tokens)
         r = PromptResult(

@@ -75,6 +75,8 @@ class GenerationResult:
     prompt_len: int = 0
     block_size: int = 1
     stopped_on_eos: bool = False
+    cut_short: bool = False
+    """Ended by ``should_end`` before an eos or ``max_new_tokens``."""
     prefill_time_s: float = 0.0
     """Target prefill (time to first token)."""
     wall_time_s: float = 0.0
@@ -186,9 +188,12 @@ def speculative_generate(
     layer_ids: list[int],
     block_size: int,
     on_step: Callable[[StepTrace], None] | None = None,
+    should_end: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """Greedy generation of at most ``max_new_tokens`` new tokens; with a drafter and
     ``block_size > 1`` DFlash speculative decoding, else plain autoregressive decoding.
+    ``should_end()`` turning true ends it after the current decode step, as if ``max_new_tokens``
+    had been reached there (``GenerationResult.cut_short``; the periodic eval's time budget).
 
     target: a ``*ForCausalLM`` (its lm_head verifies), full attention or hybrid with linear-attention
     layers (rejected drafts are undone by ``TargetCache``). drafter: a DFlashDraftModel whose
@@ -220,6 +225,8 @@ def speculative_generate(
         done = x in gen.eos or max_new_tokens <= 1
         while not done:
             x, t, new_ctx, done = gen.step(captured, x, t, new_ctx, on_step)
+            if not done and should_end is not None and should_end():
+                gen.res.cut_short = done = True
     sync_current_stream(gen.device)
     gen.res.wall_time_s = time.perf_counter() - t0
     return gen.res

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.config import TinyTargetConfig
 from dflash.gpu_check.profiles import REPO
 
 
@@ -27,13 +28,14 @@ class Inputs:
 
 def _tokenizer_into(out: Path) -> str:
     """The tiny byte-level BPE into ``out``: copied from the cached tiny target when it is built
-    (``$DFLASH_CACHE_DIR/tiny_target_v1``), else trained on the stdlib sources (seconds)."""
+    (``$DFLASH_CACHE_DIR/tiny_targets/qwen3-...``, conf/target/tiny.yaml), else trained on the stdlib
+    sources (seconds)."""
     from transformers import AutoTokenizer
 
     from dflash.targets.tiny import build_tokenizer
 
     cache = Path(os.environ.get("DFLASH_CACHE_DIR", ".cache/dflash"))
-    src = (cache if cache.is_absolute() else REPO / cache) / "tiny_target_v1"
+    src = (cache if cache.is_absolute() else REPO / cache) / TinyTargetConfig().cache_subdir()
     if (src / "tokenizer.json").is_file():
         for f in src.iterdir():
             if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja"):

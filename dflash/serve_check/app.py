@@ -138,8 +138,10 @@ def reference_reports(
 def tiny_test_cache(run: TrainedRun) -> Path | None:
     """The run's cache dir when it holds the default tiny target where the tests' fixture looks for it
     (``DFLASH_TEST_CACHE_DIR``: the test then reuses it instead of training another one)."""
-    default = run.target_dir.name == "tiny_target_v1" and run.config.target.tiny == TinyTargetConfig()
-    return run.target_dir.absolute().parent if default else None
+    spec = TinyTargetConfig()
+    where = run.target_dir.absolute()
+    default = where.as_posix().endswith("/" + spec.cache_subdir()) and run.config.target.tiny == spec
+    return where.parents[1] if default else None
 
 
 def run_regeneration(

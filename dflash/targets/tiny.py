@@ -9,10 +9,12 @@ to the embedded prompts (cut from the same files) are therefore code that often 
 repeated tokens, and the drafter's acceptance figures mean something.
 
 The build is keyed on the whole spec and guarded by a file lock, so every rank may call
-``ensure_tiny_target`` at once and only one builds. The default spec (conf/target/tiny.yaml: 400
-steps of 4 x 128 tokens) is not trained where it runs: its build ships with the package
-(``prebuilt/``, made once by ``scripts/build_tiny_prebuilt.py``) and is copied into place, checked
-against the digests it was shipped with. Training on the machine would give every CPU its own
+``ensure_tiny_target`` at once and only one builds; conf/target/tiny.yaml puts each spec in its own
+directory (``TinyTargetConfig.cache_subdir``), so switching between specs never rebuilds one. A
+build that trains shows a progress bar on the console of the process that builds. The default spec
+(conf/target/tiny.yaml: 400 steps of 4 x 128 tokens) is not trained where it runs: its build ships
+with the package (``prebuilt/``, made once by ``scripts/build_tiny_prebuilt.py``) and is copied into
+place, checked against the digests it was shipped with. Training on the machine would give every CPU its own
 target (its float sums differ from the first step: AVX2 and AVX-512 kernels, thread counts), and so
 its own corpus, loss curve and demo figures; the shipped one is the same everywhere. Any other spec
 is trained here (one CPU thread, deterministic on one machine).
@@ -41,6 +43,7 @@ from dflash.config import TargetConfig, TinyTargetConfig
 from dflash.data.chat import render
 from dflash.data.stdlib import code_snippets, stdlib_text_files
 from dflash.files import atomic_directory, cache_fix, digest_files, digest_problems, file_lock
+from dflash.metrics import progress_bar
 from dflash.targets.families import FAMILIES, family_of
 
 log = logging.getLogger(__name__)
@@ -83,9 +86,6 @@ def build_tokenizer(out_dir: Path, vocab_size: int = TOKENIZER_VOCAB) -> Any:
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(out_dir)
     return hf
-
-
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def model_kwargs(spec: TinyTargetConfig) -> dict[str, Any]:
@@ -131,16 +131,6 @@ def build_model(spec: TinyTargetConfig, vocab_size: int, eos_token_id: int, pad_
     return model.eval()
 
 
-def spec_key(spec: TinyTargetConfig) -> dict[str, Any]:
-    """The cache key of a build: every field of ``spec``, the expert fields only for an MoE spec (so
-    a dense spec keeps the key it had before those fields existed)."""
-    key = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
-    if not spec.num_experts:
-        for k in MOE_FIELDS:
-            key.pop(k)
-    return key
-
-
 def training_stream(tokenizer: Any, seed: int) -> Iterator[int]:
     """Endless token ids of chat samples (user: a stdlib snippet in a prompt template, assistant:
     the next lines of the file up to a blank line), each rendered with the chat template, concatenated."""
@@ -157,7 +147,8 @@ def train(model: Any, tokenizer: Any, spec: TinyTargetConfig) -> list[float]:
     """Next-token training of ``model`` in place: ``spec.train_steps`` AdamW steps on
     ``train_batch_size`` rows of ``train_seq_len`` tokens cut from :func:`training_stream`, linear
     warmup then cosine decay of ``train_lr``, gradient clipping at 1. One CPU thread (deterministic
-    and, on shared cores, not slower). Returns the loss of every step."""
+    and, on shared cores, not slower), a progress bar on the console (whichever rank builds: the
+    others wait on the lock). Returns the loss of every step."""
     torch.manual_seed(spec.seed)
     stream = training_stream(tokenizer, spec.seed)
     rows, width = spec.train_batch_size, spec.train_seq_len
@@ -173,26 +164,31 @@ def train(model: Any, tokenizer: Any, spec: TinyTargetConfig) -> list[float]:
     losses: list[float] = []
     t0 = time.perf_counter()
     model.train()
+    desc = f"tiny target {spec.model_type}: training (once per spec)"
     try:
-        for step in range(spec.train_steps):
-            x = torch.tensor([next(stream) for _ in range(rows * width)]).view(rows, width)
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            if (step + 1) % 100 == 0 or step + 1 == spec.train_steps:
-                recent = losses[-100:]
-                log.info(
-                    "tiny target: step %d/%d, loss %.3f (mean of the last %d), %.0f s",
-                    step + 1,
-                    spec.train_steps,
-                    sum(recent) / len(recent),
-                    len(recent),
-                    time.perf_counter() - t0,
-                )
+        with progress_bar(spec.train_steps, 0, True, desc=desc) as bar:
+            for step in range(spec.train_steps):
+                x = torch.tensor([next(stream) for _ in range(rows * width)]).view(rows, width)
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                assert bar is not None
+                bar.update(1)
+                if (step + 1) % 100 == 0 or step + 1 == spec.train_steps:
+                    recent = losses[-100:]
+                    bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}")
+                    log.info(
+                        "tiny target: step %d/%d, loss %.3f (mean of the last %d), %.0f s",
+                        step + 1,
+                        spec.train_steps,
+                        sum(recent) / len(recent),
+                        len(recent),
+                        time.perf_counter() - t0,
+                    )
     finally:
         torch.set_num_threads(threads)
         model.eval()
@@ -274,7 +270,7 @@ def build_tiny_target(out: Path, spec: TinyTargetConfig) -> dict[str, Any]:
     model.save_pretrained(out)
     final_loss = sum(losses[-50:]) / max(len(losses[-50:]), 1)
     files = digest_files(out, sorted(p.name for p in out.iterdir() if p.is_file()))
-    marker = {"spec": spec_key(spec), "version": BUILD_VERSION, "final_loss": final_loss, "files": files}
+    marker = {"spec": spec.key(), "version": BUILD_VERSION, "final_loss": final_loss, "files": files}
     (out / _DONE).write_text(json.dumps(marker, indent=1))
     return marker
 
@@ -313,7 +309,7 @@ def ensure_tiny_target(path: str | os.PathLike, spec: TinyTargetConfig) -> Path:
     if not (out / _DONE).is_file() and not _is_new(out):
         _load_as_is(path, f"a directory no tiny-target build wrote (no {_DONE} there)")
         return out
-    want = {"spec": spec_key(spec), "version": BUILD_VERSION}
+    want = {"spec": spec.key(), "version": BUILD_VERSION}
     with file_lock(out.parent / f".{out.name}.lock"):
         if _reusable(out, want):
             return out

@@ -6,6 +6,14 @@ Every ``eval.every`` steps the drafters decode the first ``eval.num_prompts`` he
 conversations (``eval/tau_hat``: every eligible anchor, against the target's greedy tokens). With
 target-regenerated data the two should agree; a gap means train/serve misalignment.
 
+There is no eval at step 0 (an untrained drafter accepts nothing: ``python -m dflash.eval`` measures
+any export), and an eval's cost is bounded by the run itself: with ``eval.max_share`` = s, the eval
+after step k may take s x the seconds trained so far in this launch, less what earlier evals took
+(``eval_budget_s``). At that deadline the prompt being decoded ends (its decode steps count) and no
+other starts; ``eval/cut_short`` counts the drafters it stopped and ``eval/num_output_tokens`` says
+what was decoded. A 10-step run on long prompts thus spends about s of its time in eval, not minutes
+per eval; a long run's evals fit their budget and are never cut. ``eval.suite`` is decoded in full.
+
 Prompt i is evaluated by drafter ``i mod M``: all drafters work at the same time and nobody waits
 for the leader. Each returns its partial sums (``EVAL_SUMS``), the trainer sums them over the
 drafters and turns them into metrics (``eval_metrics``). It needs the target on each drafter's
@@ -22,6 +30,8 @@ after the held-out sums).
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -32,7 +42,8 @@ from dflash.data.tokenize import load_eval_samples
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.eval.loading import eos_ids_of
-from dflash.eval.results import evaluate
+from dflash.eval.results import PromptResult, evaluate
+from dflash.eval.spec_decode import StepTrace
 from dflash.eval.suite_run import (
     Decoder,
     benchmark_report,
@@ -57,6 +68,7 @@ EVAL_SUMS = (
     "inv_tau_sum",
     "blocks",
     "aborted",  # drafters whose share was aborted by a stop request
+    "cut_short",  # drafters whose share the time budget ended early (eval.max_share)
 )
 """Partial sums of one drafter's share, in this order, then the acceptance histogram (1..B), then the
 suite's ``suite_sums``."""
@@ -64,6 +76,14 @@ suite's ``suite_sums``."""
 
 class EvalAborted(RuntimeError):
     """The periodic eval stopped early because a stop was requested (it never delays a checkpoint)."""
+
+
+def eval_budget_s(max_share: float | None, train_s: float, eval_s: float) -> float:
+    """Seconds the next eval may take (``inf`` without ``eval.max_share``): ``max_share`` of the
+    ``train_s`` seconds trained so far, less the ``eval_s`` seconds earlier evals took (at least 0)."""
+    if max_share is None:
+        return math.inf
+    return max(0.0, max_share * train_s - eval_s)
 
 
 class PeriodicEval:
@@ -104,13 +124,24 @@ class PeriodicEval:
             name: convs[drafter_index::num_drafters] for name, (convs, _) in suite.items()
         }
         self.step_plan = StepPlan.for_eval(cfg, setup.arch.block_size, device=device.type)
+        ev = cfg.eval
         log.info(
-            "periodic eval: %d of %d held-out prompts on this drafter, every %d steps%s",
+            "periodic eval every %d steps and after the last one (not at step 0): %d of %d held-out prompts on "
+            "this drafter x up to %d new tokens, %s%s",
+            ev.every,
             len(self.samples),
             n,
-            cfg.eval.every,
+            ev.max_new_tokens,
+            "no time limit (eval.max_share=null)"
+            if ev.max_share is None
+            else f"each eval within eval.max_share={ev.max_share:g} of the training time so far",
             "".join(f", {name} {len(c)} conversations" for name, c in self.suite.items()),
         )
+
+    @property
+    def planned_tokens(self) -> int:
+        """New tokens this drafter's share decodes at most (prompts x ``eval.max_new_tokens``)."""
+        return len(self.prompts) * self.cfg.eval.max_new_tokens
 
     @torch.no_grad()
     def _tau_hat_sums(
@@ -171,11 +202,39 @@ class PeriodicEval:
         embed: torch.Tensor,
         head: torch.Tensor,
         check: Callable[..., None],
+        deadline: float,
+        advance: Callable[[int], None],
     ) -> torch.Tensor:
-        """``EVAL_SUMS`` and the histogram of this drafter's held-out prompts (zeros without any)."""
+        """``EVAL_SUMS`` and the histogram of this drafter's held-out prompts (zeros without any),
+        decoded until ``deadline`` (``time.perf_counter()``); ``advance(n)``: n more of
+        ``planned_tokens`` are done (decoded, or left out by an eos)."""
         bs = self.setup.arch.block_size
         sums = torch.zeros(len(EVAL_SUMS) + bs, dtype=torch.float64)
         if not self.prompts:
+            return sums
+        max_new = self.cfg.eval.max_new_tokens
+        cut = False
+        shown = 0  # tokens of the prompt in progress counted in advance()
+
+        def should_end() -> bool:
+            nonlocal cut
+            cut = cut or time.perf_counter() >= deadline
+            return cut
+
+        def on_step(trace: StepTrace) -> None:
+            nonlocal shown
+            check(trace)
+            n = min(trace.accepted + 1, max_new - shown)
+            shown += n
+            advance(n)
+
+        def on_prompt(_i: int, _r: PromptResult) -> None:
+            nonlocal shown
+            advance(max_new - shown)
+            shown = 0
+
+        if should_end():  # no time left: nothing decoded, no estimate either
+            sums[EVAL_SUMS.index("cut_short")] = 1.0
             return sums
         report = evaluate(
             self.target,
@@ -184,13 +243,15 @@ class PeriodicEval:
             head,
             self.setup.tokenizer,
             self.prompts,
-            max_new_tokens=self.cfg.eval.max_new_tokens,
+            max_new_tokens=max_new,
             layer_ids=self.setup.layer_ids,
             block_size=bs,
             eos_ids=self.eos_ids,
             baseline=False,
             warmup=False,
-            on_step=check,
+            progress=on_prompt,
+            on_step=on_step,
+            should_end=should_end,
             verbose=False,
         )
         tau, inv, blocks = self._tau_hat_sums(drafter, embed, head, check)
@@ -204,6 +265,7 @@ class PeriodicEval:
             "inv_tau_sum": inv,
             "blocks": blocks,
             "aborted": 0.0,
+            "cut_short": float(cut),
         }
         sums[: len(EVAL_SUMS)] = torch.tensor([values[k] for k in EVAL_SUMS], dtype=torch.float64)
         sums[len(EVAL_SUMS) :] = torch.tensor(
@@ -217,10 +279,16 @@ class PeriodicEval:
         embed: torch.Tensor,
         head: torch.Tensor,
         should_stop: Callable[[], bool] = lambda: False,
+        *,
+        budget_s: float = math.inf,
+        advance: Callable[[int], None] = lambda n: None,
     ) -> torch.Tensor:
         """This share's partial sums (float64 ``[len(EVAL_SUMS) + B]`` held-out, see ``EVAL_SUMS``,
         then the suite's ``suite_sums``); stops within one decode step (or one tau_hat sample) of
-        ``should_stop()`` turning true, and then returns zeros with ``aborted = 1``."""
+        ``should_stop()`` turning true, and then returns zeros with ``aborted = 1``. The held-out
+        prompts are decoded for at most ``budget_s`` seconds (``eval_budget_s``); ``advance(n)``
+        reports progress in new tokens of ``planned_tokens``."""
+        deadline = time.perf_counter() + budget_s
         bs = self.setup.arch.block_size
 
         def check(_trace: object = None) -> None:
@@ -231,7 +299,7 @@ class PeriodicEval:
         drafter.eval()
         try:
             with self.step_plan.autocast():
-                held_out = self._held_out_sums(drafter, embed, head, check)
+                held_out = self._held_out_sums(drafter, embed, head, check, deadline, advance)
                 suite = self._suite_sums(drafter, embed, head, check)
         except EvalAborted as e:
             log.warning("eval share aborted: %s", e)
@@ -258,6 +326,7 @@ def eval_metrics(sums: torch.Tensor, block_size: int) -> dict[str, float]:
         "eval/num_prompts": v["prompts"],
         "eval/num_steps": v["steps"],
         "eval/num_output_tokens": v["output_tokens"],
+        "eval/cut_short": v["cut_short"],
     }
     for k, c in enumerate(sums[len(EVAL_SUMS) : len(EVAL_SUMS) + block_size].tolist(), start=1):
         m[f"eval/accept_len_hist/{k}"] = c

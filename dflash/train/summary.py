@@ -3,21 +3,26 @@
 The drafter leader writes every logged metrics row to ``metrics.jsonl`` in the run directory
 (``dflash.train.steplog``), one line per ``logging.log_every`` steps to its rank log (``step_line``)
 and, when the run ends, a short table to the console and the log (``summary_table``): where the
-run stands, the final loss and acceptance estimates, the last real eval, throughput, where the
-exported drafter is and how to look at the W&B run offline. ``python -m dflash.report`` draws the
-curves from the same ``metrics.jsonl``. Every command in the table is shell-quoted: pasted, it runs
-as printed whatever the run directory holds (spaces, ``=``, non-ASCII).
+run stands, the loss and acceptance estimates of the recent steps (pooled over the last
+``RECENT_STEPS`` logged steps, never the last step alone: the last step of an epoch can hold a
+single sample), the last real eval, throughput, where the exported drafter is and how to look at
+the W&B run offline. ``python -m dflash.report`` draws the curves from the same ``metrics.jsonl``.
+Every command in the table is shell-quoted: pasted, it runs as printed whatever the run directory
+holds (spaces, ``=``, non-ASCII).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from shlex import quote
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+RECENT_STEPS = 20
+"""Logged steps the summary's loss, tau_hat and accuracy are pooled over (``recent_figures``)."""
 
 
 def step_line(m: dict[str, float], num_steps: int) -> str:
@@ -36,11 +41,14 @@ def step_line(m: dict[str, float], num_steps: int) -> str:
 
 
 def eval_line(m: dict[str, float]) -> str:
-    """``eval at step 50: eval/tau 1.86 (real speculative decoding), eval/tau_hat 1.65 (estimate)``."""
+    """``eval at step 50: eval/tau 1.86 (real speculative decoding, 8 held-out prompts, 512 new
+    tokens), eval/tau_hat 1.65 (estimate)``, and when the time budget ended it early, so."""
+    cut, n = int(m.get("eval/cut_short", 0)), int(m.get("eval/num_prompts", 0))
     return (
         f"eval at step {int(m['train/step'])}: eval/tau {m['eval/tau']:.3f} (real speculative decoding, "
-        f"{int(m.get('eval/num_prompts', 0))} held-out prompts), eval/tau_hat {m.get('eval/tau_hat', math.nan):.3f} "
-        f"(the training estimate on the same conversations)"
+        f"{n} held-out prompt{'s' * (n != 1)}, {int(m.get('eval/num_output_tokens', 0))} new "
+        f"tokens{'; cut short at its time budget, eval.max_share' if cut else ''}), "
+        f"eval/tau_hat {m.get('eval/tau_hat', math.nan):.3f} (the training estimate on the same conversations)"
     )
 
 
@@ -50,7 +58,8 @@ class RunSummary:
 
     num_steps: int
     first: dict[str, float] = field(default_factory=dict)
-    last: dict[str, float] = field(default_factory=dict)
+    recent: list[dict[str, float]] = field(default_factory=list)
+    """The last ``RECENT_STEPS`` logged train rows."""
     last_eval: dict[str, float] = field(default_factory=dict)
     tokens_per_s: list[float] = field(default_factory=list)
     rows: list[dict[str, float]] = field(default_factory=list)
@@ -59,13 +68,48 @@ class RunSummary:
     def add(self, m: dict[str, float]) -> None:
         if "train/loss" in m:
             self.first = self.first or dict(m)
-            self.last = dict(m)
+            self.recent = [*self.recent[1 - RECENT_STEPS :], dict(m)]
             self.tokens_per_s.append(m.get("perf/tokens_per_s", 0.0))
             self.rows.append(
                 {k: v for k, v in m.items() if k.startswith(("perf/", "comm/", "train/anchors"))}
             )
         if "eval/tau" in m:
             self.last_eval = dict(m)
+
+
+def recent_figures(rows: list[dict[str, float]]) -> dict[str, float]:
+    """``train/loss``, ``train/tau_hat`` and ``train/acc`` pooled over ``rows`` (logged train rows)
+    as if they were one step: the loss weighted by each step's loss weight (supervised slots x
+    ``train/slot_weight_mean``), the accuracy by its supervised slots, tau_hat the harmonic mean over
+    all their blocks. A step that trained one sample weighs one sample, not a whole step. A row
+    without those counts (written before they existed) weighs 1."""
+
+    def pooled(key: str, weight: Callable[[dict[str, float]], float], harmonic: bool = False) -> float:
+        pairs = [(weight(r), r[key]) for r in rows if math.isfinite(r.get(key, math.nan))]
+        pairs = [(w, v) for w, v in pairs if w > 0 and (v > 0 or not harmonic)]
+        total = sum(w for w, _ in pairs)
+        if not pairs or total <= 0:
+            return math.nan
+        if harmonic:
+            return total / sum(w / v for w, v in pairs)
+        return sum(w * v for w, v in pairs) / total
+
+    def slots(r: dict[str, float]) -> float:
+        return r.get("train/supervised_slots", 1.0)
+
+    return {
+        "train/loss": pooled("train/loss", lambda r: slots(r) * r.get("train/slot_weight_mean", 1.0)),
+        "train/tau_hat": pooled("train/tau_hat", lambda r: r.get("train/num_blocks", 1.0), harmonic=True),
+        "train/acc": pooled("train/acc", slots),
+    }
+
+
+def recent_label(rows: list[dict[str, float]]) -> str:
+    """``pooled over the last 20 logged steps, 94-113`` (or ``over step 3``, ``over all 3 logged steps, 1-3``)."""
+    first, last = int(rows[0]["train/step"]), int(rows[-1]["train/step"])
+    if len(rows) == 1:
+        return f"step {last}"
+    return f"pooled over the last {len(rows)} logged steps, {first}-{last}"
 
 
 def summary_table(
@@ -85,12 +129,19 @@ def summary_table(
     ``drafter.max_anchors_per_packet``, for the anchors line; ``wandb_mode``: where W&B rows went
     in the end, ``wandb_fallback``: why that is not the configured mode)."""
     rows: list[tuple[str, str]] = [("run", str(run_dir)), ("status", status)]
-    if s.last:
-        rows.append(("train/loss", f"{s.last['train/loss']:.4f} (first logged {s.first['train/loss']:.4f})"))
+    if s.recent:
+        r = recent_figures(s.recent)
+        which = recent_label(s.recent)
         rows.append(
-            ("train/tau_hat", f"{s.last['train/tau_hat']:.3f} (first logged {s.first['train/tau_hat']:.3f})")
+            ("train/loss", f"{r['train/loss']:.4f} ({which}; first logged {s.first['train/loss']:.4f})")
         )
-        rows.append(("train/acc", f"{s.last['train/acc']:.3f}"))
+        rows.append(
+            (
+                "train/tau_hat",
+                f"{r['train/tau_hat']:.3f} ({which}; first logged {s.first['train/tau_hat']:.3f})",
+            )
+        )
+        rows.append(("train/acc", f"{r['train/acc']:.3f} ({which})"))
         tail = s.tokens_per_s[len(s.tokens_per_s) // 2 :] or [0.0]
         rows.append(("tokens/s", f"{sum(tail) / len(tail):.0f} (mean of the last half of the logged steps)"))
     if s.last_eval:
@@ -98,7 +149,12 @@ def summary_table(
         rows.append(
             (
                 "eval/tau",
-                f"{e['eval/tau']:.3f} at step {int(e['train/step'])} (eval/tau_hat {e.get('eval/tau_hat', math.nan):.3f})",
+                f"{e['eval/tau']:.3f} at step {int(e['train/step'])} (eval/tau_hat {e.get('eval/tau_hat', math.nan):.3f}"
+                + (
+                    f"; cut short by eval.max_share: {int(e.get('eval/num_output_tokens', 0))} new tokens)"
+                    if e.get("eval/cut_short")
+                    else ")"
+                ),
             )
         )
     if (anchors := anchors_line(s.rows, cap)) is not None:

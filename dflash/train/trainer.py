@@ -69,7 +69,7 @@ from dflash.targets.loader import load_embed_and_head, load_target, target_embed
 from dflash.train import faults
 from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
 from dflash.train.packets import LocalPackets, PacketMaker, PacketSource
-from dflash.train.periodic_eval import PeriodicEval, eval_metrics
+from dflash.train.periodic_eval import EVAL_SUMS, PeriodicEval, eval_budget_s, eval_metrics
 from dflash.train.rng_state import capture_rng_state, restore_rng_state
 from dflash.train.run_dir import SCHEDULE_KEYS
 from dflash.train.setup import RunSetup
@@ -81,6 +81,7 @@ from dflash.train.summary import (
     balance_line,
     eval_line,
     jsonable,
+    recent_figures,
     status_line,
     step_line,
     summary_table,
@@ -175,6 +176,10 @@ class DrafterTrainer:
         self._open_run_files()
         self.phases = PhaseTimer(self.device, sync=cfg.train.time_phases)
         self._empty_steps = 0
+        self.train_s = 0.0
+        """Seconds of training steps in this launch (the periodic eval's budget is a share of them)."""
+        self.eval_s = 0.0
+        """Seconds of periodic evals in this launch."""
         log.info(
             "drafter: %s trainable parameters, attention=%s, %d steps from step %d",
             human_count(num_parameters(self.model)),
@@ -683,18 +688,53 @@ class DrafterTrainer:
         return self.stop_agreed or (self.topology.num_drafters == 1 and self.stop_requested)
 
     def _eval(self, step: int) -> dict[str, float]:
-        """The periodic eval, every drafter on its share of the prompts; no metrics when a stop
-        request aborted any share (a checkpoint never waits for an eval)."""
-        assert self.evaluator is not None
-        log.info("eval at step %d started: %d prompts on this drafter", step, len(self.evaluator.prompts))
+        """The periodic eval, every drafter on its share of the prompts within its time budget
+        (``eval_budget_s``), with a progress bar on the leader; no metrics when a stop request
+        aborted any share (a checkpoint never waits for an eval) or the budget allowed no decoding."""
+        ev, evaluator = self.cfg.eval, self.evaluator
+        assert evaluator is not None
+        budget = eval_budget_s(ev.max_share, self.train_s, self.eval_s)
+        log.info(
+            "eval at step %d started: %d prompts x up to %d new tokens on this drafter%s",
+            step,
+            len(evaluator.prompts),
+            ev.max_new_tokens,
+            f", at most {budget:.1f} s (eval.max_share={ev.max_share:g} of {self.train_s:.0f} s trained"
+            f"{f', less {self.eval_s:.0f} s of earlier evals' if self.eval_s else ''})"
+            if ev.max_share is not None
+            else "",
+        )
         model = (
             self.parallel.whole()
         )  # a sharded forward is a collective; the drafters decode different prompts
-        sums = self.evaluator.run(model, self.embed, self.head, should_stop=lambda: self.stop_requested)
+        t0 = time.perf_counter()
+        show = self.is_leader and self.cfg.logging.progress_bar
+        with progress_bar(
+            evaluator.planned_tokens, 0, show, desc=f"eval at step {step}", unit="tok", nested=True
+        ) as bar:
+            sums = evaluator.run(
+                model,
+                self.embed,
+                self.head,
+                should_stop=lambda: self.stop_requested,
+                budget_s=budget,
+                advance=bar.update if bar is not None else lambda n: None,
+            )
         sums = all_reduce_sum(self.ctx, sums.to(self.device)).cpu()
+        self.eval_s += time.perf_counter() - t0
         metrics = eval_metrics(sums, self.setup.arch.block_size)
-        if not metrics:
+        if sums[EVAL_SUMS.index("aborted")] > 0:
             log.warning("eval at step %d aborted: a stop was requested: checkpoint first", step)
+            return {}
+        if not metrics:
+            log.warning(
+                "eval at step %d skipped: its time budget is spent (eval.max_share=%g: the evals so far took "
+                "%.0f s of %.0f s trained); raise eval.max_share, or evaluate the export with python -m dflash.eval",
+                step,
+                ev.max_share,
+                self.eval_s,
+                self.train_s,
+            )
             return {}
         log.info(eval_line({"train/step": float(step), **metrics}))
         return metrics
@@ -720,12 +760,10 @@ class DrafterTrainer:
             self.source.prefetch(self.topology.packets_of_step(start, self.ctx.rank)[0])
         show_bar = self.is_leader and cfg.logging.progress_bar
         with progress_bar(self.setup.num_steps, start, show_bar) as bar:
-            if self.evaluator is not None and start == 0:
-                metrics = self._eval(0)
-                if metrics:
-                    self._record({"train/step": 0.0, **metrics})
             for step in range(start, end):
+                t0 = time.perf_counter()
                 metrics = self.train_step(step)
+                self.train_s += time.perf_counter() - t0
                 if step == start:  # loading and compiling are over: from now on a slow peer is a dead peer
                     self.source.set_timeout(cfg.topology.step_timeout_s)
                     set_timeout(self.ctx, cfg.topology.step_timeout_s)
@@ -811,3 +849,5 @@ class DrafterTrainer:
         )
         log_to_files(logging.INFO, "\n" + table)
         print(table, flush=True)
+        if self.summary.recent:  # the W&B run's summary: the same pooled figures beside the last step's
+            self.logger.summary({f"{k}_recent": v for k, v in recent_figures(self.summary.recent).items()})

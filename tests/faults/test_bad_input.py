@@ -26,10 +26,10 @@ def _pair(mask: list[int]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory, run_cache):
+def corpus(tmp_path_factory, run_cache, tiny_target_dir):
     """A pre-tokenized JSONL of clean samples of the embedded corpus with bad ones injected, the
     overrides to train on it, the expected counts and, from the data plan, the expected ledger."""
-    vocab = json.loads((run_cache / "tiny_target_v1" / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
     fast = prepare_fast(run_cache)  # the FAST embedded corpus (a reused cache dir may hold others)
     src = Path(resolve_source(fast.cfg.data, fast.target_path))
     clean = []

@@ -39,7 +39,13 @@ def test_sigterm_during_a_long_eval_checkpoints_within_seconds(tmp_path, run_cac
     first = launch(run_dir, [*TWO, "train.stop_after_steps=1"], run_cache, nproc=2)
     assert first.returncode == 0, first.output[-3000:]
     # Resumed at step 1 (no step-0 eval); the eval after step 2 decodes 4 x 1500 tokens: minutes.
-    long_eval = ["eval.every=2", "eval.num_prompts=4", "eval.max_new_tokens=1500", "data.num_eval_prompts=4"]
+    long_eval = [
+        "eval.every=2",
+        "eval.num_prompts=4",
+        "eval.max_new_tokens=1500",
+        "data.num_eval_prompts=4",
+        "eval.max_share=null",  # no time budget: the eval would run for minutes
+    ]
     # Signalled once the eval runs: a stop requested before it skips the eval (the other way to save first).
     run = launch(
         run_dir,

@@ -103,7 +103,7 @@ def test_prepare_never_writes_the_users_model_dir(tmp_path, tiny_target_dir, ext
     assert "ignoring target.tiny" in log and str(model) in log
     (meta,) = (tmp_path / "cache" / "data").glob("*/meta.json")  # tokenized for the user's model,
     assert json.loads(meta.read_text())["settings"]["vocab_size"] == USER_VOCAB  # not the tiny target
-    assert not (tmp_path / "cache" / "tiny_target_v1").exists()
+    assert not (tmp_path / "cache" / "tiny_targets").exists()
     # prepare says that the held-out eval records come out of the user's data
     assert "held out: the last 2 records of data.path are never trained on" in proc.stdout
 

@@ -16,6 +16,7 @@ def test_eval_tau_tracks_tau_hat_after_training(tmp_path, run_cache):
         [
             "data.num_epochs=8",
             "eval.every=1000",
+            "eval.max_share=null",  # the whole eval, whatever this machine's speed
             "eval.num_prompts=8",
             "data.num_eval_prompts=8",
             "drafter.num_anchors=16",
@@ -26,13 +27,12 @@ def test_eval_tau_tracks_tau_hat_after_training(tmp_path, run_cache):
     )
     assert run.returncode == 0, run.output[-4000:]
     evals = [row for row in read_history(run.run_dir) if "eval/tau" in row]
-    first, last = evals[0], evals[-1]
-    assert first["train/step"] == 0 and last["train/step"] > 50
+    (last,) = evals  # one eval, after the last step (never at step 0)
+    assert last["train/step"] > 50 and last["eval/cut_short"] == 0
     print(
-        f"FIGURE step 0: eval/tau={first['eval/tau']:.3f}; step {last['train/step']:.0f}: eval/tau={last['eval/tau']:.3f} "
+        f"FIGURE step {last['train/step']:.0f}: eval/tau={last['eval/tau']:.3f} "
         f"tau_hat={last['eval/tau_hat']:.3f} (arithmetic mean {last['eval/tau_hat_arith']:.3f})"
     )
-    assert first["eval/tau"] == pytest.approx(1.0, abs=0.05)  # an untrained drafter accepts (almost) nothing
     # it learned; the tiny target is a (weak) code model, whose answers are much harder to draft than
     # the repeated tokens of the random-weight target this test started with (then 2.15 here)
     assert last["eval/tau"] > 1.15

@@ -16,7 +16,7 @@ import pytest
 from runner import FAST, REPO, env_for
 from transformers import AutoTokenizer
 
-from dflash.config import DataConfig
+from dflash.config import DataConfig, TinyTargetConfig
 from dflash.data.cache import build_or_load_dataset
 
 
@@ -104,7 +104,7 @@ def test_prepare_refuses_a_utf16_file_in_one_line(tmp_path, tiny_target_dir):
     src = tmp_path / "chat.jsonl"
     src.write_bytes(text().encode("utf-16"))
     cache = tmp_path / "cache"
-    shutil.copytree(tiny_target_dir, cache / "tiny_target_v1")
+    shutil.copytree(tiny_target_dir, cache / TinyTargetConfig().cache_subdir())
     cmd = [
         sys.executable,
         "-m",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from testpaths import REPO
 
-from dflash.config import EXIT_USER_ERROR
+from dflash.config import EXIT_USER_ERROR, TinyTargetConfig
 from dflash.files import DiskFull, disk_full_error
 
 
@@ -60,7 +60,8 @@ def _entries(root: Path) -> list[str]:
 def test_tiny_target_on_a_full_disk(tmp_path):
     cache = tmp_path / "cache"
     proc = _prepare(tmp_path, cache, 1 << 20)  # the tiny target's weights take 6.9 MB
-    _one_error_line(proc, cache / "tiny_target_v1", "paths.cache_dir")  # was: a SafetensorError traceback
+    where = cache / TinyTargetConfig().cache_subdir()
+    _one_error_line(proc, where, "paths.cache_dir")  # was: a SafetensorError traceback
     assert _entries(cache) == []
 
 

@@ -379,3 +379,6 @@ def test_periodic_eval_logs_every_benchmark_of_the_suite(tiny_target_dir, drafte
     assert {k: split[k] for k in exact} == pytest.approx({k: m[k] for k in exact})
     aborted = whole.run(drafter, embed, head, should_stop=lambda: True)
     assert aborted[EVAL_SUMS.index("aborted")] == 1 and eval_metrics(aborted, 4) == {}
+    spent = whole.run(drafter, embed, head, budget_s=0.0)  # eval.max_share: no time left, nothing decoded
+    assert spent[EVAL_SUMS.index("cut_short")] == 1 and spent[EVAL_SUMS.index("steps")] == 0
+    assert eval_metrics(spent, 4) == {} and m["eval/cut_short"] == 0

@@ -361,6 +361,30 @@ def test_max_new_tokens_one_and_bad_arguments(env):
         )
 
 
+def test_should_end_cuts_a_generation_after_the_current_step(env):
+    """The periodic eval's deadline: the generation ends after the step in progress, its output the
+    greedy prefix so far, its steps counted (``cut_short``); never before the first step."""
+    target, tok, embed, thead, prompts = env
+    drafter = make_drafter(target, tok, 4)
+    whole = spec(env, drafter, prompts[0], 4, n=40)
+    calls = []
+    cut = speculative_generate(
+        target,
+        drafter,
+        embed,
+        thead,
+        prompts[0],
+        max_new_tokens=40,
+        eos_token_ids=set(),
+        layer_ids=LAYER_IDS,
+        block_size=4,
+        should_end=lambda: calls.append(1) or len(calls) >= 3,
+    )
+    assert cut.cut_short and not whole.cut_short and cut.num_steps == 3
+    assert cut.output_ids == whole.output_ids[: len(cut.output_ids)] and len(cut.output_ids) < 40
+    assert cut.accept_lengths == whole.accept_lengths[:3]
+
+
 # ------------------------------------------------------------------------------ hybrid target
 
 
