@@ -53,8 +53,16 @@ def _one_error_line(proc: subprocess.CompletedProcess, path_prefix: Path, field:
 
 
 def _entries(root: Path) -> list[str]:
-    """Everything under ``root`` but the (empty) lock files."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.name.endswith(".lock"))
+    """Everything under ``root`` but the (empty) lock files and the folders that hold only locks."""
+
+    def only_locks(p: Path) -> bool:
+        return p.is_dir() and all(q.is_dir() or q.name.endswith(".lock") for q in p.rglob("*"))
+
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if not p.name.endswith(".lock") and not only_locks(p)
+    )
 
 
 def test_tiny_target_on_a_full_disk(tmp_path):
@@ -65,11 +73,11 @@ def test_tiny_target_on_a_full_disk(tmp_path):
     assert _entries(cache) == []
 
 
-def test_embedded_corpus_on_a_full_disk(tmp_path, tiny_target_dir):
+def test_embedded_corpus_on_a_full_disk(tmp_path, session_cache, tiny_target_dir):
     data_cache = tmp_path / "data_cache"
     proc = _prepare(
         tmp_path,
-        tiny_target_dir.parent,
+        session_cache,  # the cache that holds the tiny target
         16 << 10,  # the corpus of 32 prompts takes ~27 KB
         f"data.cache_dir={data_cache}",
         "data.embedded_num_prompts=32",
@@ -77,10 +85,10 @@ def test_embedded_corpus_on_a_full_disk(tmp_path, tiny_target_dir):
         "data.num_eval_prompts=2",
     )
     _one_error_line(proc, data_cache / "embedded" / "corpus-", "data.cache_dir")  # was: OSError: [Errno 28]
-    assert _entries(data_cache) == ["embedded"]
+    assert _entries(data_cache) == []  # its folder holds only the lock
 
 
-def test_dataset_cache_on_a_full_disk(tmp_path, tiny_target_dir):
+def test_dataset_cache_on_a_full_disk(tmp_path, session_cache, tiny_target_dir):
     src = tmp_path / "chat.jsonl"
     rows = [
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "x = 1\n" * 40}]}
@@ -88,9 +96,7 @@ def test_dataset_cache_on_a_full_disk(tmp_path, tiny_target_dir):
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data_cache = tmp_path / "data_cache"
-    proc = _prepare(
-        tmp_path, tiny_target_dir.parent, 64 << 10, f"data.path={src}", f"data.cache_dir={data_cache}"
-    )
+    proc = _prepare(tmp_path, session_cache, 64 << 10, f"data.path={src}", f"data.cache_dir={data_cache}")
     _one_error_line(proc, data_cache, "data.cache_dir")  # was: SafetensorError ... No space left
     assert _entries(data_cache) == []
 
