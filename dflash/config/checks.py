@@ -312,7 +312,10 @@ def layout_problems(d: DrafterConfig) -> list[str]:
 
 
 def raise_problems(problems: list[str], what: str) -> None:
-    """Raise one ``UserError`` listing every problem, or nothing when there is none."""
+    """Raise one ``UserError`` listing every problem (one alone: its own line), or nothing when
+    there is none."""
+    if len(problems) == 1:
+        raise UserError(problems[0])
     if problems:
         lines = "\n".join(f"  - {m}" for m in problems)
         raise UserError(f"{len(problems)} {what} problem(s):\n{lines}")
