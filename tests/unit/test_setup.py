@@ -237,9 +237,7 @@ def test_a_warm_start_from_an_export_with_eos_as_mask_is_one_consistent_message(
     with pytest.raises(ValueError) as err:
         _resolve(weightless_target, [f"drafter.init_from={d}"])
     msg = str(err.value)
-    assert (
-        "\n" not in msg and "dflash_config.mask_token_id=2 is the tokenizer's eos_token_id" in msg
-    )
+    assert "\n" not in msg and "dflash_config.mask_token_id=2 is the tokenizer's eos_token_id" in msg
     assert "set drafter.mask_token_id=2048 to warm-start with a new MASK" in msg and "saved" not in msg
     # the fix it names passes: the warm start then learns the new MASK
     _, arch = _resolve(weightless_target, [f"drafter.init_from={d}", "drafter.mask_token_id=2048"])
