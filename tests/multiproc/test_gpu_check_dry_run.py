@@ -58,13 +58,24 @@ def test_dry_run_exercises_every_part_and_prints_one_json_line(tmp_path, run_cac
     )
 
 
+POSITION = ("per_row", "per_position", "per_row_ce", "per_position_ce")
+
+
 def _check_loss_part(b: dict) -> None:
     """Part loss: every case ran, and every case computed the loss of the naive case of its terms."""
     assert b["status"] == "passed"
     assert {(c["case"], c["chunk"]) for c in b["cases"]} == {
         *(
             (case, chunk)
-            for case in ("limit", "limit_ce", "chunked", "chunked_ce", "chunked_dpace", "torch_lce")
+            for case in (
+                "limit",
+                "limit_ce",
+                "chunked",
+                "chunked_ce",
+                "chunked_dpace",
+                "torch_lce",
+                *POSITION,
+            )
             for chunk in (64, 256)
         ),
         ("naive", None),
@@ -77,8 +88,15 @@ def _check_loss_part(b: dict) -> None:
     dpace = [c for c in b["cases"] if c["case"] == "chunked_dpace"]
     assert dpace[0]["loss"] == pytest.approx(dpace[1]["loss"], rel=1e-5)
     assert dpace[0]["loss"] != pytest.approx(naive["ce"]["loss"], rel=1e-3)
+    # the verifier once per position equals it once per row on the same rows of real blocks
+    by = {(c["case"], c["chunk"]): c for c in b["cases"]}
     for c in b["cases"]:
-        if not c["case"].startswith("limit") and c["case"] != "chunked_dpace":
+        if c["case"].startswith("per_position"):
+            ref = by[(c["case"].replace("per_position", "per_row"), c["chunk"])]
+            assert c["loss"] == pytest.approx(ref["loss"], rel=1e-5), c
+            assert c["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), c
+    for c in b["cases"]:
+        if not c["case"].startswith(("limit", "per_")) and c["case"] != "chunked_dpace":
             ref = naive[c["terms"]]
             assert c["loss"] == pytest.approx(ref["loss"], rel=1e-5), c
             assert c["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), c
