@@ -36,7 +36,7 @@ from dflash.distributed.collectives import (
     gather_lists,
 )
 from dflash.distributed.drafter_parallel import drafter_parallel
-from dflash.distributed.links import DrafterLink
+from dflash.distributed.links import DrafterLink, PeerError
 from dflash.distributed.process_group import DistContext, set_timeout
 from dflash.distributed.protocol import FLAG_STOP_REQUESTED, Packet, host_fields
 from dflash.drafter.export import export_drafter, load_exported, load_into
@@ -786,7 +786,7 @@ class DrafterTrainer:
                 if done or stop or asked:
                     # the targets go first: they stop now instead of waiting out a slow final save
                     # and export (and timing out on slow storage)
-                    discarded = self.source.stop_all()
+                    discarded = self._stop_targets()
                 if done or stop or asked or self.state.step % cfg.train.save_every == 0:
                     self.save()
                 if (stop or asked) and not done:
@@ -817,6 +817,22 @@ class DrafterTrainer:
         if self.is_leader:
             self._print_summary(finished, stopped_early)
         return EXIT_STOPPED if stopped_early else 0
+
+    def _stop_targets(self) -> int:
+        """STOP to every target at a step boundary; returns the in-flight packets discarded. A target
+        that died meanwhile (the SIGTERM that brought us here is often torchrun's, after a target
+        crashed) fails the run, but a lone drafter first saves this step's checkpoint: its state is
+        complete and the save needs no peer, so the restart resumes here rather than from the
+        previous save (several drafters save together, so they do not try)."""
+        try:
+            return self.source.stop_all()
+        except PeerError:
+            if self.topology.num_drafters == 1:
+                log.warning(
+                    "a target died while stopping: saving the checkpoint of step %d first", self.state.step
+                )
+                self.save()
+            raise
 
     def _end_step(self, start: int) -> int:
         """The step this launch trains up to: the last one, or none when the run already reached

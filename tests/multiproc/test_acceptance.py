@@ -7,7 +7,7 @@ import pytest
 from runner import launch
 from wandb_reader import read_history
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.extended]
 
 
 def test_eval_tau_tracks_tau_hat_after_training(tmp_path, run_cache):

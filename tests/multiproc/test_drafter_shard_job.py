@@ -30,6 +30,7 @@ def _weights(run) -> dict[str, torch.Tensor]:
     return load_file(str(run.run_dir / "drafter" / "model.safetensors"))
 
 
+@pytest.mark.extended  # seven launches: the longest job test; test_sharding.py covers the steps in-process
 def test_a_sharded_run_resumes_bitwise_and_from_an_unsharded_checkpoint(tmp_path, run_cache):
     full = [*COMMON, "drafter.shard=full"]
     straight = launch(tmp_path / "straight", full, run_cache)

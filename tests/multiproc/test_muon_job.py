@@ -19,7 +19,7 @@ from runner import launch
 from safetensors.torch import load_file
 from wandb_reader import read_history
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]  # five launches
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.extended]  # five launches
 
 COMMON = ["optim=muon", "train.max_steps=6", "train.save_every=3"]
 
