@@ -59,9 +59,8 @@ def role_memory(cfg: Config, inputs: PlanInputs, settings: DrafterSettings) -> d
     if cfg.eval.every > 0:
         tokens = cfg.data.max_length + cfg.eval.max_new_tokens + inputs.arch.block_size
         decode = eval_decode_bytes(inputs.target.meta, tokens, inputs.dtypes.target_bytes)
-        weights = memory["target"]["weights"]
-        memory["drafter"] = eval_memory(memory["drafter"], weights, decode, own_target=False)
-        memory["colocated"] = eval_memory(memory["colocated"], weights, decode, own_target=True)
+        memory["drafter"] = eval_memory(memory["drafter"], memory["target"]["weights"], decode)
+        memory["colocated"] = eval_memory(memory["colocated"], 0.0, decode)  # verifies with its own target
     return memory
 
 

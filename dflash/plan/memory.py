@@ -393,18 +393,16 @@ def eval_decode_bytes(target: TargetShape, tokens: int, a: int) -> float:
     return target_cache_bytes(target, tokens, a) + tokens * max(working_bytes_per_token(target, a).values())
 
 
-def eval_memory(
-    items: dict[str, float], target_weights_gib: float, decode_bytes: float, *, own_target: bool
-) -> dict[str, float]:
+def eval_memory(items: dict[str, float], target_copy_gib: float, decode_bytes: float) -> dict[str, float]:
     """A drafter rank's ``items`` with the periodic eval (``eval.every > 0``): ``eval_target``, the copy
-    of the whole target a disaggregated drafter loads to verify with (GiB, resident from start-up;
-    ``own_target``: a co-located rank verifies with its own, 0), and ``eval_decode``, what the decode's
-    working set (:func:`eval_decode_bytes`) needs beyond the training step's transient items, which are
-    free between steps."""
+    of the whole target the rank loads to verify with (GiB, resident from start-up; 0 on a co-located
+    rank, which verifies with its own), and ``eval_decode``, what the decode's working set
+    (:func:`eval_decode_bytes`) needs beyond the training step's transient items, which are free
+    between steps."""
     transient = sum(items.get(k, 0.0) for k in ("activations", "loss_workspace", "activations_peak"))
     return {
         **items,
-        "eval_target": 0.0 if own_target else target_weights_gib,
+        "eval_target": target_copy_gib,
         "eval_decode": max(0.0, decode_bytes / GIB - transient),
     }
 
