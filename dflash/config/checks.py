@@ -129,6 +129,11 @@ def _drafter_problems(cfg: Config, p: _Problems) -> None:
             f"topology.device={cfg.topology.device}, here {device_kind(cfg.topology.device)}): packets are padded to a static number "
             "of blocks so flex_attention compiles once; set drafter.max_anchors_per_packet (e.g. 2048)"
         )
+    if d.block_chunks is not None:
+        p.need(
+            d.block_chunks >= 1,
+            f"drafter.block_chunks={d.block_chunks}: must be >= 1 (1: all blocks at once) or null (auto)",
+        )
     if d.mask_token_id is not None:
         p.need(d.mask_token_id >= 0, f"drafter.mask_token_id={d.mask_token_id}: must be >= 0 or null")
     p.extend(layout_problems(d))

@@ -433,6 +433,12 @@ class DrafterConfig:
     """none, layers (each drafter layer keeps only its inputs and runs its forward again in backward:
     about half the drafter's memory for ~+21% of its FLOPs; the same results) or auto (layers when the
     planner finds that the drafter would not fit the GPU at these anchors without it)."""
+    block_chunks: int | None = field(default=None, metadata=FREE)
+    """The blocks of a packet run in this many chunks, each its forward, loss and backward in turn,
+    with the context's keys and values computed once: memory for one chunk's activations and
+    nothing computed twice (the same results to rounding). None (auto): the fewest chunks with
+    which the drafter fits its GPU without activation checkpointing (the planner's decision, logged;
+    1 on a CPU); 1: all blocks at once."""
     shard: DrafterShard = field(default=DrafterShard.none, metadata=FREE)
     """Drafter state over the drafters (FSDP2 on the drafter group): none (replicated), optimizer
     (AdamW moments and gradients sharded, weights gathered whole for the step) or full (weights too,

@@ -26,10 +26,11 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from dflash.distributed.collectives import broadcast_text, check_replicas
 from dflash.distributed.grad_reducer import GradReducer
@@ -83,6 +84,11 @@ class DrafterParallel(Protocol):
 
     def backward(self, loss: Tensor) -> None: ...
 
+    def partial_backward(self, loss: Tensor) -> None:
+        """A backward that is not a packet's last (a chunk of its blocks): the gradients add up
+        locally, nothing is reduced (the packet's last backward reduces the sum)."""
+        ...
+
     def finish(self, timeout_s: float) -> None:
         """After the step's last backward: the gradients are the sum over the drafters."""
         ...
@@ -135,6 +141,13 @@ class Replicated:
     def backward(self, loss: Tensor) -> None:
         loss.backward()
 
+    def partial_backward(self, loss: Tensor) -> None:
+        if self.reducer is None:
+            loss.backward()
+            return
+        with self.reducer.held():
+            loss.backward()
+
     def finish(self, timeout_s: float) -> None:
         if self.reducer is not None:
             self.reducer.finish(timeout_s)
@@ -186,6 +199,15 @@ class Sharded:
 
     def backward(self, loss: Tensor) -> None:
         self.reducer.backward(loss)
+
+    def partial_backward(self, loss: Tensor) -> None:
+        fsdp = cast(FSDPModule, self.model)
+        fsdp.set_requires_gradient_sync(False)  # FSDP2 keeps the unsharded sums until the last
+        try:
+            with drafter_collectives(self.ctx, "sharded weights all-gather in backward"):
+                loss.backward()
+        finally:
+            fsdp.set_requires_gradient_sync(True)
 
     def finish(self, timeout_s: float) -> None:
         self.reducer.finish(timeout_s)

@@ -15,6 +15,8 @@ sum, as with one drafter); with two drafters it is bitwise equal to one flat all
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -48,6 +50,7 @@ class GradReducer:
             size += nbytes
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._armed = False
+        self._held = False
         self._missing: list[int] = []
         self._next = 0
         self._inflight: list[tuple[int, Tensor, dist.Work]] = []
@@ -61,8 +64,18 @@ class GradReducer:
         self._next = 0
         self._inflight = []
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """A backward inside is not the step's last one even when armed (a chunk of a packet's
+        blocks): its gradients are not final, so no bucket is counted or launched."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+
     def _on_grad(self, p: Tensor) -> None:
-        if not self._armed:
+        if not self._armed or self._held:
             return
         self._missing[self._bucket_of[id(p)]] -= 1
         while self._next < len(self.buckets) and self._missing[self._next] == 0:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dflash.distributed.links import PeerError, short_error
@@ -63,7 +63,9 @@ def shard_drafter(model: DFlashDraftModel, mesh: DeviceMesh, mode: str) -> DFlas
     reshard = mode == "full"
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        register_fsdp_forward_method(layer, "context_kv")  # the block-chunked step's context pass
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    register_fsdp_forward_method(model, "context_states")
     for unit in model.modules():  # each unit reduces its own gradients
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dflash.drafter.arch import DrafterArch
-from dflash.drafter.model import DFlashDecoderLayer, DFlashDraftModel, gemm_input
+from dflash.drafter.model import ContextKV, DFlashDecoderLayer, DFlashDraftModel, gemm_input
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -93,7 +93,14 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         return self.attention_conv, self.mlp_conv
 
     def body(
-        self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache=None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | ContextKV,
+        rope_q,
+        rope_ctx,
+        mask,
+        cache=None,
+        layer: int = 0,
     ) -> torch.Tensor:
         """As DFlash-1's, each sublayer between its convolutions. ``mask`` is None exactly when one
         block is decoded: the block is then all of x, else blocks of ``block_size`` follow each other."""

@@ -66,6 +66,10 @@ class RotaryEmbedding(nn.Module):
         return self.inner(x, position_ids)
 
 
+ContextKV = tuple[torch.Tensor, torch.Tensor]
+"""One layer's context keys and values [B, nkv, S, hd] (:meth:`DFlashAttention.context_kv`)."""
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -128,25 +132,34 @@ class DFlashAttention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.head_dim).transpose(1, 2)
 
+    def context_kv(self, context: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor]) -> ContextKV:
+        """context [B, S, H] -> the context's keys and values [B, nkv, S, hd] (keys after k_norm and
+        RoPE, in fp32 under autocast: attention casts them with the block's keys, in one copy)."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads)), *rope_ctx)
+        return k, self._heads(self.v_proj(context), self.num_kv_heads)
+
     def forward(
         self,
         x: torch.Tensor,
-        context: torch.Tensor,
+        context: torch.Tensor | ContextKV,
         rope_q: tuple[torch.Tensor, torch.Tensor],
-        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        rope_ctx: tuple[torch.Tensor, torch.Tensor] | None,
         mask: AttentionMask | None,
         cache: KVCache | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        """x [B, Q, H] normed block states, context [B, S, H] -> [B, Q, H].
+        """x [B, Q, H] normed block states, context [B, S, H] (or its :meth:`context_kv`, computed
+        once for several calls: ``rope_ctx`` is then unused) -> [B, Q, H].
 
         Keys/values are ``[cached context; context; block]``; ``mask`` is None only for decoding one
         block that follows all of that context: a full layer then sees everything, a sliding layer
         its window (``decode_mask``).
         """
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), *rope_q)
-        k_ctx = apply_rope(self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads)), *rope_ctx)
-        v_ctx = self._heads(self.v_proj(context), self.num_kv_heads)
+        if isinstance(context, torch.Tensor):
+            assert rope_ctx is not None
+            context = self.context_kv(context, rope_ctx)
+        k_ctx, v_ctx = context
         k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), *rope_q)
         v_blk = self._heads(self.v_proj(x), self.num_kv_heads)
         if cache is not None:
@@ -173,10 +186,16 @@ class DFlashDecoderLayer(nn.Module):
         self.compiled: Callable[..., torch.Tensor] | None = None
         """The ``torch.compile``d training forward (:meth:`DFlashDraftModel.compile_layers`), or None."""
 
+    def context_kv(self, context: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor]) -> ContextKV:
+        """This layer's context keys and values (:meth:`DFlashAttention.context_kv`), as a module
+        method FSDP2 gathers the layer's weights around (``register_fsdp_forward_method``)."""
+        return self.self_attn.context_kv(context, rope_ctx)
+
     def forward(
-        self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache, layer
+        self, x: torch.Tensor, context: torch.Tensor | ContextKV, rope_q, rope_ctx, mask, cache, layer
     ) -> torch.Tensor:
-        """x [B, Q, H] fp32 residual stream, context [B, S, H] (already :func:`gemm_input`) -> [B, Q, H].
+        """x [B, Q, H] fp32 residual stream, context [B, S, H] (already :func:`gemm_input`), or this
+        layer's :meth:`context_kv` computed once for several calls -> [B, Q, H].
 
         A training forward (no cache) runs :attr:`compiled` when there is one; decoding stays eager."""
         if cache is None and self.compiled is not None:
@@ -184,7 +203,14 @@ class DFlashDecoderLayer(nn.Module):
         return self.body(x, context, rope_q, rope_ctx, mask, cache, layer)
 
     def body(
-        self, x: torch.Tensor, context: torch.Tensor, rope_q, rope_ctx, mask, cache=None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | ContextKV,
+        rope_q,
+        rope_ctx,
+        mask,
+        cache=None,
+        layer: int = 0,
     ) -> torch.Tensor:
         """The layer's math (:meth:`forward`, eager)."""
         h = gemm_input(self.input_layernorm(x))  # one copy for q, k and v
@@ -288,14 +314,24 @@ class DFlashDraftModel(nn.Module):
         taps = target_hidden if on else target_hidden.to(self.fc.weight.dtype)
         return gemm_input(self.hidden_norm(self.fc(gemm_input(taps))))
 
+    def context_states(self, target_hidden: torch.Tensor, context_positions: torch.Tensor) -> list[ContextKV]:
+        """Every layer's context keys and values from the tapped target states [B, S, n_tap*H] at
+        RoPE positions [B, S]: what the blocks of a packet share, computed once for all of its
+        chunks of blocks (``forward(context_kv=...)``); differentiable."""
+        context = self.context(target_hidden)
+        rope_ctx = self.rotary_emb(context.new_empty(0, dtype=self.fc.weight.dtype), context_positions)
+        layers: list[DFlashDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        return [layer.context_kv(context, rope_ctx) for layer in layers]
+
     def forward(
         self,
         noise_embeds: torch.Tensor,
-        target_hidden: torch.Tensor,
+        target_hidden: torch.Tensor | None,
         context_positions: torch.Tensor,
         block_positions: torch.Tensor,
         masks: Mapping[str, AttentionMask] | None,
         cache: KVCache | None = None,
+        context_kv: list[ContextKV] | None = None,
     ) -> torch.Tensor:
         """Drafter final hidden states of the block slots.
 
@@ -304,14 +340,22 @@ class DFlashDraftModel(nn.Module):
         context_positions [B, S] and block_positions [B, Q] are RoPE positions;
         masks: the training mask of each attention kind in ``arch.layer_types`` over keys
         ``[context (S); blocks (Q)]`` (``blocks.build_masks``), or None for decoding one block right
-        after the context (and ``cache``). Returns [B, Q, H] after the drafter's final norm.
+        after the context (and ``cache``). ``context_kv``: the layers' :meth:`context_states` of
+        the context, computed once for several calls (``target_hidden`` is then unused). Returns
+        [B, Q, H] after the drafter's final norm.
         """
-        context = self.context(target_hidden)
         x = noise_embeds.to(self.fc.weight.dtype)
         rope_q = self.rotary_emb(x, block_positions)
-        rope_ctx = self.rotary_emb(x, context_positions)
+        contexts: list[torch.Tensor] | list[ContextKV]
+        rope_ctx = None
+        if context_kv is None:
+            assert target_hidden is not None
+            contexts = [self.context(target_hidden)] * len(self.layers)
+            rope_ctx = self.rotary_emb(x, context_positions)
+        else:
+            contexts = context_kv
         recompute = self.checkpoint_layers and torch.is_grad_enabled() and cache is None
-        for i, layer in enumerate(self.layers):
+        for i, (layer, context) in enumerate(zip(self.layers, contexts, strict=True)):
             mask = None if masks is None else masks[self.arch.layer_types[i]]
             if recompute:
                 x = checkpoint(layer, x, context, rope_q, rope_ctx, mask, cache, i, use_reentrant=False)

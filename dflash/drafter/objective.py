@@ -7,6 +7,7 @@ tokens per row, N blocks per row, bs block size, R supervised rows (slots with w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 
 from dflash.config import LossConfig
 from dflash.drafter.blocks import build_masks, label_slots, make_blocks
-from dflash.drafter.model import DFlashDraftModel
+from dflash.drafter.model import ContextKV, DFlashDraftModel
 from dflash.loss.dpace import dpace_weights
 from dflash.loss.selector import SelectorOutput, selector_loss
 from dflash.loss.terms import TERMS, coefficients, needs_verifier_logits
@@ -61,6 +62,16 @@ class ObjectiveOutput:
     """[len(SELECTOR_SUMS)]: DFlash2's selector sums (:data:`SELECTOR_SUMS`; zeros for DFlash-1)."""
 
 
+def sum_outputs(outs: list[ObjectiveOutput], loss: torch.Tensor) -> ObjectiveOutput:
+    """The objective of a batch from its parts' (chunks of its blocks, each with the batch's
+    normaliser): every sum added; ``loss`` the last part's (differentiable), the others' values
+    added to it."""
+    names = [f.name for f in dataclasses.fields(ObjectiveOutput) if f.name != "loss"]
+    fields = {name: sum(getattr(o, name) for o in outs) for name in names}
+    fields["loss"] = sum((o.loss.detach() for o in outs[:-1]), start=torch.zeros_like(loss)) + loss
+    return ObjectiveOutput(**fields)
+
+
 SELECTOR_SUMS = ("rows", "recall", "hit", "weight", "loss", "inv_tau_unary")
 """DFlash2 selector sums per batch: supervised rows, rows whose label is among the top-k
 (recall@k), teacher-forced hits (accuracy), the selector loss's weight and weighted loss sums, and
@@ -105,10 +116,9 @@ def supervised_positions(
     return key[supervised_slots(label_pos, label_valid, loss_mask)].sort().values
 
 
-def pad_to_static(
-    aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, s_max: int, n_max: int
-):
-    """Pad [B, S] rows to s_max tokens and [B, N] anchors to n_max (see ``dflash_loss``)."""
+def pad_to_static(aux_hidden, input_ids, loss_mask, position_ids, anchors, s_max: int, n_max: int):
+    """Pad [B, S] rows to s_max tokens and [B, N] anchors to n_max (see ``dflash_loss``; no copy of
+    what already has its size)."""
     B, S = input_ids.shape
     if S > s_max or anchors.shape[1] > n_max:
         raise ValueError(
@@ -123,13 +133,13 @@ def pad_to_static(
         return torch.cat([x, tail], dim=1)
 
     extra = torch.arange(pad, device=position_ids.device).expand(B, pad)
-    anchors = torch.cat([anchors, anchors.new_full((B, n_max - anchors.shape[1]), -1)], dim=1)
+    if anchors.shape[1] < n_max:
+        anchors = torch.cat([anchors, anchors.new_full((B, n_max - anchors.shape[1]), -1)], dim=1)
     return (
         grow(aux_hidden),
-        grow(final_hidden),
         grow(input_ids),
         grow(loss_mask),
-        torch.cat([position_ids, extra], dim=1),
+        torch.cat([position_ids, extra], dim=1) if pad else position_ids,
         anchors,
     )
 
@@ -153,6 +163,7 @@ def dflash_loss(
     num_rows: int | None = None,
     selector_scale: float | None = None,
     verifier_positions: torch.Tensor | None = None,
+    context_kv: list[ContextKV] | None = None,
 ) -> ObjectiveOutput:
     """One DFlash training forward: blocks -> drafter -> chunked verifier-logit loss (+ DFlash2's
     selector loss).
@@ -179,13 +190,16 @@ def dflash_loss(
     copies; asserted on the device). The verifier's logits, softmax and argmax are computed once per
     distinct position the supervised rows read (``verifier_loss(verifier_index=...)``, rows in
     position order), and with it that needs no host sync; None: read back from the device.
+    ``context_kv``: the drafter's ``context_states`` of these (padded) context rows, computed once
+    for several calls on chunks of the anchors (``dflash.drafter.step``); ``aux_hidden`` is then
+    unused.
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
     final_in = final_hidden  # the verifier's rows: padding adds no position a supervised row reads
     if static_shape is not None:
-        aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors = pad_to_static(
-            aux_hidden, final_hidden, input_ids, loss_mask, position_ids, anchors, *static_shape
+        aux_hidden, input_ids, loss_mask, position_ids, anchors = pad_to_static(
+            aux_hidden, input_ids, loss_mask, position_ids, anchors, *static_shape
         )
     doc_ids = doc_ids_from_positions(position_ids)
     arch = drafter.arch
@@ -194,7 +208,9 @@ def dflash_loss(
         anchors, doc_ids, drafter.block_size, attention, arch.layer_types, arch.sliding_window
     )
     noise = torch.nn.functional.embedding(blocks.block_ids, embed_weight)
-    hidden = drafter(noise, aux_hidden, position_ids, blocks.block_positions, masks)  # [B, Q, H]
+    hidden = drafter(  # [B, Q, H]
+        noise, aux_hidden, position_ids, blocks.block_positions, masks, context_kv=context_kv
+    )
     if on_phase is not None:
         on_phase("drafter_forward")
     coefs = coefficients(loss_cfg)

@@ -25,7 +25,13 @@ from dflash.config import Config, LossConfig
 from dflash.config.resolve import drafter_attention, torch_dtype
 from dflash.drafter.blocks import eligible_anchors, offered_anchors, sample_anchors
 from dflash.drafter.model import DFlashDraftModel
-from dflash.drafter.objective import ObjectiveOutput, dflash_loss, supervised_positions
+from dflash.drafter.objective import (
+    ObjectiveOutput,
+    dflash_loss,
+    pad_to_static,
+    sum_outputs,
+    supervised_positions,
+)
 from dflash.targets.packing import doc_ids_from_positions, packet_positions
 
 
@@ -54,14 +60,38 @@ class StepPlan:
     seed: int
     normalizer: float | None
     """The loss is ``sum_r w_r l_r / normalizer`` (None: this packet's ``sum_r w_r``)."""
+    block_chunks: int = 1
+    """The packet's blocks run in this many chunks of whole blocks (:func:`objective_step`); 1: all
+    at once. More needs a ``normalizer`` (a chunk's loss is then a part of the packet's sum)."""
+
+    def __post_init__(self) -> None:
+        if self.block_chunks < 1:
+            raise ValueError(f"block_chunks={self.block_chunks}: must be >= 1")
+        if self.block_chunks > 1 and self.normalizer is None:
+            raise ValueError(
+                "block_chunks > 1 needs a normalizer: the packet's own weight sum is not known per chunk"
+            )
+
+    def chunk_anchors(self, num_anchors: int) -> int:
+        """Anchors per chunk for a packet of ``num_anchors`` (the static cap with flex)."""
+        total = self.static_shape[1] if self.static_shape is not None else num_anchors
+        return max(1, -(-total // self.block_chunks))
 
     @classmethod
     def for_training(
-        cls, cfg: Config, block_size: int, *, device: str, token_budget: int, tensors_on: str | None = None
+        cls,
+        cfg: Config,
+        block_size: int,
+        *,
+        device: str,
+        token_budget: int,
+        tensors_on: str | None = None,
+        block_chunks: int = 1,
     ) -> StepPlan:
         """The trainer's step on ``device`` (``tensors_on``: where the tensors live when it differs,
-        the rehearsal's CPU fake tensors of a planned GPU); the loss is a weighted sum
-        (``normalizer=1``) that the trainer divides once by the step's global weight sum."""
+        the rehearsal's CPU fake tensors of a planned GPU) in ``block_chunks`` chunks
+        (``drafter.block_chunks`` resolved); the loss is a weighted sum (``normalizer=1``) that the
+        trainer divides once by the step's global weight sum."""
         d = cfg.drafter
         attention = drafter_attention(d.attention, device)
         cap = d.max_anchors_per_packet  # required with flex in training (dflash.config.checks)
@@ -77,6 +107,7 @@ class StepPlan:
             max_anchors=d.max_anchors_per_packet,
             seed=cfg.train.seed,
             normalizer=1.0,
+            block_chunks=block_chunks,
         )
 
     @classmethod
@@ -114,6 +145,9 @@ class PacketAnchors:
     """[R] sorted: the position each supervised slot's verifier row is at (``supervised_positions``)."""
     offered: int
     """The anchors ``drafter.num_anchors`` offers before ``max_anchors_per_packet``."""
+    chunks: list[tuple[Tensor, Tensor]]
+    """Per chunk of whole blocks (``StepPlan.block_chunks``; one when unchunked): its anchors [1, n]
+    (a slice of :attr:`anchors`) and the verifier positions of its supervised slots [R_c]."""
 
     @property
     def num_blocks(self) -> int:
@@ -144,9 +178,21 @@ def plan_anchors(plan: StepPlan, seq_lens: Tensor, loss_mask: Tensor, index: int
         offered = int(offered_anchors(mask, docs, plan.num_anchors))
         generator = anchor_generator(plan.seed, index)
         anchors = sample_anchors(mask, docs, plan.num_anchors, generator, plan.max_anchors)
-    return PacketAnchors(
-        positions, anchors, supervised_positions(mask, docs, anchors, plan.block_size), offered
-    )
+    return packet_anchors(plan, positions, mask, anchors, offered)
+
+
+def packet_anchors(
+    plan: StepPlan, positions: Tensor, loss_mask: Tensor, anchors: Tensor, offered: int
+) -> PacketAnchors:
+    """:class:`PacketAnchors` of given anchors [1, N] (-1: padding) of a packet at ``positions`` /
+    ``loss_mask`` [1, T] (host tensors), cut into exactly ``plan.block_chunks`` chunks of consecutive
+    anchors (sizes differ by at most one; a chunk may be empty): every drafter then runs as many
+    forwards, which FSDP2's per-layer collectives need."""
+    docs = doc_ids_from_positions(positions)
+    slices = torch.tensor_split(anchors, plan.block_chunks, dim=1)  # always that many: equal collectives
+    chunks = [(a, supervised_positions(loss_mask, docs, a, plan.block_size)) for a in slices]
+    whole = chunks[0][1] if len(chunks) == 1 else torch.cat([p for _, p in chunks]).sort().values
+    return PacketAnchors(positions, anchors, whole, offered, chunks)
 
 
 def objective_step(
@@ -162,32 +208,114 @@ def objective_step(
     *,
     on_phase: Callable[[str], None] | None = None,
     selector_scale: float | None = None,
+    partial_backward: Callable[[Tensor], None] | None = None,
 ) -> ObjectiveOutput:
     """blocks -> drafter -> chunked loss for one packet: ``aux_hidden`` [T, n_tap*H],
     ``final_hidden`` [T, H], ``input_ids`` / ``loss_mask`` [T] on the step's device; ``anchors`` from
     :func:`plan_anchors` (moved without a host sync); ``embed`` / ``head`` [V, H] frozen target
     tensors. ``on_phase(name)``: called when the drafter forward and the loss end (step timing);
-    ``selector_scale``: DFlash2's selector coefficient at this step (None: ``loss.selector``)."""
+    ``selector_scale``: DFlash2's selector coefficient at this step (None: ``loss.selector``).
+
+    With several chunks (``plan.block_chunks``) the context's keys and values are computed once
+    and each chunk of whole blocks runs forward, loss and, when gradients are on, backward
+    (``partial_backward``, default ``Tensor.backward``: a backward that is not the packet's last)
+    before the next starts, so only one chunk's activations live at a time and nothing is
+    recomputed. What each chunk's backward leaves on the context's keys and values is summed and
+    sent back through the context projections and ``fc`` by the returned loss's backward, together
+    with the last chunk's. The returned loss has the packet's value and completes its gradient;
+    every sum is the packet's."""
     device = input_ids.device
     positions = anchors.positions.to(device, non_blocking=True)
-    blocks = anchors.anchors.to(device, non_blocking=True)
+    args = (
+        aux_hidden.unsqueeze(0),
+        final_hidden.unsqueeze(0),
+        input_ids.unsqueeze(0),
+        loss_mask.unsqueeze(0),
+    )
     with plan.autocast():
-        return dflash_loss(
+        if len(anchors.chunks) == 1:
+            return dflash_loss(
+                model,
+                *args,
+                anchors.anchors.to(device, non_blocking=True),
+                embed,
+                head,
+                plan.loss,
+                position_ids=positions,
+                attention=plan.attention,
+                static_shape=plan.static_shape,
+                on_phase=on_phase,
+                normalizer=plan.normalizer,
+                num_rows=anchors.num_rows,
+                selector_scale=selector_scale,
+                verifier_positions=anchors.verifier_positions,
+            )
+        return _chunked_step(
+            model, embed, head, args, positions, anchors, plan, on_phase, selector_scale, partial_backward
+        )
+
+
+def _chunked_step(
+    model, embed, head, args, positions, anchors, plan, on_phase, selector_scale, partial_backward
+) -> ObjectiveOutput:
+    """:func:`objective_step` over ``anchors.chunks`` (see there)."""
+    aux, final, ids, mask = args
+    device = ids.device
+    size = plan.chunk_anchors(int(anchors.anchors.shape[1]))
+    static = None
+    if plan.static_shape is not None:  # the context padded once; each chunk's blocks to ``size``
+        static = (plan.static_shape[0], size)
+        aux, ids, mask, positions, _ = pad_to_static(aux, ids, mask, positions, anchors.anchors, *static)
+    context = model.context_states(aux, positions)
+    training = any(t.requires_grad for kv in context for t in kv)
+    backward = partial_backward or Tensor.backward
+    leaves = [tuple(t.detach().requires_grad_() for t in kv) for kv in context] if training else context
+    sums: list[Tensor] | None = None  # what the chunks before the last left on ``leaves``
+    outs: list[ObjectiveOutput] = []
+    for i, (chunk, rows) in enumerate(anchors.chunks):
+        last = i == len(anchors.chunks) - 1
+        out = dflash_loss(
             model,
-            aux_hidden.unsqueeze(0),
-            final_hidden.unsqueeze(0),
-            input_ids.unsqueeze(0),
-            loss_mask.unsqueeze(0),
-            blocks,
+            aux,
+            final,
+            ids,
+            mask,
+            chunk.to(device, non_blocking=True),
             embed,
             head,
             plan.loss,
             position_ids=positions,
             attention=plan.attention,
-            static_shape=plan.static_shape,
+            static_shape=static,
             on_phase=on_phase,
             normalizer=plan.normalizer,
-            num_rows=anchors.num_rows,
+            num_rows=int(rows.numel()),
             selector_scale=selector_scale,
-            verifier_positions=anchors.verifier_positions,
+            verifier_positions=rows,
+            context_kv=context if last else leaves,
         )
+        if training and not last:
+            if out.loss.requires_grad:  # an empty chunk has no graph
+                backward(out.loss)
+            out.loss = out.loss.detach()
+            sums = _add_grads(sums, [t for kv in leaves for t in kv])
+            if on_phase is not None:
+                on_phase("backward")
+        outs.append(out)
+    loss = outs[-1].loss
+    if sums is not None:  # the chunks' gradients on the context: a term of value exactly 0
+        carrier = sum((t * g).sum() for t, g in zip([t for kv in context for t in kv], sums, strict=True))
+        loss = loss + (carrier - carrier.detach())
+    return sum_outputs(outs, loss)
+
+
+def _add_grads(sums: list[Tensor] | None, leaves: list[Tensor]) -> list[Tensor]:
+    """``sums`` plus the leaves' gradients (taken off them), at least in fp32."""
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+    for t in leaves:
+        t.grad = None
+    if sums is None:
+        return [g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    for s, g in zip(sums, grads, strict=True):
+        s.add_(g)
+    return sums

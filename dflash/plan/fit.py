@@ -88,13 +88,70 @@ class CheckpointDecision:
         return f"drafter.activation_checkpointing=auto: {verdict} ({gib})"
 
 
-def decide_checkpointing(
+MAX_AUTO_CHUNKS = 64
+"""The most chunks ``drafter.block_chunks=auto`` tries."""
+
+
+@dataclass(frozen=True)
+class ChunkDecision:
+    """``drafter.block_chunks`` resolved for one GPU, with why (one log line)."""
+
+    chunks: int
+    need_gib: float
+    """The role's estimated GiB per GPU with these chunks and no checkpointing."""
+    capacity_gib: float
+    setting: int | None
+
+    @property
+    def reason(self) -> str:
+        gib = (
+            f"{self.need_gib:.1f} GiB without activation checkpointing, {self.capacity_gib:.1f} GiB available"
+        )
+        if self.setting is not None:
+            return f"drafter.block_chunks={self.setting} ({gib})"
+        if self.need_gib > self.capacity_gib:
+            return f"drafter.block_chunks=auto: 1, no count up to {MAX_AUTO_CHUNKS} fits without checkpointing ({gib} at 1)"
+        return f"drafter.block_chunks=auto: {self.chunks}, the fewest that fit without checkpointing ({gib})"
+
+
+def decide_block_chunks(
     cfg: Config, inputs: PlanInputs, capacity_gib: float, *, world_size: int, role: str | None = None
-) -> CheckpointDecision:
-    """``layers`` -> on, ``none`` -> off, ``auto`` -> on exactly when the role (default: the config's drafter
-    role) needs more than ``capacity_gib`` without checkpointing."""
+) -> ChunkDecision:
+    """A set ``drafter.block_chunks`` as it is; auto (None): the fewest chunks (up to
+    :data:`MAX_AUTO_CHUNKS`, at most one block each) with which the role fits ``capacity_gib`` without
+    activation checkpointing, or 1 when none does (checkpointing then decides) or when
+    ``drafter.activation_checkpointing=layers`` asks for recompute."""
     role = role or drafter_role(cfg)
     base = DrafterSettings(False, cfg.drafter.shard, num_drafters(cfg, world_size))
+
+    def need(chunks: int) -> float:
+        return need_gib(cfg, inputs, role, dataclasses.replace(base, block_chunks=chunks))
+
+    setting = cfg.drafter.block_chunks
+    if setting is not None:
+        return ChunkDecision(setting, need(setting), capacity_gib, setting)
+    if cfg.drafter.activation_checkpointing == "layers" or not math.isfinite(capacity_gib):
+        return ChunkDecision(1, need(1), capacity_gib, None)
+    most = max(1, min(MAX_AUTO_CHUNKS, inputs.packet.num_anchors))
+    for chunks in range(1, most + 1):
+        if (gib := need(chunks)) <= capacity_gib:
+            return ChunkDecision(chunks, gib, capacity_gib, None)
+    return ChunkDecision(1, need(1), capacity_gib, None)
+
+
+def decide_checkpointing(
+    cfg: Config,
+    inputs: PlanInputs,
+    capacity_gib: float,
+    *,
+    world_size: int,
+    role: str | None = None,
+    block_chunks: int = 1,
+) -> CheckpointDecision:
+    """``layers`` -> on, ``none`` -> off, ``auto`` -> on exactly when the role (default: the config's drafter
+    role) needs more than ``capacity_gib`` without checkpointing (its blocks in ``block_chunks``)."""
+    role = role or drafter_role(cfg)
+    base = DrafterSettings(False, cfg.drafter.shard, num_drafters(cfg, world_size), block_chunks=block_chunks)
     without = need_gib(cfg, inputs, role, base)
     with_ = need_gib(cfg, inputs, role, dataclasses.replace(base, checkpoint=True))
     setting = cfg.drafter.activation_checkpointing
@@ -106,8 +163,11 @@ def drafter_settings(
     cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size: int
 ) -> DrafterSettings:
     """The drafter's memory levers of ``cfg`` on ``world_size`` GPUs of ``capacity_gib`` (auto resolved)."""
-    decision = decide_checkpointing(cfg, inputs, capacity_gib, world_size=world_size)
-    return DrafterSettings(decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world_size))
+    chunks = decide_block_chunks(cfg, inputs, capacity_gib, world_size=world_size).chunks
+    decision = decide_checkpointing(cfg, inputs, capacity_gib, world_size=world_size, block_chunks=chunks)
+    return DrafterSettings(
+        decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world_size), block_chunks=chunks
+    )
 
 
 def with_anchor_cap(cfg: Config, inputs: PlanInputs, cap: int) -> tuple[Config, PlanInputs]:

@@ -101,6 +101,8 @@ class DrafterSettings:
     """Drafters the state is sharded over."""
     optimizer: str = "adamw"
     """``optim.name``: the optimizer state per parameter (:data:`STATE_BYTES_PER_PARAM`)."""
+    block_chunks: int = 1
+    """``drafter.block_chunks`` resolved: the packet's blocks in this many chunks."""
 
 
 PLAIN = DrafterSettings()

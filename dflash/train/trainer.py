@@ -59,6 +59,7 @@ from dflash.metrics import (
 from dflash.plan import AttentionKind, PacketCosts, PacketShape, packet_costs
 from dflash.plan.fit import (
     anchor_cap_note,
+    decide_block_chunks,
     decide_checkpointing,
     device_capacity_gib,
     drafter_role,
@@ -152,7 +153,11 @@ class DrafterTrainer:
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
         self.step_plan = StepPlan.for_training(
-            cfg, setup.arch.block_size, device=self.device.type, token_budget=setup.data.token_budget
+            cfg,
+            setup.arch.block_size,
+            device=self.device.type,
+            token_budget=setup.data.token_budget,
+            block_chunks=self._block_chunks(),
         )
         target = self._packet_source()
         self.embed, self.head = self._embed_and_head(target)
@@ -237,6 +242,24 @@ class DrafterTrainer:
         """The planner's view of this run (for the memory decisions and the anchor-cap note)."""
         return resolve_inputs(self.cfg)
 
+    def _block_chunks(self) -> int:
+        """``drafter.block_chunks`` resolved (auto: the planner's decision for this device, logged;
+        1 on a CPU); every drafter runs the same count (FSDP2's collectives are per chunk)."""
+        cfg = self.cfg
+        capacity = device_capacity_gib(self.device, cfg.plan.reserved_gib)
+        if cfg.drafter.block_chunks is not None:
+            return cfg.drafter.block_chunks
+        if not math.isfinite(capacity):
+            return 1
+        decision = decide_block_chunks(cfg, self._plan_inputs, capacity, world_size=self.topology.world_size)
+        agreed = int(
+            all_reduce_max(self.ctx, torch.tensor([float(decision.chunks)], device=self.device)).item()
+        )
+        log.info(
+            "%s%s", decision.reason, f"; another drafter needs {agreed}" if agreed > decision.chunks else ""
+        )
+        return agreed
+
     def _checkpointing(self) -> bool:
         """``drafter.activation_checkpointing`` resolved (the planner's decision for ``auto``, logged),
         and, on the leader, the note that ``drafter.max_anchors_per_packet`` binds, with the cap that fits."""
@@ -249,7 +272,13 @@ class DrafterTrainer:
                 log.warning(note)
         if cfg.drafter.activation_checkpointing != "auto":
             return cfg.drafter.activation_checkpointing == "layers"
-        decision = decide_checkpointing(cfg, self._plan_inputs, capacity, world_size=self.topology.world_size)
+        decision = decide_checkpointing(
+            cfg,
+            self._plan_inputs,
+            capacity,
+            world_size=self.topology.world_size,
+            block_chunks=self.step_plan.block_chunks,
+        )
         agreed = all_reduce_max(self.ctx, torch.tensor([float(decision.checkpoint)], device=self.device))
         log.info(
             "%s%s",
@@ -367,6 +396,7 @@ class DrafterTrainer:
             self.step_plan,
             on_phase=self.phases.mark,
             selector_scale=local.selector_scale,
+            partial_backward=self.parallel.partial_backward,
         )
 
     def _next_packet(self, step: int, i: int, packets: list[int]) -> int | None:
