@@ -54,3 +54,49 @@ def masks_for(model: DFlashDraftModel, anchors, doc, kind: str = "sdpa") -> dict
     """The training masks ``model``'s layer types need."""
     arch = model.arch
     return build_masks(anchors, doc, arch.block_size, kind, arch.layer_types, arch.sliding_window)
+
+
+CHUNK_BS, CHUNK_V, CHUNK_H = 4, 97, 32
+# three packed documents (lengths 13, 8, 19); overlapping blocks, one cut by a document end,
+# anchors out of position order and two padding blocks
+CHUNK_ANCHORS = [[1, 2, 5, 9, 11, 14, 16, 25, 22, 26, 30, 36, -1, -1]]
+
+
+def chunk_arch(family: str) -> DrafterArch:
+    """A 3-layer drafter (sliding, full, sliding) of ``family`` for the block-chunked step's tests."""
+    extra = dict(family="dflash2", conv_kernel_size=3, conv_group_size=8) if family == "dflash2" else {}
+    return DrafterArch(
+        hidden_size=CHUNK_H,
+        intermediate_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=CHUNK_V,
+        target_layer_ids=[0, 1],
+        block_size=CHUNK_BS,
+        mask_token_id=CHUNK_V - 1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **extra,
+    )
+
+
+def chunk_packet(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A packet of three documents for ``chunk_arch``: positions / loss_mask [1, T], ids [T], taps,
+    final states and the frozen embedding and head."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.cat([torch.arange(13), torch.arange(8), torch.arange(19)]).unsqueeze(0)
+    T = pos.shape[1]
+    mask = torch.ones(1, T, dtype=torch.long)
+    mask[0, [0, 4, 13, 14, 30]] = 0
+    return dict(
+        positions=pos,
+        loss_mask=mask,
+        ids=torch.randint(0, CHUNK_V - 1, (T,), generator=g),
+        aux=torch.randn(T, 2 * CHUNK_H, generator=g),
+        final=torch.randn(T, CHUNK_H, generator=g),
+        embed=torch.randn(CHUNK_V, CHUNK_H, generator=g),
+        head=torch.randn(CHUNK_V, CHUNK_H, generator=g) * 0.3,
+    )

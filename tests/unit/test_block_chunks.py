@@ -9,60 +9,20 @@ import dataclasses
 
 import pytest
 import torch
+from tiny_drafter import CHUNK_ANCHORS, CHUNK_BS, CHUNK_V, chunk_arch, chunk_packet
 
 import dflash.drafter.step as step_module
 from dflash.config import LossConfig
-from dflash.drafter.arch import DrafterArch
 from dflash.drafter.dflash2 import DFlash2DraftModel
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.step import StepPlan, objective_step, packet_anchors
 
-BS, V, H = 4, 97, 32
+BS, V = CHUNK_BS, CHUNK_V
 RECIPES = {
     "ce": dict(ce=1.0, gamma=4.0),
     "ce_kl": dict(ce=1.0, kl=0.5, temperature=2.0),
     "dpace": dict(ce=1.0, dpace=0.5),
 }
-# three packed documents (lengths 13, 8, 19); overlapping blocks, one cut by a document end,
-# anchors out of position order and two padding blocks
-ANCHORS = [[1, 2, 5, 9, 11, 14, 16, 25, 22, 26, 30, 36, -1, -1]]
-
-
-def _arch(family: str) -> DrafterArch:
-    extra = dict(family="dflash2", conv_kernel_size=3, conv_group_size=8) if family == "dflash2" else {}
-    return DrafterArch(
-        hidden_size=H,
-        intermediate_size=48,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        vocab_size=V,
-        target_layer_ids=[0, 1],
-        block_size=BS,
-        mask_token_id=V - 1,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        **extra,
-    )
-
-
-def _packet(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.cat([torch.arange(13), torch.arange(8), torch.arange(19)]).unsqueeze(0)
-    T = pos.shape[1]
-    mask = torch.ones(1, T, dtype=torch.long)
-    mask[0, [0, 4, 13, 14, 30]] = 0
-    return dict(
-        positions=pos,
-        loss_mask=mask,
-        ids=torch.randint(0, V - 1, (T,), generator=g),
-        aux=torch.randn(T, 2 * H, generator=g),
-        final=torch.randn(T, H, generator=g),
-        embed=torch.randn(V, H, generator=g),
-        head=torch.randn(V, H, generator=g) * 0.3,
-    )
 
 
 def _step(model, p, recipe: str, chunks: int):
@@ -81,7 +41,7 @@ def _step(model, p, recipe: str, chunks: int):
         normalizer=1.0,
         block_chunks=chunks,
     )
-    anchors = packet_anchors(plan, p["positions"], p["loss_mask"], torch.tensor(ANCHORS), 12)
+    anchors = packet_anchors(plan, p["positions"], p["loss_mask"], torch.tensor(CHUNK_ANCHORS), 12)
     model.zero_grad(set_to_none=True)
     out = objective_step(
         model, p["embed"], p["head"], p["aux"], p["final"], p["ids"], p["loss_mask"][0], anchors, plan
@@ -93,7 +53,7 @@ def _step(model, p, recipe: str, chunks: int):
 def _model(family: str) -> DFlashDraftModel:
     torch.manual_seed(0)
     cls = DFlash2DraftModel if family == "dflash2" else DFlashDraftModel
-    model = cls(_arch(family))
+    model = cls(chunk_arch(family))
     if family == "dflash2":  # away from the identity start, so the convolutions mix the slots
         with torch.no_grad():
             for conv in model.convolutions():
@@ -116,7 +76,7 @@ def _assert_same(whole, chunked) -> None:
 @pytest.mark.parametrize("family", ["dflash", "dflash2"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_chunked_step_equals_the_whole_packet(family, recipe):
-    model, p = _model(family), _packet()
+    model, p = _model(family), chunk_packet()
     whole = _step(model, p, recipe, 1)
     assert (
         whole[1]["fc.weight"].abs().max() > 0 and whole[1]["layers.0.self_attn.k_proj.weight"].abs().max() > 0
@@ -127,7 +87,7 @@ def test_chunked_step_equals_the_whole_packet(family, recipe):
 
 def test_a_dropped_context_gradient_of_a_chunk_fails_the_check(monkeypatch):
     """The check above sees a chunk whose gradient on the context keys/values is lost."""
-    model, p = _model("dflash"), _packet()
+    model, p = _model("dflash"), chunk_packet()
     whole = _step(model, p, "ce", 1)
     calls = []
     add = step_module._add_grads
@@ -150,11 +110,11 @@ def test_a_dropped_context_gradient_of_a_chunk_fails_the_check(monkeypatch):
 def test_the_chunks_backward_goes_through_the_callers_backward():
     """Every chunk but the last runs ``partial_backward`` (the trainer's no-reduction backward);
     the last one's is left to the caller, with the context's."""
-    model, p = _model("dflash"), _packet()
+    model, p = _model("dflash"), chunk_packet()
     plan = dataclasses.replace(
         StepPlan(LossConfig(), BS, "sdpa", "cpu", torch.float32, None, None, None, 0, 1.0), block_chunks=4
     )
-    anchors = packet_anchors(plan, p["positions"], p["loss_mask"], torch.tensor(ANCHORS), 12)
+    anchors = packet_anchors(plan, p["positions"], p["loss_mask"], torch.tensor(CHUNK_ANCHORS), 12)
     assert [int(a.shape[1]) for a, _ in anchors.chunks] == [4, 4, 3, 3]
     seen = []
     out = objective_step(
@@ -175,7 +135,7 @@ def test_the_chunks_backward_goes_through_the_callers_backward():
 
 
 def test_eval_without_gradients_runs_chunks_forward_only():
-    model, p = _model("dflash"), _packet()
+    model, p = _model("dflash"), chunk_packet()
     with torch.no_grad():
         whole = _step_no_grad(model, p, 1)
         chunked = _step_no_grad(model, p, 3)
@@ -186,7 +146,7 @@ def _step_no_grad(model, p, chunks):
     plan = StepPlan(
         LossConfig(), BS, "sdpa", "cpu", torch.float32, None, None, None, 0, 1.0, block_chunks=chunks
     )
-    anchors = packet_anchors(plan, p["positions"], p["loss_mask"], torch.tensor(ANCHORS), 12)
+    anchors = packet_anchors(plan, p["positions"], p["loss_mask"], torch.tensor(CHUNK_ANCHORS), 12)
     return objective_step(
         model, p["embed"], p["head"], p["aux"], p["final"], p["ids"], p["loss_mask"][0], anchors, plan
     )
