@@ -198,3 +198,45 @@ def test_compiled_layers_with_flex_equal_eager_layers_on_cuda():
     torch.testing.assert_close(comp, eager, atol=1e-4, rtol=1e-4)
     for name, g in eager_grads.items():
         torch.testing.assert_close(comp_grads[name], g, atol=1e-4 * (1 + g.abs().max().item()), rtol=1e-3)
+
+
+@pytest.mark.parametrize("autocast", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_chunked_step_with_compiled_flex_equals_the_whole_packet(autocast):
+    """The trainer's CUDA step (compiled layers, compiled flex on the static shape, padded context and
+    chunks padded to ``StepPlan.chunk_anchors`` blocks) in 3 chunks equals the whole packet at once:
+    the loss and every gradient, to fp32 rounding, or under bf16 autocast to its rounding."""
+    import dataclasses
+
+    from tiny_drafter import CHUNK_ANCHORS, CHUNK_BS, chunk_arch, chunk_packet
+
+    from dflash.config import LossConfig
+    from dflash.drafter.step import StepPlan, objective_step, packet_anchors
+
+    p = chunk_packet()
+    dev = {k: v.cuda() for k, v in p.items() if k not in ("positions", "loss_mask")}
+    plan = StepPlan(LossConfig(), CHUNK_BS, "flex", "cuda", autocast, (48, 16), None, None, 0, 1.0)
+    runs = []
+    for chunks in (1, 3):
+        torch.manual_seed(0)
+        model = DFlashDraftModel(chunk_arch("dflash")).cuda()
+        model.compile_layers(dynamic=False)
+        step = dataclasses.replace(plan, block_chunks=chunks)
+        anchors = packet_anchors(step, p["positions"], p["loss_mask"], torch.tensor(CHUNK_ANCHORS), 12)
+        out = objective_step(
+            model,
+            dev["embed"],
+            dev["head"],
+            dev["aux"],
+            dev["final"],
+            dev["ids"],
+            p["loss_mask"][0].cuda(),
+            anchors,
+            step,
+        )
+        out.loss.backward()
+        runs.append((out.loss.detach().float(), {n: q.grad.float() for n, q in model.named_parameters()}))
+    (whole, whole_grads), (chunked, chunked_grads) = runs
+    tol = 1e-5 if autocast == torch.float32 else 2e-2
+    torch.testing.assert_close(chunked, whole, rtol=tol, atol=0)
+    for name, g in whole_grads.items():
+        torch.testing.assert_close(chunked_grads[name], g, rtol=tol, atol=tol * (1 + float(g.abs().max())))

@@ -155,3 +155,23 @@ def _step_no_grad(model, p, chunks):
 def test_more_than_one_chunk_needs_a_normalizer():
     with pytest.raises(ValueError, match="normalizer"):
         StepPlan(LossConfig(), BS, "sdpa", "cpu", torch.float32, None, None, None, 0, None, block_chunks=2)
+
+
+@pytest.mark.extended  # Inductor compiles each layer for two chunk shapes
+def test_compiled_layers_run_the_chunks_as_eager_layers_do():
+    """``compile_layers`` (Inductor on CPU, static shapes): the chunked step's loss and gradients equal
+    the eager chunked step's, the compiled layers taking the context's keys and values (leaves for
+    the first chunks, the attached tensors for the last) without a graph break."""
+    from torch._dynamo.utils import counters
+
+    p = chunk_packet()
+    eager = _step(_model("dflash"), p, "ce", 3)
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model("dflash")
+    model.compile_layers(dynamic=False)
+    compiled = _step(model, p, "ce", 3)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(compiled[0].loss, eager[0].loss, rtol=1e-5, atol=0)
+    for name, g in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], g, rtol=1e-4, atol=1e-5 * (1 + float(g.abs().max())))
