@@ -26,11 +26,10 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 
 from dflash.distributed.collectives import broadcast_text, check_replicas
 from dflash.distributed.grad_reducer import GradReducer
@@ -45,6 +44,7 @@ from dflash.distributed.sharding import (
     load_full_model_state,
     load_full_optimizer_state,
     shard_drafter,
+    unsynced_backward,
     whole_model,
 )
 from dflash.drafter.model import DFlashDraftModel
@@ -201,13 +201,8 @@ class Sharded:
         self.reducer.backward(loss)
 
     def partial_backward(self, loss: Tensor) -> None:
-        fsdp = cast(FSDPModule, self.model)
-        fsdp.set_requires_gradient_sync(False)  # FSDP2 keeps the unsharded sums until the last
-        try:
-            with drafter_collectives(self.ctx, "sharded weights all-gather in backward"):
-                loss.backward()
-        finally:
-            fsdp.set_requires_gradient_sync(True)
+        with drafter_collectives(self.ctx, "sharded weights all-gather in backward"):
+            unsynced_backward(self.model, loss)
 
     def finish(self, timeout_s: float) -> None:
         self.reducer.finish(timeout_s)

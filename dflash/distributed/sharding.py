@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,18 @@ def shard_drafter(model: DFlashDraftModel, mesh: DeviceMesh, mode: str) -> DFlas
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def unsynced_backward(model: nn.Module, loss: Tensor) -> None:
+    """``loss.backward()`` on a model sharded with FSDP2 without its gradient reduce-scatter: each
+    parameter keeps its unsharded gradient sum (a whole fp32 copy of the weights) until a backward with
+    the sync on, the last chunk's of a packet (``DrafterParallel.partial_backward``)."""
+    fsdp = cast(FSDPModule, model)
+    fsdp.set_requires_gradient_sync(False)
+    try:
+        loss.backward()
+    finally:
+        fsdp.set_requires_gradient_sync(True)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -265,7 +265,8 @@ def _chunked_step(
     static = None
     if plan.static_shape is not None:  # the context padded once; each chunk's blocks to ``size``
         static = (plan.static_shape[0], size)
-        aux, ids, mask, positions, _ = pad_to_static(aux, ids, mask, positions, anchors.anchors, *static)
+        first = anchors.chunks[0][0]  # the largest chunk (tensor_split puts the remainder first)
+        aux, ids, mask, positions, _ = pad_to_static(aux, ids, mask, positions, first, *static)
     context = model.context_states(aux, positions)
     training = any(t.requires_grad for kv in context for t in kv)
     backward = partial_backward or Tensor.backward

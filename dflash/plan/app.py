@@ -100,7 +100,14 @@ def run(dcfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:
     if cfg.plan.measure:
         from dflash.plan.rehearse import rehearse  # torch and the fake-tensor machinery: only when asked
 
-        measured = {role: m for (role, _), m in rehearse(cfg, inputs, settings=plan.settings).items()}
+        measured = {
+            role: m
+            for roles, settings in (
+                (("target", "drafter"), plan.settings),
+                (("colocated",), plan.colocated_levers.settings),
+            )
+            for (role, _), m in rehearse(cfg, inputs, roles, settings=settings).items()
+        }
         print("\n" + render_measured(plan, measured), flush=True)
         out.update(measured_summary(plan, measured))
     print(json.dumps(out), flush=True)

@@ -89,7 +89,7 @@ class CheckpointDecision:
 
 
 MAX_AUTO_CHUNKS = 64
-"""The most chunks ``drafter.block_chunks=auto`` tries."""
+"""The most chunks ``drafter.block_chunks=null`` (auto) tries."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ class ChunkDecision:
         if self.setting is not None:
             return f"drafter.block_chunks={self.setting} ({gib})"
         if self.need_gib > self.capacity_gib:
-            return f"drafter.block_chunks=auto: 1, no count up to {MAX_AUTO_CHUNKS} fits without checkpointing ({gib} at 1)"
-        return f"drafter.block_chunks=auto: {self.chunks}, the fewest that fit without checkpointing ({gib})"
+            return f"drafter.block_chunks=null (auto): 1, no count up to {MAX_AUTO_CHUNKS} fits without checkpointing ({gib} at 1)"
+        return f"drafter.block_chunks=null (auto): {self.chunks}, the fewest that fit without checkpointing ({gib})"
 
 
 def decide_block_chunks(
@@ -159,15 +159,38 @@ def decide_checkpointing(
     return CheckpointDecision(on, without, with_, capacity_gib, setting)
 
 
+@dataclass(frozen=True)
+class LeverDecisions:
+    """A drafter role's memory levers resolved for one GPU, with why."""
+
+    chunking: ChunkDecision
+    checkpointing: CheckpointDecision
+    settings: DrafterSettings
+
+
+def decide_levers(
+    cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size: int, role: str | None = None
+) -> LeverDecisions:
+    """``drafter.block_chunks`` then ``drafter.activation_checkpointing`` of ``role`` (default the
+    config's drafter role) on ``world_size`` GPUs of ``capacity_gib`` (auto resolved)."""
+    chunking = decide_block_chunks(cfg, inputs, capacity_gib, world_size=world_size, role=role)
+    checkpointing = decide_checkpointing(
+        cfg, inputs, capacity_gib, world_size=world_size, role=role, block_chunks=chunking.chunks
+    )
+    settings = DrafterSettings(
+        checkpointing.checkpoint,
+        cfg.drafter.shard,
+        num_drafters(cfg, world_size),
+        block_chunks=chunking.chunks,
+    )
+    return LeverDecisions(chunking, checkpointing, settings)
+
+
 def drafter_settings(
     cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size: int
 ) -> DrafterSettings:
     """The drafter's memory levers of ``cfg`` on ``world_size`` GPUs of ``capacity_gib`` (auto resolved)."""
-    chunks = decide_block_chunks(cfg, inputs, capacity_gib, world_size=world_size).chunks
-    decision = decide_checkpointing(cfg, inputs, capacity_gib, world_size=world_size, block_chunks=chunks)
-    return DrafterSettings(
-        decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world_size), block_chunks=chunks
-    )
+    return decide_levers(cfg, inputs, capacity_gib, world_size).settings
 
 
 def with_anchor_cap(cfg: Config, inputs: PlanInputs, cap: int) -> tuple[Config, PlanInputs]:
@@ -193,8 +216,16 @@ def largest_anchors(
     return min(lo * step, offered)
 
 
-LEVERS = [(ckpt, shard) for ckpt in (False, True) for shard in ("none", "optimizer", "full")]
-"""``(activation checkpointing, drafter.shard)`` pairs :func:`anchor_caps` tries."""
+LEVERS = [(lever, shard) for lever in ("none", "chunks", "layers") for shard in ("none", "optimizer", "full")]
+"""``(lever, drafter.shard)`` pairs :func:`anchor_caps` tries; the lever is nothing, the blocks in
+:data:`MAX_AUTO_CHUNKS` chunks (what ``drafter.block_chunks=null`` (auto) can reach) or per-layer activation
+checkpointing (``drafter.activation_checkpointing=layers``)."""
+
+
+def lever_settings(lever: str, shard: str, num_drafters: int) -> DrafterSettings:
+    """The :class:`DrafterSettings` of one of :data:`LEVERS`."""
+    chunks = MAX_AUTO_CHUNKS if lever == "chunks" else 1
+    return DrafterSettings(lever == "layers", shard, num_drafters, block_chunks=chunks)
 
 
 @dataclass(frozen=True)
@@ -206,8 +237,8 @@ class AnchorCaps:
     """Anchors the typical packet offers at ``drafter.num_anchors`` per sample (the recipe's density)."""
     ranks: dict[str, int]
     """Ranks a sharded state is split over: the config's drafters, or every GPU co-located."""
-    caps: dict[str, dict[tuple[bool, str], int]]
-    """``caps[role][(checkpoint, shard)]`` for ``role`` in :data:`DRAFTER_ROLES`; 0: none fits."""
+    caps: dict[str, dict[tuple[str, str], int]]
+    """``caps[role][(lever, shard)]`` for ``role`` in :data:`DRAFTER_ROLES`; 0: none fits."""
 
 
 def anchor_caps(cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size: int) -> AnchorCaps:
@@ -216,8 +247,8 @@ def anchor_caps(cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size
     ranks = {"drafter": num_drafters(cfg, world_size), "colocated": world_size}
     caps = {
         role: {
-            (ckpt, shard): largest_anchors(cfg, inputs, capacity_gib, role, DrafterSettings(ckpt, shard, n))
-            for ckpt, shard in LEVERS
+            (lever, shard): largest_anchors(cfg, inputs, capacity_gib, role, lever_settings(lever, shard, n))
+            for lever, shard in LEVERS
         }
         for role, n in ranks.items()
     }

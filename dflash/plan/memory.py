@@ -193,7 +193,9 @@ def drafter_state(drafter: DrafterArch, settings: DrafterSettings) -> dict[str, 
 
     ``optimizer`` shards gradients and moments over the drafters and holds the whole weights from the
     first forward to the end of backward (FSDP2 without resharding after forward); ``full`` shards the
-    weights too and gathers one layer at a time (:func:`shard_backward_bytes`).
+    weights too and gathers one layer at a time (:func:`shard_backward_bytes`). A sharded step in
+    ``block_chunks > 1`` chunks also holds the whole gradient, unreduced, from the first chunk's
+    backward to the last's (:func:`dflash.distributed.sharding.unsynced_backward`).
     """
     p = drafter_num_params(drafter)
     m = settings.num_drafters if settings.shard != "none" else 1
@@ -202,14 +204,21 @@ def drafter_state(drafter: DrafterArch, settings: DrafterSettings) -> dict[str, 
     state = (
         STATE_BYTES_PER_PARAM[settings.optimizer] * (p - adamw) + STATE_BYTES_PER_PARAM["adamw"] * adamw
     ) / m
-    return {"weights": weights / GIB, "gradients": 4 * p / m / GIB, "optimizer_state": state / GIB}
+    unreduced = 4 * p if m > 1 and settings.block_chunks > 1 else 0
+    return {
+        "weights": weights / GIB,
+        "gradients": (4 * p / m + unreduced) / GIB,
+        "optimizer_state": state / GIB,
+    }
 
 
 def shard_backward_bytes(drafter: DrafterArch, settings: DrafterSettings) -> float:
     """What ``full`` sharding adds to the backward of a layer: four fp32 layer-sized buffers (its
-    gathered weights, the next layer's gathered ahead, its whole gradient and the reduce-scatter's)."""
+    gathered weights, the next layer's gathered ahead, its whole gradient and the reduce-scatter's);
+    three in chunks, whose whole gradient is part of the unreduced one (:func:`drafter_state`)."""
     full = settings.shard == "full" and settings.num_drafters > 1
-    return 16 * drafter_layer_params(drafter) if full else 0.0
+    buffers = 3 if settings.block_chunks > 1 else 4
+    return 4 * buffers * drafter_layer_params(drafter) if full else 0.0
 
 
 def _layer_activation_bytes(drafter: DrafterArch, q: int, s: int, autocast: bool) -> float:
@@ -279,6 +288,30 @@ def loss_workspace_bytes(
     return logits + rows_bytes + selector
 
 
+@dataclass(frozen=True)
+class BlockChunk:
+    """The largest of a packet's ``drafter.block_chunks`` chunks of whole blocks."""
+
+    blocks: int
+    """Its blocks (padded ones included under a static shape)."""
+    rows: int
+    """Its supervised slots (the packet's share)."""
+    positions: int
+    """The distinct verifier positions its rows read: its share of the packet's, and the ``bs - 1``
+    a block that starts in the previous chunk shares with it."""
+
+
+def block_chunk(packet: PacketShape, block_size: int, chunks: int) -> BlockChunk:
+    """:class:`BlockChunk` of ``packet`` in ``chunks`` chunks (1: the whole packet)."""
+    blocks = packet.drafter_blocks if packet.drafter_blocks is not None else packet.num_anchors
+    rows, positions = loss_rows(packet, block_size), verifier_positions(packet, block_size)
+    if chunks <= 1 or blocks == 0:
+        return BlockChunk(blocks, rows, positions)
+    size = -(-blocks // chunks)
+    share = -(-rows * size // blocks)
+    return BlockChunk(size, min(rows, share), min(share, -(-positions * size // blocks) + block_size - 1))
+
+
 def drafter_memory(
     drafter: DrafterArch,
     packet: PacketShape,
@@ -292,21 +325,24 @@ def drafter_memory(
     ``embed_and_head``, ``activations``, ``loss_workspace``, ``packets``. ``loss_chunk_rows``: the
     loss chunk ``C`` (``dflash.loss.verifier.default_chunk_size`` or ``loss.chunk_size``)."""
     h, bs = drafter.hidden_size, drafter.block_size
-    blocks = packet.drafter_blocks if packet.drafter_blocks is not None else packet.num_anchors
-    q, s = blocks * bs, packet.drafter_context_tokens or packet.tokens
-    rows = loss_rows(packet, bs)
-    at_loss, backward = drafter_activations(drafter, q, s, dtypes, settings.checkpoint)
+    s = packet.drafter_context_tokens or packet.tokens
+    chunk = block_chunk(packet, bs, settings.block_chunks)
+    at_loss, backward = drafter_activations(drafter, chunk.blocks * bs, s, dtypes, settings.checkpoint)
     # a packet short of the static shape is grown to it: a copy of its hidden states for the step
     grown = s * (drafter.num_taps + 1) * h * dtypes.target_bytes if s > packet.tokens else 0
-    at_loss += grown
-    backward += grown + shard_backward_bytes(drafter, settings)
+    # with chunks, the context's keys (fp32 after RoPE) and values every chunk reads, and the sum of
+    # what the chunks before the last left on them (fp32)
+    kv = drafter.num_layers * s * drafter.num_kv_heads * drafter.head_dim
+    kept = kv * (4 + (2 if dtypes.autocast else 4) + 8) if settings.block_chunks > 1 else 0
+    at_loss += grown + kept
+    backward += grown + kept + shard_backward_bytes(drafter, settings)
     workspace = loss_workspace_bytes(
         drafter,
-        rows,
+        chunk.rows,
         loss_chunk_rows,
         verifier_logits=verifier_logits,
         dtypes=dtypes,
-        positions=verifier_positions(packet, bs),
+        positions=chunk.positions,
     )
     if at_loss + workspace >= backward:
         activations, loss = at_loss, workspace

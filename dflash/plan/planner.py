@@ -4,16 +4,19 @@ of one or more GPUs) and the co-located mode."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dflash.config import Config, GpuSpec, TargetShape
 from dflash.config.modes import layout_of, mode_of
 from dflash.plan.costs import AttentionKind, PacketCosts, packet_costs, tp_bytes_per_token
 from dflash.plan.fit import (
+    MAX_AUTO_CHUNKS,
     CheckpointDecision,
-    decide_checkpointing,
+    ChunkDecision,
+    LeverDecisions,
+    decide_levers,
     drafter_role,
     gpu_capacity_gib,
-    num_drafters,
     role_memory,
 )
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs, plan_device
@@ -31,6 +34,9 @@ from dflash.plan.throughput import (
 )
 from dflash.targets.tp import TpLayout, shape_layout, tp_shape_problems
 
+if TYPE_CHECKING:
+    from dflash.drafter.arch import DrafterArch
+
 ROLES = ("target", "drafter", "colocated")
 FIT_HINTS = {
     "target": "lower data.token_budget (activations and a dense mask grow with it) or use a larger GPU",
@@ -39,11 +45,16 @@ FIT_HINTS = {
 }
 
 
-def fit_hint(role: str, settings: DrafterSettings) -> str:
-    """What to change when ``role`` does not fit: the drafter's levers not yet in use, then FIT_HINTS."""
+def fit_hint(role: str, settings: DrafterSettings, chunks_set: bool = False) -> str:
+    """What to change when ``role`` does not fit: the drafter's levers not yet in use (``chunks_set``:
+    ``drafter.block_chunks`` is a set count, not auto), then FIT_HINTS."""
     if role == "target":
         return FIT_HINTS[role]
-    levers = [] if settings.checkpoint else ["drafter.activation_checkpointing=layers"]
+    levers = []
+    if not settings.checkpoint and chunks_set and settings.block_chunks < MAX_AUTO_CHUNKS:
+        levers.append("drafter.block_chunks=null (auto: the fewest chunks that fit)")
+    elif not settings.checkpoint:
+        levers.append("drafter.activation_checkpointing=layers")
     if settings.shard != "full" and (role == "colocated" or settings.num_drafters > 1):
         levers.append("drafter.shard=full")
     return f"set {' and '.join(levers)}, or {FIT_HINTS[role]}" if levers else FIT_HINTS[role]
@@ -57,9 +68,11 @@ class Plan:
     """GiB by item for each of :data:`ROLES` (the target on one GPU)."""
     capacity_gib: float
     """What one GPU offers to tensors: HBM minus ``plan.reserved_gib``."""
-    settings: DrafterSettings
-    """The drafter's memory levers the estimates assume (``auto`` checkpointing resolved)."""
-    checkpointing: CheckpointDecision
+    levers: LeverDecisions
+    """The drafter's memory levers the estimates assume (``auto`` block chunks and checkpointing resolved)."""
+    colocated_levers: LeverDecisions
+    """The co-located rank's levers (its memory row and split; :attr:`levers` when it is the
+    config's role)."""
     fits: dict[str, bool]
     """Whether each role's memory fits ``capacity_gib`` (the target on one GPU)."""
     times: RoleTimes
@@ -86,6 +99,18 @@ class Plan:
     split (:mod:`dflash.plan.nccl`), inside ``plan.reserved_gib``."""
 
     @property
+    def settings(self) -> DrafterSettings:
+        return self.levers.settings
+
+    @property
+    def checkpointing(self) -> CheckpointDecision:
+        return self.levers.checkpointing
+
+    @property
+    def chunking(self) -> ChunkDecision:
+        return self.levers.chunking
+
+    @property
     def mode(self) -> str:
         """``colocated`` when it fits and beats the best split (or no split fits), or on one GPU; else
         ``disaggregated``."""
@@ -105,6 +130,16 @@ class Plan:
         if padded is None:
             return packet.num_seqs
         return packet.tokens * padded.mean_samples / padded.mean_real
+
+
+def step_extra_flop(costs: PacketCosts, drafter: DrafterArch, settings: DrafterSettings) -> float:
+    """FLOPs a drafter step runs beyond the packet's costs with ``settings``: checkpointed layers their
+    forward again (a third of their forward + backward); ``n`` block chunks the verifier logits of the
+    up to ``bs - 1`` positions a chunk shares with the one before (``(n - 1)(bs - 1)`` rows of ``2HV``)."""
+    recompute = costs.drafter_layers_flop / 3 if settings.checkpoint else 0.0
+    shared = (settings.block_chunks - 1) * (drafter.block_size - 1)
+    verifier = 2 * shared * drafter.hidden_size * drafter.vocab_size
+    return recompute + (verifier if costs.drafter_loss_flop["verifier_logits"] > 0 else 0.0)
 
 
 def tp_layouts(target: TargetShape, gpu: GpuSpec, world_size: int) -> dict[int, TpLayout]:
@@ -156,13 +191,15 @@ def _warnings(
     gpu: GpuSpec,
     world: int,
     settings: DrafterSettings,
+    colocated_settings: DrafterSettings,
 ) -> list[str]:
     """A warning for every role that fits no GPU (the target: on one GPU, naming the replicas that fit)."""
     warnings = []
     for role in ROLES if world > 1 else ("colocated",):
         if plan_fits[role]:
             continue
-        hint = fit_hint(role, settings)
+        role_settings = colocated_settings if role == "colocated" else settings
+        hint = fit_hint(role, role_settings, cfg.drafter.block_chunks is not None)
         if role == "target":
             fitting = [k for k, ok in replica_fits.items() if ok and k > 1]
             hint = (
@@ -231,33 +268,41 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     capacity = gpu_capacity_gib(gpu, p.reserved_gib)
     # one GPU runs the co-located mode whatever the topology says (the plan's one-GPU table)
     role = "colocated" if world == 1 else drafter_role(cfg)
-    decision = decide_checkpointing(cfg, inputs, capacity, world_size=world, role=role)
-    settings = DrafterSettings(decision.checkpoint, cfg.drafter.shard, num_drafters(cfg, world))
+    levers = decide_levers(cfg, inputs, capacity, world, role)
+    # the co-located mode's rank holds the target too: its own levers (the trainer decides per role)
+    co_levers = levers if role == "colocated" else decide_levers(cfg, inputs, capacity, world, "colocated")
+    settings = levers.settings
     memory = role_memory(cfg, inputs, settings)
+    memory["colocated"] = role_memory(cfg, inputs, co_levers.settings)["colocated"]
     fits = {role: sum(memory[role].values()) <= capacity for role in ROLES}
     layouts = tp_layouts(inputs.target.meta, gpu, world)
     replica_memory, work, sent = _replicas(cfg, inputs, costs, layouts)
     replica_fits = {1: fits["target"], **{k: sum(m.values()) <= capacity for k, m in replica_memory.items()}}
-    times = role_times(
-        costs,
-        gpu,
-        mfu_target=p.mfu_target,
-        mfu_drafter=p.mfu_drafter,
-        mfu_delta_rule=p.mfu_delta_rule,
-        drafter_params=drafter_num_params(inputs.arch),
-        grad_accum_steps=cfg.optim.grad_accum_steps,
-        replicas=work,
-        # checkpointed layers run their forward again: a third of their forward + backward
-        recompute_flop=costs.drafter_layers_flop / 3 if settings.checkpoint else 0.0,
-        optimizer=str(cfg.optim.name),
-        update_flop=muon_flop(inputs.arch, cfg.optim.muon_ns_steps) if cfg.optim.name == "muon" else 0.0,
-    )
+
+    def times_with(s: DrafterSettings) -> RoleTimes:
+        return role_times(
+            costs,
+            gpu,
+            mfu_target=p.mfu_target,
+            mfu_drafter=p.mfu_drafter,
+            mfu_delta_rule=p.mfu_delta_rule,
+            drafter_params=drafter_num_params(inputs.arch),
+            grad_accum_steps=cfg.optim.grad_accum_steps,
+            replicas=work,
+            extra_flop=step_extra_flop(costs, inputs.arch, s),
+            optimizer=str(cfg.optim.name),
+            update_flop=muon_flop(inputs.arch, cfg.optim.muon_ns_steps) if cfg.optim.name == "muon" else 0.0,
+        )
+
+    times = times_with(settings)
     splits = [
         disaggregated(times, costs.payload_bytes, gpu, world, n, replica_fits[k] and fits["drafter"], k)
         for k in (1, *layouts)
         for n in range(1, (world - 1) // k + 1)
     ]
-    co = colocated(times, gpu, world, fits["colocated"])
+    co = colocated(
+        times if co_levers is levers else times_with(co_levers.settings), gpu, world, fits["colocated"]
+    )
     t = cfg.topology
     layout = layout_of(t, world, min(world, gpu.gpus_per_node))
     configured = (
@@ -289,8 +334,8 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         costs=costs,
         memory=memory,
         capacity_gib=capacity,
-        settings=settings,
-        checkpointing=decision,
+        levers=levers,
+        colocated_levers=co_levers,
         fits=fits,
         times=times,
         splits=splits,
@@ -299,7 +344,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         configured=configured,
         world_size=world,
         warnings=list(inputs.target.problems)
-        + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world, settings)
+        + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world, settings, co_levers.settings)
         + ([_dense_attention_warning(costs, cross)] if cross > 0.05 * costs.target_flop else [])
         + _reserve_warnings(nccl, p.reserved_gib),
         layouts=layouts,

@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,7 +59,13 @@ from dflash.distributed.protocol import (
     packet_from_payload,
     payload_buffers,
 )
-from dflash.distributed.sharding import clip_grad_norm_, drafter_mesh, shard_drafter
+from dflash.distributed.sharding import (
+    clip_grad_norm_,
+    drafter_mesh,
+    is_sharded,
+    shard_drafter,
+    unsynced_backward,
+)
 from dflash.drafter.families import build_drafter as new_drafter
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.optim import build_optimizer
@@ -81,7 +88,7 @@ LIMITS = (
     "not measured: CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces, allocator rounding and "
     "fragmentation (plan.reserved_gib stands for them)"
 )
-PHASE_TERMS = {"drafter_forward": "loss_workspace", "loss": "other"}
+PHASE_TERMS = {"drafter_forward": "loss_workspace", "loss": "other", "backward": "activations"}
 """``dflash_loss``'s ``on_phase`` names -> the term of what is allocated after them."""
 CUDA_FP32_OPS = frozenset(
     "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus "
@@ -374,15 +381,19 @@ def build_drafter(
     return DrafterState(model, optimizer, *embed_head)
 
 
-def drafter_step(state: DrafterState, packet: Packet, cfg: Config, live: LiveBytes) -> None:
+def drafter_step(
+    state: DrafterState, packet: Packet, cfg: Config, live: LiveBytes, block_chunks: int = 1
+) -> None:
     """One optimizer step on one packet as the trainer runs it (``dflash.drafter.step``: anchors, the
-    loss under autocast), then backward, the gradient scale, the clip and the AdamW step."""
+    loss under autocast, its blocks in ``block_chunks`` chunks, a sharded model's chunks before the
+    last without gradient sync), then backward, the gradient scale, the clip and the AdamW step."""
     plan = StepPlan.for_training(
         cfg,
         state.model.block_size,
         device=plan_device(cfg),
         token_budget=cfg.data.token_budget,
         tensors_on="cpu",
+        block_chunks=block_chunks,
     )
     anchors = plan_anchors(plan, packet.seq_lens, packet.loss_mask, 0)
     state.optimizer.zero_grad(set_to_none=False)
@@ -398,6 +409,7 @@ def drafter_step(state: DrafterState, packet: Packet, cfg: Config, live: LiveByt
             anchors,
             plan,
             on_phase=lambda phase: live.set_term(PHASE_TERMS[phase]),
+            partial_backward=partial(unsynced_backward, state.model) if is_sharded(state.model) else None,
         )
     params = list(state.model.parameters())
     with live.term("backward"):
@@ -465,7 +477,7 @@ def rehearse_drafter(
             packet = received_packet(inputs, dtype)
         for cap in caps:
             s.live.reset_peak()
-            drafter_step(state, packet, _capped(cfg, inputs, cap), s.live)
+            drafter_step(state, packet, _capped(cfg, inputs, cap), s.live, settings.block_chunks)
             out[cap] = _measure("drafter", s, t0, s.live.peak(top))
     return out
 
@@ -519,7 +531,7 @@ def rehearse_colocated(
         del aux, final
         for cap in caps:
             s.live.reset_peak()
-            drafter_step(state, packet, _capped(cfg, inputs, cap), s.live)
+            drafter_step(state, packet, _capped(cfg, inputs, cap), s.live, settings.block_chunks)
             step = s.live.peak(top)
             out[cap] = _measure("colocated", s, t0, forward if forward.bytes > step.bytes else step)
     return out

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
 from dflash.plan.costs import verifier_positions
-from dflash.plan.fit import LEVERS, AnchorCaps
+from dflash.plan.fit import LEVERS, MAX_AUTO_CHUNKS, AnchorCaps
 from dflash.plan.inputs import attention_kinds, typical_packet
 from dflash.plan.launch import launch_command
 from dflash.plan.links import intranode_link, link_for
-from dflash.plan.memory import EVAL_ITEMS
+from dflash.plan.memory import EVAL_ITEMS, DrafterSettings
 from dflash.plan.planner import ROLES, Plan, make_plan
 from dflash.plan.throughput import Split, placement
 from dflash.targets.families import active_params, num_params
@@ -112,6 +112,7 @@ def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None
         if plan.configured
         else None,
         "samples_per_packet": spp,
+        "anchors_per_packet": plan.inputs.packet.num_anchors,
         "target_tflop_per_packet": round(plan.costs.target_flop / TERA, 3),
         "drafter_tflop_per_packet": round(plan.costs.drafter_flop / TERA, 3),
         "drafter_loss_tflop_per_packet": round(plan.costs.drafter_loss_total / TERA, 3),
@@ -126,6 +127,7 @@ def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None
         "nccl_gib": {role: round(gib, 3) for role, gib in plan.nccl_gib.items()},
         "target_rank_memory_gib": {str(k): round(sum(m.values()), 2) for k, m in plan.replica_memory.items()},
         "activation_checkpointing": plan.settings.checkpoint,
+        "block_chunks": plan.settings.block_chunks,
         "fits": dict(plan.fits),
         "fits_with": dict(fixes or {}),
         "warnings": plan.warnings,
@@ -251,9 +253,13 @@ def _memory_lines(plan: Plan) -> list[str]:
     gpu = plan.inputs.gpu
     lines = [
         f"Memory per GPU, GiB (capacity {plan.capacity_gib:.1f}: {gpu.hbm_gb:g} GB minus reserved)",
+        f"  {plan.chunking.reason}",
         f"  {plan.checkpointing.reason}; drafter.shard={plan.settings.shard} "
         f"({plan.settings.num_drafters} drafter{'s' if plan.settings.num_drafters > 1 else ''})",
     ]
+    co = plan.colocated_levers
+    if co.settings != plan.settings:
+        lines.append(f"  co-located rank: {co.chunking.reason}; {co.checkpointing.reason}")
     rows = [(role, plan.memory[role], plan.fits[role]) for role in ROLES]
     rows[1:1] = [(f"target/{k}", plan.replica_memory[k], plan.replica_fits[k]) for k in plan.layouts]
     for role, items, fits in rows:
@@ -328,6 +334,7 @@ def _verdict_lines(plan: Plan, cfg: Config, overrides: Sequence[str], fixes: dic
     fit = [f"To fit {_ROLE_WORDS[role]}: {fix}" for role, fix in fixes.items()]
     gpn = plan.inputs.gpu.gpus_per_node
     command = f"  {launch_command(b, cfg.topology, overrides, plan.world_size, gpn)}"
+    anchors = plan.inputs.packet.num_anchors
     if not cfg.data.path:
         command += "  # + data.path=<your data>"
     if b is plan.colocated and not plan.splits:
@@ -338,12 +345,14 @@ def _verdict_lines(plan: Plan, cfg: Config, overrides: Sequence[str], fixes: dic
             *fit,
         ]
     return [
-        f"Recommended split: {b.label} ({override(b)}): {b.packets_per_s * spp:.2f} samples/s"
+        f"Recommended split: {b.label} ({override(b)}): {b.packets_per_s * spp:.2f} samples/s "
+        f"({b.packets_per_s * anchors:,.0f} anchors/s)"
         f"{'' if b.fits else ' (a role does not fit: see below)'}",
         command,
         *(f"  {line}" for line in placement(b, gpn)),
         f"Co-located (topology=colocated, the whole target on every GPU): "
-        f"{plan.colocated.packets_per_s * spp:.2f} samples/s{'' if plan.colocated.fits else ' (does not fit)'}; "
+        f"{plan.colocated.packets_per_s * spp:.2f} samples/s ({plan.colocated.packets_per_s * anchors:,.0f} "
+        f"anchors/s){'' if plan.colocated.fits else ' (does not fit)'}; "
         f"faster here: {plan.mode}",
         *fit,
     ]
@@ -381,30 +390,43 @@ def render_anchor_caps(caps: AnchorCaps) -> str:
         f"Largest drafter.max_anchors_per_packet that fits {caps.capacity_gib:.1f} GiB per GPU (multiples "
         f"of 64; the packet offers {caps.offered} at drafter.num_anchors per sample; a sharded state is "
         f"split over {caps.ranks['drafter']} drafters, or {caps.ranks['colocated']} co-located ranks)",
-        f"  {'activation_checkpointing':<25} {'shard':<10} {'drafter':>8} {'colocated':>10}",
+        f"  {'lever':<40} {'shard':<10} {'drafter':>8} {'colocated':>10}",
     ]
-    for ckpt, shard in LEVERS:
-        d, c = caps.caps["drafter"][(ckpt, shard)], caps.caps["colocated"][(ckpt, shard)]
-        lines.append(f"  {'layers' if ckpt else 'none':<25} {shard:<10} {d:>8} {c:>10}")
+    for lever, shard in LEVERS:
+        d, c = caps.caps["drafter"][(lever, shard)], caps.caps["colocated"][(lever, shard)]
+        lines.append(f"  {LEVER_TEXT[lever]:<40} {shard:<10} {d:>8} {c:>10}")
     return "\n".join(lines)
 
 
+LEVER_TEXT = {
+    "none": "none",
+    "chunks": f"drafter.block_chunks={MAX_AUTO_CHUNKS}",
+    "layers": "drafter.activation_checkpointing=layers",
+}
+
+
 def anchor_caps_summary(caps: AnchorCaps) -> dict[str, dict[str, int]]:
-    """The JSON key ``largest_anchors``: ``{role: {"<checkpointing>/<shard>": anchors}}``."""
+    """The JSON key ``largest_anchors``: ``{role: {"<lever>/<shard>": anchors}}`` (levers ``none``,
+    ``chunks``, ``layers``: :data:`dflash.plan.fit.LEVERS`)."""
     return {
-        role: {f"{'layers' if ckpt else 'none'}/{shard}": n for (ckpt, shard), n in by.items()}
-        for role, by in caps.caps.items()
+        role: {f"{lever}/{shard}": n for (lever, shard), n in by.items()} for role, by in caps.caps.items()
     }
+
+
+def _levers_text(settings: DrafterSettings) -> str:
+    ckpt = "with" if settings.checkpoint else "without"
+    chunks = settings.block_chunks
+    return f"{ckpt} activation checkpointing, the blocks in {chunks} chunk{'s' if chunks > 1 else ''}"
 
 
 def render_measured(plan: Plan, measured: dict[str, RoleMeasurement], top: int = 10) -> str:
     """Measured beside estimated GiB per role and item, the largest tensors at each peak, the limits."""
     from dflash.plan.rehearse import LIMITS, measured_items
 
-    ckpt = "with" if plan.settings.checkpoint else "without"
     lines = [
-        f"Rehearsed at real size (one step per role on CPU fake tensors, GPU code paths; {ckpt} "
-        "activation checkpointing), GiB measured / estimated:"
+        "Rehearsed at real size (one step per role on CPU fake tensors, GPU code paths, the drafter roles "
+        f"with their levers: drafter {_levers_text(plan.settings)}, co-located "
+        f"{_levers_text(plan.colocated_levers.settings)}), GiB measured / estimated:"
     ]
     for role, m in measured.items():
         est = {k: v for k, v in plan.memory[role].items() if k not in EVAL_ITEMS}

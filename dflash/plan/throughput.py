@@ -139,14 +139,14 @@ def role_times(
     grad_accum_steps: int,
     mfu_delta_rule: float | None = None,
     replicas: dict[int, tuple[TpLayout, float]] | None = None,
-    recompute_flop: float = 0.0,
+    extra_flop: float = 0.0,
     optimizer: str = "adamw",
     update_flop: float = 0.0,
 ) -> RoleTimes:
     """``t = FLOP / (peak * MFU)`` for each role on one GPU of ``gpu`` (the target's delta rule at
     ``mfu_delta_rule``, default ``mfu_target``); ``replicas``: ``k -> (the replica's layout, bytes one
-    rank sends per packet)`` for a ``k``-GPU tensor-parallel replica; ``recompute_flop``: what
-    activation checkpointing runs again per packet (the layers' forward); ``optimizer``: ``optim.name``,
+    rank sends per packet)`` for a ``k``-GPU tensor-parallel replica; ``extra_flop``: what
+    the step runs per packet beyond ``costs`` (:func:`dflash.plan.planner.step_extra_flop`); ``optimizer``: ``optim.name``,
     whose update runs ``update_flop`` per step (:func:`muon_flop`) beside its memory traffic."""
     peak = gpu.bf16_tflops * 1e12
     tp_link = intranode_link(gpu).one_way_bytes_per_s
@@ -159,7 +159,7 @@ def role_times(
 
     return RoleTimes(
         target_s=target_s(None),
-        drafter_s=(costs.drafter_flop + recompute_flop) / (peak * mfu_drafter),
+        drafter_s=(costs.drafter_flop + extra_flop) / (peak * mfu_drafter),
         mfu_target=mfu_target,
         mfu_drafter=mfu_drafter,
         mfu_delta_rule=delta,

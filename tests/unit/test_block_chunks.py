@@ -25,8 +25,9 @@ RECIPES = {
 }
 
 
-def _step(model, p, recipe: str, chunks: int):
-    """Loss, output and every parameter's gradient of one packet in ``chunks`` chunks."""
+def _step(model, p, recipe: str, chunks: int, static: tuple[int, int] | None = None):
+    """Loss, output and every parameter's gradient of one packet in ``chunks`` chunks (``static``:
+    the static shape the trainer pads to for compiled flex, its context rows and blocks)."""
     loss_cfg = dataclasses.replace(LossConfig(), **RECIPES[recipe])
     plan = StepPlan(
         loss=loss_cfg,
@@ -34,7 +35,7 @@ def _step(model, p, recipe: str, chunks: int):
         attention="sdpa",
         autocast_device="cpu",
         autocast_dtype=torch.float32,
-        static_shape=None,
+        static_shape=static,
         num_anchors=None,
         max_anchors=None,
         seed=0,
@@ -83,6 +84,17 @@ def test_chunked_step_equals_the_whole_packet(family, recipe):
     )
     for chunks in (2, 3, 14, 17):  # 14: one block per chunk; 17: three chunks empty
         _assert_same(whole, _step(model, p, recipe, chunks))
+
+
+def test_chunks_of_a_full_static_shape_equal_the_whole_packet():
+    """The static shape (compiled flex) holding as many anchors as it allows: the context padded
+    once, each chunk's blocks padded to the chunk size, the padding rows unsupervised."""
+    model, p = _model("dflash"), chunk_packet()
+    n, tokens = len(CHUNK_ANCHORS[0]), p["positions"].shape[1]
+    whole = _step(model, p, "ce", 1, static=(tokens + 6, n))
+    assert whole[0].loss == _step(model, p, "ce", 1)[0].loss  # the padding changes nothing
+    for chunks in (2, 3, 14):
+        _assert_same(whole, _step(model, p, "ce", chunks, static=(tokens + 6, n)))
 
 
 def test_a_dropped_context_gradient_of_a_chunk_fails_the_check(monkeypatch):

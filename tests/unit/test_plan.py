@@ -435,11 +435,19 @@ def test_bad_plan_values_name_the_field():
 
 
 def test_one_gpu_plans_the_colocated_mode(capsys):
-    """One GPU cannot split: the plan is the co-located mode, and says whether it fits."""
-    for gpu, fits in (("h200", True), ("h100", False)):
+    """One GPU cannot split: the plan is the co-located mode, and says whether it fits (on an H100
+    at 8,192 anchors only with the blocks in chunks: 5, chosen by auto)."""
+    for gpu, chunks, fits in (("h200", "null", True), ("h100", "null", True), ("h100", "1", False)):
         out = run(
             _compose(
-                ["experiment=qwen3_8b_8gpu", "topology=colocated", "plan.world_size=1", f"plan.gpu={gpu}"]
+                [
+                    "experiment=qwen3_8b_8gpu",
+                    "topology=colocated",
+                    "plan.world_size=1",
+                    f"plan.gpu={gpu}",
+                    f"drafter.block_chunks={chunks}",
+                    "drafter.activation_checkpointing=none",
+                ]
             )
         )
         text = capsys.readouterr().out
@@ -513,6 +521,7 @@ def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_trai
         "plan.gpu=h100",
         "drafter.max_anchors_per_packet=4096",
         "drafter.activation_checkpointing=none",
+        "drafter.block_chunks=1",
     ]
     out = run(_compose(base))
     text = capsys.readouterr().out
@@ -533,14 +542,20 @@ def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_trai
 
 def test_one_gpu_decides_checkpointing_for_the_colocated_rank_without_topology_colocated():
     """plan.world_size=1 plans the co-located mode: auto checkpointing is decided for that rank
-    (Qwen3-8B at 2,048 anchors: the drafter alone fits an H100 without it, the co-located rank not)."""
+    (Qwen3-8B at 2,048 anchors: the drafter alone fits an H100 without it, the co-located rank not);
+    with ``drafter.block_chunks=null`` (auto) the chunks come first: 2 make the co-located rank fit without
+    recompute, and the drafter alone needs none."""
     args = ["experiment=qwen3_8b_8gpu", "plan.gpu=h100", "drafter.max_anchors_per_packet=2048"]
 
     def plan(*more: str):
         cfg = _config([*args, *more])
         return make_plan(cfg, resolve_inputs(cfg))
 
-    one, colocated = plan("plan.world_size=1"), plan("plan.world_size=1", "topology=colocated")
-    eight = plan("plan.world_size=8")
+    whole = "drafter.block_chunks=1"
+    one, colocated = plan("plan.world_size=1", whole), plan("plan.world_size=1", "topology=colocated", whole)
+    eight = plan("plan.world_size=8", whole)
     assert one.checkpointing.checkpoint and colocated.checkpointing.checkpoint
     assert not eight.checkpointing.checkpoint
+    one, eight = plan("plan.world_size=1"), plan("plan.world_size=8")
+    assert one.settings.block_chunks == 2 and not one.checkpointing.checkpoint
+    assert eight.settings.block_chunks == 1 and eight.colocated_levers.settings.block_chunks == 2

@@ -28,6 +28,7 @@ from dflash.plan.fit import (
 )
 from dflash.plan.inputs import resolve_inputs
 from dflash.plan.memory import DrafterSettings
+from dflash.plan.planner import make_plan
 from dflash.plan.rehearse import ROLES, measured_items, rehearse, rehearse_drafter
 
 SMALL = [
@@ -173,6 +174,10 @@ def test_the_peak_equals_memtracker_and_the_loss_takes_its_cuda_branches():
         (HYBRID, ("target", "drafter"), DrafterSettings()),
         (SMALL, ("drafter",), DrafterSettings(shard="optimizer", num_drafters=4)),
         (SMALL, ("drafter",), DrafterSettings(checkpoint=True, shard="full", num_drafters=4)),
+        (SMALL, ("drafter", "colocated"), DrafterSettings(block_chunks=4)),
+        (SMALL + ["drafter.dtype=float32"], ("drafter",), DrafterSettings(block_chunks=3)),
+        (HYBRID, ("drafter",), DrafterSettings(block_chunks=3)),
+        (SMALL, ("drafter",), DrafterSettings(shard="full", num_drafters=4, block_chunks=2)),
         # Muon's Newton-Schulz runs for real on these small matrices (bf16 on CPU: 1-2 minutes each)
         pytest.param(SMALL + ["optim=muon"], ("drafter",), DrafterSettings(), marks=pytest.mark.extended),
         pytest.param(
@@ -190,6 +195,10 @@ def test_the_peak_equals_memtracker_and_the_loss_takes_its_cuda_branches():
         "hybrid-sliding",
         "zero2",
         "zero3-checkpointed",
+        "bf16-chunked",
+        "fp32-chunked",
+        "hybrid-sliding-chunked",
+        "zero3-chunked",
         "muon",
         "muon-zero3",
     ],
@@ -207,14 +216,21 @@ def test_the_estimate_agrees_with_the_rehearsal_at_small_shapes(overrides, roles
 @pytest.mark.parametrize("experiment", ["qwen3_8b_8gpu", "qwen3_6_27b_8gpu"])
 def test_shipped_experiments_estimate_within_5_percent_of_the_rehearsal(experiment):
     """Every role of the shipped experiment at its anchor cap and at half of it, at real size, on
-    fake tensors (Qwen3.6-27B's hybrid target's linear attention loops over chunks: the slower one)."""
-    cfg, inputs = _inputs([f"experiment={experiment}"])
+    fake tensors (Qwen3.6-27B's hybrid target's linear attention loops over chunks: the slower one),
+    without a lever and with the ones the planner picks on 8 H200 (the blocks in chunks)."""
+    cfg, inputs = _inputs([f"experiment={experiment}", "plan.gpu=h200", "plan.world_size=8"])
     cap = cfg.drafter.max_anchors_per_packet
     assert cap is not None
-    for key, (measured, estimated) in _agreement(
-        cfg, inputs, ROLES, DrafterSettings(), [cap, cap // 2]
-    ).items():
-        assert abs(estimated / measured - 1) <= 0.05, (experiment, key, measured, estimated)
+    plan = make_plan(cfg, inputs)
+    assert plan.settings.block_chunks > 1 and plan.colocated_levers.settings.block_chunks > 1
+    cases = [
+        (ROLES, DrafterSettings()),
+        (("drafter",), plan.settings),
+        (("colocated",), plan.colocated_levers.settings),
+    ]
+    for roles, settings in cases:
+        for key, (measured, estimated) in _agreement(cfg, inputs, roles, settings, [cap, cap // 2]).items():
+            assert abs(estimated / measured - 1) <= 0.05, (experiment, settings, key, measured, estimated)
 
 
 # ----------------------------------------------------------------------------------------------
