@@ -188,8 +188,10 @@ class DFlashDecoderLayer(nn.Module):
 
     def context_kv(self, context: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor]) -> ContextKV:
         """This layer's context keys and values (:meth:`DFlashAttention.context_kv`), as a module
-        method FSDP2 gathers the layer's weights around (``register_fsdp_forward_method``)."""
-        return self.self_attn.context_kv(context, rope_ctx)
+        method FSDP2 gathers the layer's weights around (``register_fsdp_forward_method``). The values
+        are made contiguous: FSDP2 warns about every view a wrapped module returns."""
+        k, v = self.self_attn.context_kv(context, rope_ctx)
+        return k, v.contiguous()
 
     def forward(
         self, x: torch.Tensor, context: torch.Tensor | ContextKV, rope_q, rope_ctx, mask, cache, layer
