@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 LATEST_VENV ?= .venv-latest
 TRY ?=
 
-.PHONY: setup demo test test-extended test-fast test-latest lock lint serve-check zlab-parity bench-loss gpu-check clean
+.PHONY: setup demo test test-extended test-fast test-latest lock lint serve-check zlab-parity bench-loss bench-drafter-step gpu-check clean
 
 # On a GPU host (nvidia-smi runs) the `gpu` extra too, and causal-conv1d (built against the installed
 # torch; where it does not build, hybrid targets' convolutions run in torch: correct, slower)
@@ -79,6 +79,12 @@ zlab-parity: $(BIN)/.installed
 
 bench-loss: $(BIN)/.installed
 	$(BIN)/python scripts/bench_loss.py
+
+# One drafter step checkpointed, whole and in chunks of blocks (docs/measured.md). The default shape is
+# for a GPU (BENCH_ARGS="--device cuda"); on CPU give a smaller one, e.g. "--anchors 64 --docs 2 --threads 1".
+BENCH_ARGS ?=
+bench-drafter-step: $(BIN)/.installed
+	$(BIN)/python scripts/bench_drafter_step.py $(BENCH_ARGS)
 
 # On a GPU host: everything that needs a GPU, in one go (docs/gpu-check.md; about 10 minutes on one
 # H200). The JSON summary goes to $(GPU_CHECK_OUT); `python scripts/gpu_check.py --dry-run` is the CPU rehearsal.

@@ -345,14 +345,22 @@ def build_logger(
 # Memory, timing, progress
 
 
-def _cpu_peak_rss_bytes() -> int:
+def _proc_status_bytes(field: str) -> int | None:
+    """``field`` (``VmRSS``, ``VmHWM``) of /proc/self/status in bytes; None where there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _cpu_peak_rss_bytes() -> int:
+    hwm = _proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -369,6 +377,15 @@ def peak_memory_gib(device: torch.device | str) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return _cpu_peak_rss_bytes() / 2**30
+
+
+def memory_gib(device: torch.device | str) -> float:
+    """Memory in use now, in GiB, what :func:`peak_memory_gib` counts: CUDA ``memory_allocated``;
+    CPU the resident set size of the whole process (VmRSS; 0 where /proc is not there)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    return (_proc_status_bytes("VmRSS") or 0) / 2**30
 
 
 def reset_peak_memory(device: torch.device | str) -> None:

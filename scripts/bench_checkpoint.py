@@ -45,20 +45,12 @@ from dflash.distributed.topology import Topology
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.optim import build_optimizer
-from dflash.metrics import peak_memory_gib, reset_peak_memory
+from dflash.metrics import memory_gib, peak_memory_gib, reset_peak_memory
 from dflash.train.checkpoint import TrainState, save_checkpoint
 from dflash.train.rng_state import capture_rng_state
 
 WORLD = 2
 METHODS = ("dcp", "gather", "export")
-
-
-def _rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
 
 
 def _gathered_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -130,7 +122,7 @@ def _rank(rank: int, args: argparse.Namespace, method: str, tmp: str) -> None:
     params = sum(p.numel() for p in model.parameters())
     gc.collect()
     dist.barrier()
-    before = _rss_gib()
+    before = memory_gib("cpu")
     reset_peak_memory("cpu")
     t0 = time.perf_counter()
     _save(method, parallel, optimizer, Path(tmp) / "checkpoints", leader=rank == 0)
