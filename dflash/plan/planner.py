@@ -273,7 +273,8 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     co_levers = levers if role == "colocated" else decide_levers(cfg, inputs, capacity, world, "colocated")
     settings = levers.settings
     memory = role_memory(cfg, inputs, settings)
-    memory["colocated"] = role_memory(cfg, inputs, co_levers.settings)["colocated"]
+    if co_levers is not levers:
+        memory["colocated"] = role_memory(cfg, inputs, co_levers.settings)["colocated"]
     fits = {role: sum(memory[role].values()) <= capacity for role in ROLES}
     layouts = tp_layouts(inputs.target.meta, gpu, world)
     replica_memory, work, sent = _replicas(cfg, inputs, costs, layouts)
