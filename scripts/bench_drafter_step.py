@@ -64,13 +64,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_cases import add_ratios, run_case
 from torch import Tensor
 
 from dflash.config import Config, TargetShape
@@ -448,24 +448,7 @@ def measure(a: argparse.Namespace, v: Variant) -> dict:
 def run_variant(a: argparse.Namespace, argv: list[str], v: Variant) -> dict:
     """Variant ``v`` in a process of its own: its record, or ``{case, error}``."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--case", v.name]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-    except subprocess.TimeoutExpired:
-        return {"case": v.name, "error": f"timeout after {a.timeout} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"case": v.name, "error": f"rc={proc.returncode}: {' | '.join(tail)}"}
-    return json.loads(lines[-1])
-
-
-def add_ratios(r: dict, other: dict | None, name: str) -> None:
-    """``time_vs_<name>`` and ``mem_vs_<name>`` of ``r`` against ``other`` (when it ran)."""
-    if other is None or "error" in other:
-        return
-    r[f"time_vs_{name}"] = round(r["time_s"] / other["time_s"], 4)
-    if other["peak_extra_gib"] > 0:
-        r[f"mem_vs_{name}"] = round(r["peak_extra_gib"] / other["peak_extra_gib"], 4)
+    return run_case(cmd, a.timeout, {"case": v.name})
 
 
 def add_differences(r: dict, ref: dict | None) -> None:
@@ -491,8 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     by_case = {r["case"]: r for r in results}
     for r in results:
         if "error" not in r:
-            add_ratios(r, by_case.get("checkpointed"), "checkpointed")
-            add_ratios(r, by_case.get("whole"), "whole")
+            add_ratios(r, by_case.get("checkpointed"), "checkpointed", "peak_extra_gib")
+            add_ratios(r, by_case.get("whole"), "whole", "peak_extra_gib")
             add_differences(r, by_case.get("checkpointed"))
         print(json.dumps(r), flush=True)
 

@@ -49,10 +49,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_cases import add_ratios, run_case
 
 REPO = Path(__file__).resolve().parents[1]
 POSITION_CASES = ["per_row", "per_position", "per_row_ce", "per_position_ce"]
@@ -70,6 +71,8 @@ ALL_CASES = [
 CHUNKED_CASES = {"limit", "limit_ce", "chunked", "chunked_ce", "chunked_dpace", "torch_lce", *POSITION_CASES}
 CE_ONLY = {"limit_ce", "chunked_ce", "chunked_dpace", "torch_lce", "naive_ce"}
 DPACE_BLOCK = 16
+MEM = "peak_extra_gb"
+"""The records' memory figure (``add_ratios``)."""
 BLOCK = 16  # slots of a block of the per_row / per_position cases (15 supervised rows each)
 
 
@@ -463,21 +466,7 @@ def main() -> None:
             "--chunk",
             str(chunk),
         ]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-        except subprocess.TimeoutExpired:
-            rec = {"case": case, "chunk": chunk or None, "error": f"timeout after {a.timeout} s"}
-        else:
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                rec = {
-                    "case": case,
-                    "chunk": chunk or None,
-                    "error": f"rc={proc.returncode}: {' | '.join(tail)}",
-                }
-            else:
-                rec = json.loads(lines[-1])
+        rec = run_case(cmd, a.timeout, {"case": case, "chunk": chunk or None})
         if waited is not None:
             rec["settle_wait_s"] = waited
         results.append(rec)
@@ -503,28 +492,17 @@ def main() -> None:
             continue
         t = r["terms"]
         naive = find("naive" if t == "ce+kl" else "naive_ce")
-        if naive and r is not naive:
-            r["time_vs_naive"] = round(r["time_s"] / naive["time_s"], 4)
-            if naive["peak_extra_gb"] > 0:
-                r["mem_vs_naive"] = round(r["peak_extra_gb"] / naive["peak_extra_gb"], 4)
+        if r is not naive:
+            add_ratios(r, naive, "naive", MEM)
         if limits[t] and not r["case"].startswith("limit"):
             r["time_vs_limit"] = round(r["time_s"] / limits[t], 4)
         if r["case"] == "chunked_dpace":
-            _ratios(r, find("chunked_ce", r["chunk"]), "ce")
+            add_ratios(r, find("chunked_ce", r["chunk"]), "ce", MEM)
         if r["case"] == "chunked_ce":
-            _ratios(r, find("torch_lce", r["chunk"]), "torch_lce")
+            add_ratios(r, find("torch_lce", r["chunk"]), "torch_lce", MEM)
         if r["case"].startswith("per_position"):
-            _ratios(r, find(r["case"].replace("per_position", "per_row"), r["chunk"]), "per_row")
+            add_ratios(r, find(r["case"].replace("per_position", "per_row"), r["chunk"]), "per_row", MEM)
         print(json.dumps(r), flush=True)
-
-
-def _ratios(r: dict, other: dict | None, name: str) -> None:
-    """``time_vs_<name>`` and ``mem_vs_<name>`` of ``r`` against ``other`` (when it ran)."""
-    if other is None:
-        return
-    r[f"time_vs_{name}"] = round(r["time_s"] / other["time_s"], 4)
-    if other["peak_extra_gb"] > 0:
-        r[f"mem_vs_{name}"] = round(r["peak_extra_gb"] / other["peak_extra_gb"], 4)
 
 
 if __name__ == "__main__":
