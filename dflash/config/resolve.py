@@ -72,6 +72,12 @@ def drafter_attention(attention: str, device: str) -> str:
     return attention
 
 
+def drafter_sharded(shard: str, num_drafters: int) -> bool:
+    """``drafter.shard`` takes effect: FSDP2 over the drafters (``optimizer`` or ``full``, and more
+    than one drafter); else every drafter holds the whole state (replicated)."""
+    return str(shard) != "none" and num_drafters > 1
+
+
 def target_attention(
     cfg: TargetConfig, device: str, model_type: str | None = None, *, pack: bool | None = None
 ) -> str:

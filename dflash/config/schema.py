@@ -777,6 +777,9 @@ class PlanConfig:
     """Share of tokens under the loss mask; None = the prepared dataset's when cached, else 0.7."""
     reserved_gib: float = field(default=4.0, metadata=FREE)
     """Memory per GPU not available to tensors (CUDA context, NCCL buffers, allocator slack)."""
+    num_samples: int | None = field(default=None, metadata=FREE)
+    """Samples of one epoch, for the epoch time; None = the prepared dataset's when its cache exists,
+    else 800,000 (the scale the published DFlash drafters were trained at)."""
     measure: bool = field(default=False, metadata=FREE)
     """Also rehearse each role's step at real size on CPU fake tensors (dflash.plan.rehearse) and print
     the measured peak beside the estimate (minutes on a laptop; no GPU, no download)."""

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from dflash.config.resolve import drafter_sharded
 from dflash.distributed.collectives import broadcast_text, check_replicas
 from dflash.distributed.grad_reducer import GradReducer
 from dflash.distributed.process_group import DistContext
@@ -244,7 +245,7 @@ def drafter_parallel(
     """``Sharded`` for ``drafter.shard=optimizer|full`` with several drafters (sharding ``model`` in
     place: build the optimizer afterwards), else ``Replicated`` (one drafter: said once, as the
     setting then has no effect)."""
-    if shard != "none" and num_drafters > 1:
+    if drafter_sharded(shard, num_drafters):
         return Sharded(model, ctx, shard)
     if shard != "none":
         log.warning(

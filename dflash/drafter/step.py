@@ -63,6 +63,11 @@ class StepPlan:
     block_chunks: int = 1
     """The packet's blocks run in this many chunks of whole blocks (:func:`objective_step`); 1: all
     at once. More needs a ``normalizer`` (a chunk's loss is then a part of the packet's sum)."""
+    skip_empty_chunks: bool = False
+    """Chunks holding no anchor are not run (:func:`packet_anchors`): a drafter whose step has no
+    collective inside it (replicated), so that a static shape costs the blocks a packet has, rounded
+    up to a chunk, not the cap's. A sharded drafter (FSDP2: collectives per layer and chunk) runs
+    them all, as every drafter must run as many."""
 
     def __post_init__(self) -> None:
         if self.block_chunks < 1:
@@ -87,11 +92,13 @@ class StepPlan:
         token_budget: int,
         tensors_on: str | None = None,
         block_chunks: int = 1,
+        skip_empty_chunks: bool = False,
     ) -> StepPlan:
         """The trainer's step on ``device`` (``tensors_on``: where the tensors live when it differs,
         the rehearsal's CPU fake tensors of a planned GPU) in ``block_chunks`` chunks
-        (``drafter.block_chunks`` resolved); the loss is a weighted sum (``normalizer=1``) that the
-        trainer divides once by the step's global weight sum."""
+        (``drafter.block_chunks`` resolved; ``skip_empty_chunks``: the drafter is not sharded); the
+        loss is a weighted sum (``normalizer=1``) that the trainer divides once by the step's global
+        weight sum."""
         d = cfg.drafter
         attention = drafter_attention(d.attention, device)
         cap = d.max_anchors_per_packet  # required with flex in training (dflash.config.checks)
@@ -108,6 +115,7 @@ class StepPlan:
             seed=cfg.train.seed,
             normalizer=1.0,
             block_chunks=block_chunks,
+            skip_empty_chunks=skip_empty_chunks,
         )
 
     @classmethod
@@ -185,11 +193,15 @@ def packet_anchors(
     plan: StepPlan, positions: Tensor, loss_mask: Tensor, anchors: Tensor, offered: int
 ) -> PacketAnchors:
     """:class:`PacketAnchors` of given anchors [1, N] (-1: padding) of a packet at ``positions`` /
-    ``loss_mask`` [1, T] (host tensors), cut into exactly ``plan.block_chunks`` chunks of consecutive
-    anchors (sizes differ by at most one; a chunk may be empty): every drafter then runs as many
-    forwards, which FSDP2's per-layer collectives need."""
+    ``loss_mask`` [1, T] (host tensors), cut into ``plan.block_chunks`` chunks of
+    ``plan.chunk_anchors(N)`` consecutive anchors (the last one holding anchors may be partial; the
+    ones after it are empty): every drafter then runs as many forwards, which FSDP2's per-layer
+    collectives need; with ``plan.skip_empty_chunks`` the empty ones are dropped (one chunk is kept)."""
     docs = doc_ids_from_positions(positions)
-    slices = torch.tensor_split(anchors, plan.block_chunks, dim=1)  # always that many: equal collectives
+    size = plan.chunk_anchors(int(anchors.shape[1]))
+    slices = [anchors[:, i * size : (i + 1) * size] for i in range(plan.block_chunks)]
+    if plan.skip_empty_chunks:
+        slices = [a for a in slices if bool((a >= 0).any())] or slices[:1]
     chunks = [(a, supervised_positions(loss_mask, docs, a, plan.block_size)) for a in slices]
     whole = chunks[0][1] if len(chunks) == 1 else torch.cat([p for _, p in chunks]).sort().values
     return PacketAnchors(positions, anchors, whole, offered, chunks)
@@ -233,7 +245,7 @@ def objective_step(
         loss_mask.unsqueeze(0),
     )
     with plan.autocast():
-        if len(anchors.chunks) == 1:
+        if plan.block_chunks == 1:
             return dflash_loss(
                 model,
                 *args,
@@ -265,7 +277,7 @@ def _chunked_step(
     static = None
     if plan.static_shape is not None:  # the context padded once; each chunk's blocks to ``size``
         static = (plan.static_shape[0], size)
-        first = anchors.chunks[0][0]  # the largest chunk (tensor_split puts the remainder first)
+        first = anchors.chunks[0][0]  # a chunk of ``size`` anchors (or the packet's only, fewer)
         aux, ids, mask, positions, _ = pad_to_static(aux, ids, mask, positions, first, *static)
     context = model.context_states(aux, positions)
     training = any(t.requires_grad for kv in context for t in kv)

@@ -72,7 +72,7 @@ def planner_figures(
         verifier_metrics=VERIFIER_METRICS,
         hidden_dtype_bytes=inputs.dtypes.target_bytes,
     )
-    peak = inputs.gpu.bf16_tflops
+    peak = plan.gpu.bf16_tflops
     k = cfg.topology.target_tp
     target_flop = costs.target_flop
     if k > 1:
@@ -116,7 +116,7 @@ def planner_figures(
     }
     out["planner_samples_per_s"] = round_sig(packet["seqs"] * packets_per_s)
     if m > 1 and not mode_of(cfg.topology).self_produced:
-        link = link_for(inputs.gpu, cfg.topology.num_targets * k + m)
+        link = link_for(plan.gpu, cfg.topology.num_targets * k + m)
         out["allreduce_s"] = round_sig(
             2 * (m - 1) / m * 4 * plan.times.drafter_params / link.allreduce_bytes_per_s
         )

@@ -27,7 +27,7 @@ from dflash.config.checks import raise_problems
 from dflash.plan.fit import anchor_caps
 from dflash.plan.gpus import gpu_problems
 from dflash.plan.inputs import resolve_inputs
-from dflash.plan.planner import make_plan
+from dflash.plan.search import pinned_fields, search
 from dflash.plan.tables import (
     anchor_caps_summary,
     fitting_overrides,
@@ -91,11 +91,12 @@ def run(dcfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:
     cfg = plan_config(dcfg)
     with value_errors_are_user_errors():  # the target's config.json against the config (e.g. tap ids)
         inputs = resolve_inputs(cfg)
-    plan = make_plan(cfg, inputs)
-    fixes = fitting_overrides(cfg, plan)
-    caps = anchor_caps(cfg, inputs, plan.capacity_gib, plan.world_size)
-    print(render(plan, cfg, fixes, overrides) + "\n\n" + render_anchor_caps(caps), flush=True)
-    out = summary(plan, cfg.name, cfg.plan.gpu, fixes)
+    found = search(cfg, inputs, pinned_fields(overrides))
+    best, plan = found.best.cfg, found.best.plan
+    fixes = fitting_overrides(cfg, found.configured.plan, found.configured.split.mode)
+    caps = anchor_caps(best, plan.inputs, plan.capacity_gib, plan.world_size)
+    print(render(found, cfg, fixes, overrides) + "\n\n" + render_anchor_caps(caps), flush=True)
+    out = summary(found, cfg, fixes)
     out["largest_anchors"] = anchor_caps_summary(caps)
     if cfg.plan.measure:
         from dflash.plan.rehearse import rehearse  # torch and the fake-tensor machinery: only when asked
@@ -106,7 +107,7 @@ def run(dcfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:
                 (("target", "drafter"), plan.settings),
                 (("colocated",), plan.colocated_levers.settings),
             )
-            for (role, _), m in rehearse(cfg, inputs, roles, settings=settings).items()
+            for (role, _), m in rehearse(best, plan.inputs, roles, settings=settings).items()
         }
         print("\n" + render_measured(plan, measured), flush=True)
         out.update(measured_summary(plan, measured))

@@ -2,7 +2,7 @@
 decided before start-up, and the largest anchors per packet that fit.
 
 Every answer comes from the memory model (:mod:`dflash.plan.memory`) on the config's typical packet
-(:func:`dflash.plan.inputs.typical_packet`), against a capacity in GiB: a GPU's memory minus
+(:mod:`dflash.plan.packets`), against a capacity in GiB: a GPU's memory minus
 ``plan.reserved_gib`` (what tensors cannot use: the CUDA context, NCCL buffers, allocator slack).
 """
 
@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dflash.config import Config, GpuSpec
 from dflash.config.modes import layout_of, mode_of
-from dflash.plan.inputs import PlanInputs, typical_packet
+from dflash.plan.inputs import PlanInputs, with_packets
 from dflash.plan.memory import GIB, DrafterSettings, eval_decode_bytes, eval_memory, memory_per_role
+from dflash.plan.packets import computed_blocks
 
 DRAFTER_ROLES = ("drafter", "colocated")
 
@@ -48,13 +50,14 @@ def role_memory(cfg: Config, inputs: PlanInputs, settings: DrafterSettings) -> d
     memory = memory_per_role(
         inputs.target.meta,
         inputs.arch,
-        inputs.packet,
+        inputs.packets.target,
         target_attention=inputs.target_attention,
         max_in_flight=cfg.topology.max_in_flight,
         loss_chunk_rows=inputs.loss_chunk_rows,
         verifier_logits=inputs.verifier_logits,
         dtypes=inputs.dtypes,
         settings=settings,
+        drafter_packet=inputs.packets.drafter,
     )
     if cfg.eval.every > 0:
         tokens = cfg.data.max_length + cfg.eval.max_new_tokens + inputs.arch.block_size
@@ -101,6 +104,10 @@ class ChunkDecision:
     """The role's estimated GiB per GPU with these chunks and no checkpointing."""
     capacity_gib: float
     setting: int | None
+    fitting: int = 0
+    """The fewest chunks that fit (auto); :attr:`chunks` is more when padding asked for them."""
+    padding: float = 0.0
+    """The share of the blocks computed per packet that are a static shape's padding."""
 
     @property
     def reason(self) -> str:
@@ -111,7 +118,28 @@ class ChunkDecision:
             return f"drafter.block_chunks={self.setting} ({gib})"
         if self.need_gib > self.capacity_gib:
             return f"drafter.block_chunks=null (auto): 1, no count up to {MAX_AUTO_CHUNKS} fits without checkpointing ({gib} at 1)"
+        if self.chunks > self.fitting:
+            return (
+                f"drafter.block_chunks=null (auto): {self.chunks}; {self.fitting} fit without checkpointing, "
+                f"more leave less padding ({self.padding:.0%} of the blocks computed: a chunk without an anchor "
+                f"is skipped) ({gib})"
+            )
         return f"drafter.block_chunks=null (auto): {self.chunks}, the fewest that fit without checkpointing ({gib})"
+
+
+PADDING_SHARE = 0.1
+"""Auto block chunks of a replicated drafter under a static shape: more than the fewest that fit
+until at most this share of the blocks it computes per packet is padding (its chunks without an
+anchor are skipped: :attr:`dflash.drafter.step.StepPlan.skip_empty_chunks`)."""
+
+
+def padding_share(inputs: PlanInputs, cap: int | None, chunks: int, skip_empty: bool) -> float:
+    """The share of the drafter's computed blocks per packet that are padding (0 without a static shape)."""
+    if cap is None or inputs.packets.mean.drafter_blocks is None:
+        return 0.0
+    mix = inputs.packets.mix
+    computed = computed_blocks(mix, cap, chunks, skip_empty)
+    return max(0.0, 1 - mix.trained / computed) if computed else 0.0
 
 
 def decide_block_chunks(
@@ -132,11 +160,36 @@ def decide_block_chunks(
         return ChunkDecision(setting, need(setting), capacity_gib, setting)
     if cfg.drafter.activation_checkpointing == "layers" or not math.isfinite(capacity_gib):
         return ChunkDecision(1, need(1), capacity_gib, None)
-    most = max(1, min(MAX_AUTO_CHUNKS, inputs.packet.num_anchors))
-    for chunks in range(1, most + 1):
-        if (gib := need(chunks)) <= capacity_gib:
-            return ChunkDecision(chunks, gib, capacity_gib, None)
-    return ChunkDecision(1, need(1), capacity_gib, None)
+    most = max(1, min(MAX_AUTO_CHUNKS, inputs.packets.drafter.num_anchors))
+    fitting = _fewest_fitting(need, capacity_gib, most)
+    if fitting is None:
+        return ChunkDecision(1, need(1), capacity_gib, None, 1)
+    cap, skip = cfg.drafter.max_anchors_per_packet, not base.sharded
+    chunks, share = fitting, padding_share(inputs, cap, fitting, skip)
+    for n in range(fitting + 1, most + 1) if share > PADDING_SHARE else ():
+        if (pad := padding_share(inputs, cap, n, skip)) < share:
+            chunks, share = n, pad
+        if share <= PADDING_SHARE:
+            break
+    return ChunkDecision(chunks, need(chunks), capacity_gib, None, fitting, share)
+
+
+def _fewest_fitting(need: Callable[[int], float], capacity_gib: float, most: int) -> int | None:
+    """The fewest chunks in ``1..most`` whose ``need`` fits ``capacity_gib``, or None. From 2 chunks on
+    the need falls as the chunks grow (one chunk's activations; the context's keys and values kept for
+    every chunk are the same), so that range is bisected."""
+    if need(1) <= capacity_gib:
+        return 1
+    if most < 2 or need(most) > capacity_gib:
+        return None
+    lo, hi = 2, most  # need(hi) fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if need(mid) <= capacity_gib:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def decide_checkpointing(
@@ -196,7 +249,7 @@ def drafter_settings(
 def with_anchor_cap(cfg: Config, inputs: PlanInputs, cap: int) -> tuple[Config, PlanInputs]:
     """``cfg`` and its planner inputs with ``drafter.max_anchors_per_packet=cap``."""
     new = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, max_anchors_per_packet=cap))
-    return new, dataclasses.replace(inputs, packet=typical_packet(new, inputs.stats))
+    return new, with_packets(new, inputs)
 
 
 def largest_anchors(
@@ -204,7 +257,7 @@ def largest_anchors(
 ) -> int:
     """The largest ``drafter.max_anchors_per_packet`` (a multiple of ``step``, up to the anchors the
     packet offers) at which ``role`` fits ``capacity_gib`` with ``settings``; 0 when none does."""
-    offered = with_anchor_cap(cfg, inputs, 1 << 30)[1].packet.num_anchors
+    offered = inputs.packets.mix.largest_offer
     lo, hi = 0, max(1, -(-offered // step))
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -234,7 +287,7 @@ class AnchorCaps:
 
     capacity_gib: float
     offered: int
-    """Anchors the typical packet offers at ``drafter.num_anchors`` per sample (the recipe's density)."""
+    """The most anchors a packet offers at ``drafter.num_anchors`` per sample (the recipe's density)."""
     ranks: dict[str, int]
     """Ranks a sharded state is split over: the config's drafters, or every GPU co-located."""
     caps: dict[str, dict[tuple[str, str], int]]
@@ -252,8 +305,7 @@ def anchor_caps(cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size
         }
         for role, n in ranks.items()
     }
-    offered = with_anchor_cap(cfg, inputs, 1 << 30)[1].packet.num_anchors
-    return AnchorCaps(capacity_gib, offered, ranks, caps)
+    return AnchorCaps(capacity_gib, inputs.packets.mix.largest_offer, ranks, caps)
 
 
 def gpu_capacity_gib(gpu: GpuSpec, reserved_gib: float) -> float:
@@ -267,23 +319,3 @@ def device_capacity_gib(device: torch.device, reserved_gib: float) -> float:
     if device.type != "cuda":
         return float("inf")
     return torch.cuda.get_device_properties(device).total_memory / GIB - reserved_gib
-
-
-def anchor_cap_note(
-    cfg: Config, inputs: PlanInputs, capacity_gib: float, role: str, settings: DrafterSettings
-) -> str | None:
-    """One line when ``drafter.max_anchors_per_packet`` binds on the typical packet (fewer anchors than
-    ``drafter.num_anchors`` per sample), with the largest cap that fits ``capacity_gib``; else None."""
-    cap = cfg.drafter.max_anchors_per_packet
-    offered = with_anchor_cap(cfg, inputs, 1 << 30)[1].packet.num_anchors
-    if cap is None or cap >= offered:
-        return None
-    n = inputs.packet.num_seqs
-    line = (
-        f"drafter.max_anchors_per_packet={cap} binds: {cap} anchors per packet of the {offered} that "
-        f"drafter.num_anchors={cfg.drafter.num_anchors} per sample gives ({cap / n:.0f} instead of "
-        f"{offered / n:.0f} per sample over {n} samples)"
-    )
-    if not math.isfinite(capacity_gib):  # a CPU: no device memory to fit
-        return line
-    return f"{line}; {largest_anchors(cfg, inputs, capacity_gib, role, settings)} would fit {capacity_gib:.1f} GiB"

@@ -1,9 +1,9 @@
 """The launch command the planner prints: the config it planned, with the split it recommends.
 
 The command is the user's own command-line overrides (``experiment=``, ``data.token_budget=``,
-``drafter.shard=``, ...) as the planner received them, less ``plan.*`` (only the planner reads them)
-and the topology fields the split sets, followed by those fields: composed by ``dflash.train``, it
-gives the planned config with the recommended split. Every argument is shell-quoted, so the line
+``drafter.shard=``, ...) as the planner received them, less ``plan.*`` (only the planner reads them),
+the topology fields the split sets and the fields the planner chose (:mod:`dflash.plan.search`),
+followed by those: composed by ``dflash.train``, it gives the planned config with the recommended split. Every argument is shell-quoted, so the line
 pastes as printed.
 """
 
@@ -46,17 +46,24 @@ def split_overrides(split: Split, topology: TopologyConfig) -> list[str]:
 
 
 def launch_command(
-    split: Split, topology: TopologyConfig, overrides: Sequence[str], world_size: int, gpus_per_node: int
+    split: Split,
+    topology: TopologyConfig,
+    overrides: Sequence[str],
+    world_size: int,
+    gpus_per_node: int,
+    changes: Sequence[str] = (),
 ) -> str:
-    """``torchrun ... -m dflash.train <the user's overrides> <the split's>``, shell-quoted."""
+    """``torchrun ... -m dflash.train <the user's overrides> <changes> <the split's>``, shell-quoted;
+    ``changes``: the planner's own overrides (``data.token_budget=...``: :mod:`dflash.plan.search`),
+    which replace the user's of the same key."""
     nodes = -(-world_size // gpus_per_node)
     launch = ["--nnodes", str(nodes), "--nproc_per_node", str(gpus_per_node)] if nodes > 1 else []
     launch = launch or ["--nproc_per_node", str(world_size)]
-    replaced = {f"topology.{key}" for key in SPLIT_FIELDS}
+    replaced = {f"topology.{key}" for key in SPLIT_FIELDS} | {override_key(c) for c in changes}
     kept = [
         a for a in overrides if not override_key(a).startswith("plan.") and override_key(a) not in replaced
     ]
-    args = ["torchrun", *launch, "-m", "dflash.train", *kept, *split_overrides(split, topology)]
+    args = ["torchrun", *launch, "-m", "dflash.train", *kept, *changes, *split_overrides(split, topology)]
     return " ".join(shell_quote(a) for a in args)
 
 

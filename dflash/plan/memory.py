@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash.config import TargetShape
+from dflash.config.resolve import drafter_sharded
 from dflash.drafter.families import family_costs
 from dflash.plan.costs import AttentionKind, PacketShape, loss_rows, verifier_positions
 from dflash.targets.families import described_fields, params_by_part, weights_message, working_bytes_per_token
@@ -103,6 +104,12 @@ class DrafterSettings:
     """``optim.name``: the optimizer state per parameter (:data:`STATE_BYTES_PER_PARAM`)."""
     block_chunks: int = 1
     """``drafter.block_chunks`` resolved: the packet's blocks in this many chunks."""
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 over the drafters (:func:`dflash.config.resolve.drafter_sharded`); else replicated,
+        whose step skips a static shape's empty chunks (:attr:`dflash.drafter.step.StepPlan.skip_empty_chunks`)."""
+        return drafter_sharded(self.shard, self.num_drafters)
 
 
 PLAIN = DrafterSettings()
@@ -198,8 +205,9 @@ def drafter_state(drafter: DrafterArch, settings: DrafterSettings) -> dict[str, 
     backward to the last's (:func:`dflash.distributed.sharding.unsynced_backward`).
     """
     p = drafter_num_params(drafter)
-    m = settings.num_drafters if settings.shard != "none" else 1
-    weights = {"none": 4 * p, "optimizer": 4 * p + 4 * p / m, "full": 4 * p / m}[settings.shard]
+    m = settings.num_drafters if settings.sharded else 1
+    mode = settings.shard if settings.sharded else "none"
+    weights = {"none": 4 * p, "optimizer": 4 * p + 4 * p / m, "full": 4 * p / m}[mode]
     adamw = family_costs(drafter).adamw_params(drafter)  # AdamW's under either optimizer
     state = (
         STATE_BYTES_PER_PARAM[settings.optimizer] * (p - adamw) + STATE_BYTES_PER_PARAM["adamw"] * adamw
@@ -216,7 +224,7 @@ def shard_backward_bytes(drafter: DrafterArch, settings: DrafterSettings) -> flo
     """What ``full`` sharding adds to the backward of a layer: four fp32 layer-sized buffers (its
     gathered weights, the next layer's gathered ahead, its whole gradient and the reduce-scatter's);
     three in chunks, whose whole gradient is part of the unreduced one (:func:`drafter_state`)."""
-    full = settings.shard == "full" and settings.num_drafters > 1
+    full = settings.shard == "full" and settings.sharded
     buffers = 3 if settings.block_chunks > 1 else 4
     return 4 * buffers * drafter_layer_params(drafter) if full else 0.0
 
@@ -387,8 +395,11 @@ def memory_per_role(
     verifier_logits: bool,
     dtypes: RunDtypes,
     settings: DrafterSettings = PLAIN,
+    drafter_packet: PacketShape | None = None,
 ) -> dict[str, dict[str, float]]:
-    """GiB by item for each role: ``target``, ``drafter`` and ``colocated`` (both on one GPU)."""
+    """GiB by item for each role: ``target``, ``drafter`` and ``colocated`` (both on one GPU);
+    ``packet`` is the target's, ``drafter_packet`` (default ``packet``) the drafter step's
+    (:class:`dflash.plan.packets.Packets`)."""
     t = target_memory(
         target,
         packet,
@@ -399,7 +410,7 @@ def memory_per_role(
     )
     d = drafter_memory(
         drafter,
-        packet,
+        drafter_packet or packet,
         loss_chunk_rows=loss_chunk_rows,
         verifier_logits=verifier_logits,
         dtypes=dtypes,

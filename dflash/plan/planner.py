@@ -3,12 +3,13 @@ of one or more GPUs) and the co-located mode."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash.config import Config, GpuSpec, TargetShape
 from dflash.config.modes import layout_of, mode_of
-from dflash.plan.costs import AttentionKind, PacketCosts, packet_costs, tp_bytes_per_token
+from dflash.plan.costs import AttentionKind, PacketCosts, PacketShape, packet_costs, tp_bytes_per_token
 from dflash.plan.fit import (
     MAX_AUTO_CHUNKS,
     CheckpointDecision,
@@ -21,8 +22,9 @@ from dflash.plan.fit import (
 )
 from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs, plan_device
 from dflash.plan.links import link_for
-from dflash.plan.memory import DrafterSettings, drafter_num_params, target_memory
+from dflash.plan.memory import PLAIN, DrafterSettings, drafter_num_params, target_memory
 from dflash.plan.nccl import nccl_gib_per_role
+from dflash.plan.packets import computed_blocks
 from dflash.plan.throughput import (
     RoleTimes,
     Split,
@@ -85,7 +87,11 @@ class Plan:
     configured: Split | None
     """The config's own topology, when it uses the whole world."""
     world_size: int
-    warnings: list[str]
+    general_warnings: list[str]
+    """What the plan warns of whatever mode runs (target.shape against config.json, dense attention,
+    NCCL's buffers)."""
+    fit_warnings: dict[str, str]
+    """Per role of :data:`ROLES` that fits no GPU: the warning, with its fix."""
     layouts: dict[int, TpLayout]
     """Tensor-parallel degrees k > 1 the target can use on this GPU (k divides gpus_per_node and
     the plan can split the shape k ways), with what a rank holds."""
@@ -123,13 +129,34 @@ class Plan:
         return "disaggregated"
 
     @property
+    def warnings(self) -> list[str]:
+        """Every warning: the general ones, then each role's that does not fit."""
+        return self.general_warnings + list(self.fit_warnings.values())
+
+    def warnings_for(self, mode: str) -> list[str]:
+        """The general warnings and those of the roles ``mode`` (``disaggregated`` or ``colocated``) runs."""
+        roles = ("colocated",) if mode == "colocated" else ("target", "drafter")
+        return self.general_warnings + [w for r, w in self.fit_warnings.items() if r in roles]
+
+    @property
+    def gpu(self) -> GpuSpec:
+        assert self.inputs.gpu is not None, "a plan needs plan.gpu (dflash.plan.inputs.resolve_inputs)"
+        return self.inputs.gpu
+
+    @property
     def samples_per_packet(self) -> float:
-        """Samples of the planned packet; with padded rows, the samples its real tokens hold at the
-        plan's mean sample length (its own are the longest of a bucket)."""
-        padded, packet = self.inputs.padded, self.inputs.packet
-        if padded is None:
-            return packet.num_seqs
-        return packet.tokens * padded.mean_samples / padded.mean_real
+        """Samples per packet over one epoch of the data plan (:class:`dflash.plan.packets.PacketMix`)."""
+        return self.inputs.packets.mix.samples
+
+    @property
+    def anchors_per_packet(self) -> float:
+        """Anchors trained per packet over the epoch (after ``drafter.max_anchors_per_packet``)."""
+        return self.inputs.packets.mix.trained
+
+    @property
+    def slots_per_packet(self) -> float:
+        """Supervised block slots per packet over the epoch: the training signal of a packet."""
+        return self.inputs.packets.mix.slots
 
 
 def step_extra_flop(costs: PacketCosts, drafter: DrafterArch, settings: DrafterSettings) -> float:
@@ -192,9 +219,9 @@ def _warnings(
     world: int,
     settings: DrafterSettings,
     colocated_settings: DrafterSettings,
-) -> list[str]:
+) -> dict[str, str]:
     """A warning for every role that fits no GPU (the target: on one GPU, naming the replicas that fit)."""
-    warnings = []
+    warnings = {}
     for role in ROLES if world > 1 else ("colocated",):
         if plan_fits[role]:
             continue
@@ -207,7 +234,7 @@ def _warnings(
                 if fitting
                 else hint + ", or tensor-parallel replicas (topology.target_tp): none fits either"
             )
-        warnings.append(
+        warnings[role] = (
             f"{role} does not fit one GPU: {need[role]:.1f} GiB needed, {capacity:.1f} GiB available on "
             f"{gpu.name} ({gpu.hbm_gb:g} GB minus plan.reserved_gib={cfg.plan.reserved_gib:g}); {hint}"
         )
@@ -220,19 +247,51 @@ def _cross_document_flop(cfg: Config, inputs: PlanInputs, costs: PacketCosts) ->
     transformers runs without flex), else 0."""
     if not (cfg.target.pack and inputs.target_attention == "dense" and plan_device(cfg) == "cuda"):
         return 0.0
-    return costs.target_flop - _costs(cfg, inputs, "sparse").target_flop
+    return costs.target_flop - _costs(cfg, inputs, "sparse", PLAIN).target_flop
 
 
-def _costs(cfg: Config, inputs: PlanInputs, target_attention: AttentionKind) -> PacketCosts:
-    return packet_costs(
-        inputs.target.meta,
-        inputs.arch,
-        inputs.packet,
-        cfg.loss,
-        target_attention=target_attention,
-        drafter_attention=inputs.drafter_attention,
-        verifier_metrics=VERIFIER_METRICS,
-        hidden_dtype_bytes=inputs.dtypes.target_bytes,
+def computed_mean_packet(inputs: PlanInputs, settings: DrafterSettings) -> PacketShape:
+    """The epoch's mean packet with the blocks a static shape makes the drafter compute with
+    ``settings`` (:func:`dflash.plan.packets.computed_blocks`)."""
+    mean = inputs.packets.mean
+    if mean.drafter_blocks is None:
+        return mean
+    blocks = computed_blocks(
+        inputs.packets.mix, mean.drafter_blocks, settings.block_chunks, not settings.sharded
+    )
+    return dataclasses.replace(mean, drafter_blocks=max(1, round(blocks)))
+
+
+def _costs(
+    cfg: Config, inputs: PlanInputs, target_attention: AttentionKind, settings: DrafterSettings
+) -> PacketCosts:
+    """The target's FLOPs on its packet of the most work; the drafter's and the wire's on the epoch's
+    mean packet (:class:`dflash.plan.packets.Packets`), whose blocks under a static shape are what the
+    step computes with ``settings`` (:func:`dflash.plan.packets.computed_blocks`)."""
+
+    def of(packet: PacketShape) -> PacketCosts:
+        return packet_costs(
+            inputs.target.meta,
+            inputs.arch,
+            packet,
+            cfg.loss,
+            target_attention=target_attention,
+            drafter_attention=inputs.drafter_attention,
+            verifier_metrics=VERIFIER_METRICS,
+            hidden_dtype_bytes=inputs.dtypes.target_bytes,
+        )
+
+    packets = inputs.packets
+    mean_packet = computed_mean_packet(inputs, settings)
+    mean = of(mean_packet)
+    if mean_packet is packets.target:
+        return mean
+    target = of(packets.target)
+    return dataclasses.replace(
+        mean,
+        target_flop=target.target_flop,
+        target_attention_flop=target.target_attention_flop,
+        target_flop_by_part=target.target_flop_by_part,
     )
 
 
@@ -263,8 +322,9 @@ def _dense_attention_warning(costs: PacketCosts, cross: float) -> str:
 
 def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     """Costs, memory and throughput of ``cfg`` on ``plan.world_size`` GPUs of ``plan.gpu``."""
-    p, gpu, world = cfg.plan, inputs.gpu, cfg.plan.world_size
-    costs = _costs(cfg, inputs, inputs.target_attention)
+    p, world = cfg.plan, cfg.plan.world_size
+    gpu = inputs.gpu
+    assert gpu is not None, "make_plan needs plan.gpu (dflash.plan.inputs.resolve_inputs)"
     capacity = gpu_capacity_gib(gpu, p.reserved_gib)
     # one GPU runs the co-located mode whatever the topology says (the plan's one-GPU table)
     role = "colocated" if world == 1 else drafter_role(cfg)
@@ -272,6 +332,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     # the co-located mode's rank holds the target too: its own levers (the trainer decides per role)
     co_levers = levers if role == "colocated" else decide_levers(cfg, inputs, capacity, world, "colocated")
     settings = levers.settings
+    costs = _costs(cfg, inputs, inputs.target_attention, settings)
     memory = role_memory(cfg, inputs, settings)
     if co_levers is not levers:
         memory["colocated"] = role_memory(cfg, inputs, co_levers.settings)["colocated"]
@@ -281,8 +342,9 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     replica_fits = {1: fits["target"], **{k: sum(m.values()) <= capacity for k, m in replica_memory.items()}}
 
     def times_with(s: DrafterSettings) -> RoleTimes:
+        c = costs if s == settings else _costs(cfg, inputs, inputs.target_attention, s)
         return role_times(
-            costs,
+            c,
             gpu,
             mfu_target=p.mfu_target,
             mfu_drafter=p.mfu_drafter,
@@ -290,7 +352,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
             drafter_params=drafter_num_params(inputs.arch),
             grad_accum_steps=cfg.optim.grad_accum_steps,
             replicas=work,
-            extra_flop=step_extra_flop(costs, inputs.arch, s),
+            extra_flop=step_extra_flop(c, inputs.arch, s),
             optimizer=str(cfg.optim.name),
             update_flop=muon_flop(inputs.arch, cfg.optim.muon_ns_steps) if cfg.optim.name == "muon" else 0.0,
         )
@@ -344,10 +406,12 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         best=best,
         configured=configured,
         world_size=world,
-        warnings=list(inputs.target.problems)
-        + _warnings(fits, replica_fits, need, capacity, cfg, gpu, world, settings, co_levers.settings)
+        general_warnings=list(inputs.target.problems)
         + ([_dense_attention_warning(costs, cross)] if cross > 0.05 * costs.target_flop else [])
         + _reserve_warnings(nccl, p.reserved_gib),
+        fit_warnings=_warnings(
+            fits, replica_fits, need, capacity, cfg, gpu, world, settings, co_levers.settings
+        ),
         layouts=layouts,
         replica_memory={1: memory["target"], **replica_memory},
         replica_fits=replica_fits,

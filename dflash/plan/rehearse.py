@@ -71,6 +71,7 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.optim import build_optimizer
 from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.loss.device import as_cuda
+from dflash.plan.costs import PacketShape
 from dflash.plan.fake import Allocation, LiveBytes, Peak, RealSmall, uncounted_by
 from dflash.plan.fit import with_anchor_cap
 from dflash.plan.inputs import PlanInputs, local_config_dir, plan_device
@@ -247,12 +248,15 @@ def sample_lengths(tokens: int, num_seqs: int) -> list[int]:
     return [base + (i < extra) for i in range(num_seqs)]
 
 
-def packet_tokens(inputs: PlanInputs, vocab: int) -> tuple[list[Tensor], list[Tensor]]:
-    """Token ids and loss masks of the planner's packet: the last ``supervised_fraction`` of each sample
-    supervised (the prompt first), ids drawn below ``vocab`` from a fixed seed."""
+def packet_tokens(
+    inputs: PlanInputs, vocab: int, packet: PacketShape | None = None
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Token ids and loss masks of one of the planner's packets (default the target's): the last
+    ``supervised_fraction`` of each sample supervised (the prompt first), ids drawn below ``vocab``
+    from a fixed seed."""
     g = torch.Generator().manual_seed(0)
     ids, masks = [], []
-    packet = inputs.packet
+    packet = packet or inputs.packet
     for n in packet.doc_lengths or sample_lengths(packet.tokens, packet.num_seqs):
         ids.append(torch.randint(0, vocab, (n,), generator=g))
         mask = torch.zeros(n, dtype=torch.uint8)
@@ -261,9 +265,10 @@ def packet_tokens(inputs: PlanInputs, vocab: int) -> tuple[list[Tensor], list[Te
     return ids, masks
 
 
-def received_packet(inputs: PlanInputs, dtype: torch.dtype) -> Packet:
-    """The payload a drafter receives for the planner's packet (the link's own buffers), filled in."""
-    arch, packet = inputs.arch, inputs.packet
+def received_packet(inputs: PlanInputs, dtype: torch.dtype, packet: PacketShape | None = None) -> Packet:
+    """The payload a drafter receives for one of the planner's packets (default the target's: what a
+    target holds in flight), in the link's own buffers, filled in."""
+    arch, packet = inputs.arch, packet or inputs.packet
     header = Header(
         version=PROTOCOL_VERSION,
         kind=KIND_DATA,
@@ -281,7 +286,7 @@ def received_packet(inputs: PlanInputs, dtype: torch.dtype) -> Packet:
         oom_splits=0,
     )
     out = packet_from_payload(header, payload_buffers(header, torch.device("cpu")))
-    ids, masks = packet_tokens(inputs, arch.vocab_size - 1)
+    ids, masks = packet_tokens(inputs, arch.vocab_size - 1, packet)
     out.input_ids.copy_(torch.cat(ids))
     out.loss_mask.copy_(torch.cat(masks))
     out.seq_lens.copy_(torch.tensor([len(x) for x in ids]))
@@ -386,7 +391,9 @@ def drafter_step(
 ) -> None:
     """One optimizer step on one packet as the trainer runs it (``dflash.drafter.step``: anchors, the
     loss under autocast, its blocks in ``block_chunks`` chunks, a sharded model's chunks before the
-    last without gradient sync), then backward, the gradient scale, the clip and the AdamW step."""
+    last without gradient sync and a replicated one's empty chunks skipped), then backward, the
+    gradient scale, the clip and the AdamW step."""
+    sharded = is_sharded(state.model)
     plan = StepPlan.for_training(
         cfg,
         state.model.block_size,
@@ -394,6 +401,7 @@ def drafter_step(
         token_budget=cfg.data.token_budget,
         tensors_on="cpu",
         block_chunks=block_chunks,
+        skip_empty_chunks=not sharded,
     )
     anchors = plan_anchors(plan, packet.seq_lens, packet.loss_mask, 0)
     state.optimizer.zero_grad(set_to_none=False)
@@ -409,7 +417,7 @@ def drafter_step(
             anchors,
             plan,
             on_phase=lambda phase: live.set_term(PHASE_TERMS[phase]),
-            partial_backward=partial(unsynced_backward, state.model) if is_sharded(state.model) else None,
+            partial_backward=partial(unsynced_backward, state.model) if sharded else None,
         )
     params = list(state.model.parameters())
     with live.term("backward"):
@@ -474,7 +482,7 @@ def rehearse_drafter(
         state = build_drafter(cfg, inputs, s.live, settings)
         prime(state, s.live)
         with s.live.term("packets"):
-            packet = received_packet(inputs, dtype)
+            packet = received_packet(inputs, dtype, inputs.packets.drafter)
         for cap in caps:
             s.live.reset_peak()
             drafter_step(state, packet, _capped(cfg, inputs, cap), s.live, settings.block_chunks)
@@ -500,7 +508,9 @@ def rehearse_colocated(
 ) -> dict[int | None, RoleMeasurement]:
     """A co-located rank: the target and a drafter on its embedding and lm_head; the target's packet,
     then the drafter step on it per anchor cap (as :func:`rehearse_drafter`): a cap's peak is the
-    larger of the forward's and its step's."""
+    larger of the forward's and its step's. Where the packet of the most trained anchors is not the
+    target's (padded rows), the forward runs the target's and the step the drafter's, each the worst
+    for its part (the forward's packet is dropped before the step)."""
     t0 = time.perf_counter()
     caps = list(anchor_caps) if anchor_caps is not None else [cfg.drafter.max_anchors_per_packet]
     device = torch.device(plan_device(cfg))
@@ -519,6 +529,13 @@ def rehearse_colocated(
         s.live.reset_peak()
         aux, final = make_packet(target, cfg, inputs, s.live)
         forward = s.live.peak(top)
+        if inputs.packets.drafter is not inputs.packet:
+            del aux, final
+            ids, masks = packet_tokens(inputs, inputs.arch.vocab_size - 1, inputs.packets.drafter)
+            with s.live.term("packets"):
+                tokens, h = sum(len(x) for x in ids), inputs.arch.hidden_size
+                aux = torch.empty(tokens, inputs.arch.num_taps * h, dtype=dtype)
+                final = torch.empty(tokens, h, dtype=dtype)
         packet = Packet(
             index=0,
             input_ids=torch.cat(ids),

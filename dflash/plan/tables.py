@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
 from dflash.plan.costs import verifier_positions
-from dflash.plan.fit import LEVERS, MAX_AUTO_CHUNKS, AnchorCaps
-from dflash.plan.inputs import attention_kinds, typical_packet
+from dflash.plan.fit import LEVERS, MAX_AUTO_CHUNKS, AnchorCaps, LeverDecisions
+from dflash.plan.inputs import with_packets
 from dflash.plan.launch import launch_command
 from dflash.plan.links import intranode_link, link_for
 from dflash.plan.memory import EVAL_ITEMS, DrafterSettings
-from dflash.plan.planner import ROLES, Plan, make_plan
+from dflash.plan.planner import ROLES, Plan, computed_mean_packet, make_plan
+from dflash.plan.search import Choice, Search
 from dflash.plan.throughput import Split, placement
 from dflash.targets.families import active_params, num_params
 
@@ -42,12 +44,7 @@ BUDGET_STEP = 1024
 def _replanned(cfg: Config, plan: Plan, section: str, key: str, value: int) -> Plan:
     """The plan of ``cfg`` with ``<section>.<key>=value`` (the packet re-derived from the same data statistics)."""
     new = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{key: value})})
-    packet = typical_packet(new, plan.inputs.stats)
-    target_kind, drafter_kind = attention_kinds(new, packet.num_seqs, plan.inputs.target.meta.model_type)
-    inputs = dataclasses.replace(
-        plan.inputs, packet=packet, target_attention=target_kind, drafter_attention=drafter_kind
-    )
-    return make_plan(new, inputs)
+    return make_plan(new, with_packets(new, plan.inputs))
 
 
 def _largest_fitting(cfg: Config, plan: Plan, role: str, section: str, key: str, top: int, step: int) -> str:
@@ -69,13 +66,15 @@ def _largest_fitting(cfg: Config, plan: Plan, role: str, section: str, key: str,
     return f"{section}.{key}={lo * step} ({need:.1f} GiB of {plan.capacity_gib:.1f} per GPU)"
 
 
-def fitting_overrides(cfg: Config, plan: Plan) -> dict[str, str]:
+def fitting_overrides(cfg: Config, plan: Plan, mode: str | None = None) -> dict[str, str]:
     """For each role that does not fit one GPU: the override that makes it fit with the least
     change to the run (``drafter.max_anchors_per_packet`` for the drafter and the co-located rank,
     whose activations grow with the blocks per packet; ``data.token_budget`` for a target that no
     tensor-parallel replica fits either: the warnings name a replica that does), found by
-    replanning, with the GiB it then needs; or why no such value exists."""
-    roles = [r for r in (ROLES if plan.world_size > 1 else ("colocated",)) if not plan.fits[r]]
+    replanning, with the GiB it then needs; or why no such value exists. ``mode``: only the roles it
+    runs (``disaggregated``: target and drafter; ``colocated``); None: every role."""
+    modes = {"disaggregated": ("target", "drafter"), "colocated": ("colocated",), None: ROLES}
+    roles = [r for r in (modes[mode] if plan.world_size > 1 else ("colocated",)) if not plan.fits[r]]
     out = {}
     for role in roles:
         if role == "target":
@@ -85,53 +84,121 @@ def fitting_overrides(cfg: Config, plan: Plan) -> dict[str, str]:
                 cfg, plan, role, "data", "token_budget", cfg.data.token_budget, BUDGET_STEP
             )
         else:
-            top = plan.inputs.packet.drafter_blocks or plan.inputs.packet.num_anchors
+            drafter = plan.inputs.packets.drafter
+            top = drafter.drafter_blocks or drafter.num_anchors
             out[role] = _largest_fitting(
                 cfg, plan, role, "drafter", "max_anchors_per_packet", top, ANCHOR_STEP
             )
     return out
 
 
-def summary(plan: Plan, name: str, gpu: str, fixes: dict[str, str] | None = None) -> dict[str, Any]:
-    """The JSON summary (the last output line of ``python -m dflash.plan``); ``fixes``: the
-    :func:`fitting_overrides` of the roles that do not fit (``fits_with``)."""
-    best, co, spp = plan.best, plan.colocated, plan.samples_per_packet
+DEFAULT_NUM_SAMPLES = 800_000
+"""Samples per epoch without a prepared dataset or ``plan.num_samples``: the scale the published
+DFlash drafters were trained at (about 800K samples, 6 epochs)."""
+
+
+def epoch_samples(cfg: Config, plan: Plan) -> tuple[int, str]:
+    """Samples of one epoch and where the figure comes from."""
+    if cfg.plan.num_samples is not None:
+        return cfg.plan.num_samples, "plan.num_samples"
+    if plan.inputs.stats.num_samples is not None:
+        return plan.inputs.stats.num_samples, "the prepared dataset"
+    return DEFAULT_NUM_SAMPLES, "plan.num_samples default"
+
+
+def epoch_hours(cfg: Config, choice: Choice) -> dict[str, float]:
+    """Hours of one epoch and of the config's ``data.num_epochs``, and GPU-hours of those, at ``choice``."""
+    samples, _ = epoch_samples(cfg, choice.plan)
+    rate = choice.samples_per_s
+    epoch = samples / rate / 3600 if rate > 0 else math.inf
+    run = epoch * cfg.data.num_epochs
+    return {"epoch_hours": epoch, "run_hours": run, "gpu_hours": run * choice.split.world_size}
+
+
+def summary(found: Search, cfg: Config, fixes: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON summary (the last output line of ``python -m dflash.plan``) of the search's
+    recommendation; ``fixes``: the :func:`fitting_overrides` of the configured run's roles that do not
+    fit (``fits_with``, beside ``configured_fits``)."""
+    best, plan = found.best, found.best.plan
+    split, mix = best.split, plan.inputs.packets.mix
+    co = [c for c in (found.best, found.other) if c is not None and c.split.mode == "colocated"]
+    faster = max(
+        (c for c in (found.best, found.other) if c is not None and c.fits), key=_signal, default=best
+    )
+    samples, source = epoch_samples(cfg, plan)
     return {
-        "experiment": name,
-        "gpu": gpu,
+        "experiment": cfg.name,
+        "gpu": cfg.plan.gpu,
         "world_size": plan.world_size,
-        "mode": plan.mode,
+        "mode": faster.split.mode,
         # As topology=colocated reads them: no target-only ranks, a drafter replica on every GPU.
-        "num_targets": 0 if best is co else best.num_targets,
-        "num_drafters": plan.world_size if best is co else best.num_drafters,
-        "target_tp": best.target_tp,
-        "expected_packets_per_s": round(best.packets_per_s, 4),
-        "expected_samples_per_s": round(best.packets_per_s * spp, 3),
-        "colocated_samples_per_s": round(co.packets_per_s * spp, 3) if co.fits else 0.0,
-        "configured_samples_per_s": round(plan.configured.packets_per_s * spp, 3)
-        if plan.configured
-        else None,
-        "samples_per_packet": spp,
-        "anchors_per_packet": plan.inputs.packet.num_anchors,
+        "num_targets": 0 if split.mode == "colocated" else split.num_targets,
+        "num_drafters": plan.world_size if split.mode == "colocated" else split.num_drafters,
+        "target_tp": split.target_tp,
+        "changes": list(best.changes),
+        "token_budget": best.cfg.data.token_budget,
+        "max_anchors_per_packet": best.cfg.drafter.max_anchors_per_packet,
+        "shard": str(best.cfg.drafter.shard),
+        "expected_packets_per_s": round(split.packets_per_s, 4),
+        "expected_samples_per_s": round(best.samples_per_s, 3),
+        "expected_anchors_per_s": round(best.anchors_per_s, 1),
+        "expected_slots_per_s": round(best.signal_per_s, 1),
+        "anchors_per_sample": round(best.anchors_per_sample, 2),
+        "recipe_anchors_per_sample": round(best.recipe_per_sample, 2),
+        "anchors_cut": best.cut,
+        "colocated_samples_per_s": round(co[0].samples_per_s, 3) if co and co[0].fits else 0.0,
+        "configured_samples_per_s": round(found.configured.samples_per_s, 3),
+        "configured_anchors_per_s": round(found.configured.anchors_per_s, 1),
+        "configured_anchors_per_sample": round(found.configured.anchors_per_sample, 2),
+        "num_samples": samples,
+        "num_samples_source": source,
+        "num_epochs": cfg.data.num_epochs,
+        **{k: round(v, 2) for k, v in epoch_hours(cfg, best).items()},
+        "samples_per_packet": round(plan.samples_per_packet, 2),
+        "anchors_per_packet": round(mix.trained, 1),
+        "slots_per_packet": round(mix.slots, 1),
+        "samples_per_step": round(plan.samples_per_packet * _packets_per_step(best), 1),
         "target_tflop_per_packet": round(plan.costs.target_flop / TERA, 3),
         "drafter_tflop_per_packet": round(plan.costs.drafter_flop / TERA, 3),
         "drafter_loss_tflop_per_packet": round(plan.costs.drafter_loss_total / TERA, 3),
         "hidden_mb_per_packet": round(plan.costs.hidden_bytes / 1e6, 1),
-        "link_gbps_busiest_gpu": round(link_gbps(plan, best), 3),
-        "link": link_for(plan.inputs.gpu, plan.world_size).kind,
-        **{f"link_{k}": round(v, 4) for k, v in link_times(plan).items()},
+        "link_gbps_busiest_gpu": round(link_gbps(plan, split), 3),
+        "link": link_for(plan.gpu, plan.world_size).kind,
+        **{f"link_{k}": round(v, 4) for k, v in link_times(plan, split).items()},
         "mfu_target": plan.times.mfu_target,
         "mfu_drafter": plan.times.mfu_drafter,
         "mfu_delta_rule": plan.times.mfu_delta_rule,
         "memory_gib": {role: round(sum(plan.memory[role].values()), 2) for role in ROLES},
         "nccl_gib": {role: round(gib, 3) for role, gib in plan.nccl_gib.items()},
         "target_rank_memory_gib": {str(k): round(sum(m.values()), 2) for k, m in plan.replica_memory.items()},
-        "activation_checkpointing": plan.settings.checkpoint,
-        "block_chunks": plan.settings.block_chunks,
+        "activation_checkpointing": _levers(best).settings.checkpoint,
+        "block_chunks": _levers(best).settings.block_chunks,
         "fits": dict(plan.fits),
+        "configured_fits": dict(found.configured.plan.fits),
         "fits_with": dict(fixes or {}),
-        "warnings": plan.warnings,
+        "warnings": plan.warnings_for(split.mode),
     }
+
+
+def _signal(choice: Choice) -> float:
+    return choice.signal_per_s
+
+
+def _levers(choice: Choice) -> LeverDecisions:
+    """The memory levers of the role that trains the drafter on ``choice``'s split."""
+    return choice.plan.colocated_levers if choice.split.mode == "colocated" else choice.plan.levers
+
+
+def _lever_words(choice: Choice) -> str:
+    """The memory levers ``choice`` runs with, in words (``34 block chunks, no recompute``)."""
+    settings = _levers(choice).settings
+    chunks = f"{settings.block_chunks} block chunk{'s' * (settings.block_chunks != 1)}"
+    return f"{chunks}, {'activation checkpointing' if settings.checkpoint else 'no recompute'}"
+
+
+def _packets_per_step(choice: Choice) -> int:
+    """Packets one optimizer step takes: every drafter's ``optim.grad_accum_steps``."""
+    return choice.split.num_drafters * choice.cfg.optim.grad_accum_steps
 
 
 def _tf(x: float) -> str:
@@ -153,8 +220,8 @@ def _moe_text(ts: TargetShape) -> str:
     )
 
 
-def _inputs_lines(plan: Plan, name: str) -> list[str]:
-    inp, gpu, arch = plan.inputs, plan.inputs.gpu, plan.inputs.arch
+def _inputs_lines(plan: Plan, name: str, split: Split) -> list[str]:
+    inp, gpu, arch = plan.inputs, plan.gpu, plan.inputs.arch
     ts = inp.target.meta
     return [
         f"dflash plan: {name} on {plan.world_size} x {gpu.name} ({gpu.bf16_tflops:g} TFLOP/s dense bf16 each)",
@@ -164,17 +231,17 @@ def _inputs_lines(plan: Plan, name: str) -> list[str]:
         f"  drafter: {arch.num_layers} layers, FFN {arch.intermediate_size}, {arch.num_heads}/{arch.num_kv_heads} "
         f"heads x {arch.head_dim}, {arch.num_taps} taps, block {arch.block_size}; attention {inp.drafter_attention}",
         f"  data   : {inp.stats.mean_sample_tokens:.0f} tokens per sample, {inp.stats.supervised_fraction:.2f} "
-        f"supervised [{inp.stats.source}]",
-        _link_line(plan),
+        f"supervised [{inp.stats.source}]; packets laid out from {inp.packets.lengths}",
+        _link_line(plan, split),
         "",
     ]
 
 
-def link_times(plan: Plan) -> dict[str, float]:
+def link_times(plan: Plan, split: Split) -> dict[str, float]:
     """Seconds one packet takes over the link, and one gradient all-reduce among the drafters of
-    the recommended split (the plan's world: within a host, or over the network)."""
-    link = link_for(plan.inputs.gpu, plan.world_size)
-    m = plan.best.num_drafters
+    ``split`` (the plan's world: within a host, or over the network)."""
+    link = link_for(plan.gpu, plan.world_size)
+    m = split.num_drafters
     grads = 4 * plan.times.drafter_params
     return {
         "packet_s": plan.costs.payload_bytes / link.one_way_bytes_per_s,
@@ -182,10 +249,9 @@ def link_times(plan: Plan) -> dict[str, float]:
     }
 
 
-def _link_line(plan: Plan) -> str:
-    gpu = plan.inputs.gpu
-    link = link_for(gpu, plan.world_size)
-    t = link_times(plan)
+def _link_line(plan: Plan, split: Split) -> str:
+    link = link_for(plan.gpu, plan.world_size)
+    t = link_times(plan, split)
     return (
         f"  link   : {link.kind}, {link.one_way_bytes_per_s / 1e9:g} GB/s one way, all-reduce "
         f"{link.allreduce_bytes_per_s / 1e9:g} GB/s bus; a packet {t['packet_s']:.3f} s, the drafters' "
@@ -202,26 +268,36 @@ def _delta_rule_text(plan: Plan) -> str:
     )
 
 
-def _padding_lines(plan: Plan) -> list[str]:
-    padded, pk = plan.inputs.padded, plan.inputs.packet
-    if padded is None:
+def _modelled_lines(plan: Plan) -> list[str]:
+    """The packets the memory model takes when they differ from the mean one (:mod:`dflash.plan.packets`)."""
+    packets = plan.inputs.packets
+    if packets.target is packets.mean:
         return []
-    waste = 1 - padded.mean_real / padded.mean_computed
+    t, d = packets.target, packets.drafter
+    rows = "padded rows (target.pack=false)" if t.target_row_tokens != t.target_tokens else "a packed row"
+    waste = 1 - packets.mean.tokens / (packets.mean.target_tokens or packets.mean.tokens)
     return [
-        f"  padded rows (target.pack=false): the data plan's packet of the most target work, {pk.num_seqs} rows x "
-        f"{pk.target_row_tokens} = {pk.target_tokens} tokens computed for {pk.tokens} real; over the plan "
-        f"{padded.mean_real:,.0f} real and {padded.mean_computed:,.0f} computed tokens per packet ({waste:.1%} "
-        f"padding; lengths: {padded.source})"
+        f"  memory of the packet of the most target work ({rows}): {t.num_seqs} samples, {t.target_tokens} tokens "
+        f"computed for {t.tokens} real (rows of {t.target_row_tokens}); of the most trained anchors: "
+        f"{d.num_seqs} samples, {d.tokens} tokens, {d.num_anchors} anchors",
+        f"  over the plan's {packets.mix.num_packets} packets: {packets.mean.tokens:,} real and "
+        f"{packets.mean.target_tokens:,} computed tokens per packet ({waste:.1%} padding); anchors offered per "
+        "packet at the quantiles 50/75/90/100%: "
+        + " / ".join(f"{packets.mix.offer_quantiles[q]:,}" for q in sorted(packets.mix.offer_quantiles)),
     ]
 
 
 def _packet_lines(plan: Plan) -> list[str]:
-    inp, c, pk, arch = plan.inputs, plan.costs, plan.inputs.packet, plan.inputs.arch
+    inp, c, mix, arch = plan.inputs, plan.costs, plan.inputs.packets.mix, plan.inputs.arch
+    mean = computed_mean_packet(inp, plan.settings)
+    blocks = mean.drafter_blocks if mean.drafter_blocks is not None else mean.num_anchors
     return [
-        f"Per packet: {pk.num_seqs} samples, {pk.tokens} tokens, {pk.num_anchors} anchors x {arch.block_size} slots, "
-        f"{pk.loss_rows} loss rows reading {verifier_positions(pk, arch.block_size)} verifier positions; drafter computes {pk.drafter_context_tokens or pk.tokens} context rows and "
-        f"{pk.drafter_blocks if pk.drafter_blocks is not None else pk.num_anchors} blocks",
-        *_padding_lines(plan),
+        f"Per packet (the mean of one epoch's): {mix.samples:.1f} samples, {mix.tokens:,.0f} tokens, "
+        f"{mix.trained:,.0f} anchors x {arch.block_size} slots ({mix.trained_per_sample:.0f} per sample of the "
+        f"recipe's {mix.offered_per_sample:.0f}), {mix.slots:,.0f} supervised slots (loss rows) reading {verifier_positions(mean, arch.block_size):,} "
+        f"verifier positions; the drafter computes {mean.drafter_context_tokens or mean.tokens} context rows and "
+        f"{blocks} blocks",
+        *_modelled_lines(plan),
         "  role     what                                      TFLOP",
         f"  target   forward, headless (no lm_head)       {_tf(c.target_flop)}",
         f"             of which attention                 {_tf(c.target_attention_flop)}",
@@ -250,7 +326,7 @@ def _packet_lines(plan: Plan) -> list[str]:
 
 
 def _memory_lines(plan: Plan) -> list[str]:
-    gpu = plan.inputs.gpu
+    gpu = plan.gpu
     lines = [
         f"Memory per GPU, GiB (capacity {plan.capacity_gib:.1f}: {gpu.hbm_gb:g} GB minus reserved)",
         f"  {plan.chunking.reason}",
@@ -282,7 +358,7 @@ def _tp_lines(plan: Plan) -> list[str]:
     """The interconnect each tensor-parallel degree needs: bytes per packet per layer and per packet."""
     if not plan.layouts:
         return []
-    ts, link = plan.inputs.target.meta, intranode_link(plan.inputs.gpu)
+    ts, link = plan.inputs.target.meta, intranode_link(plan.gpu)
     parts = {k: ", ".join(sorted(layout.parts)) for k, layout in plan.layouts.items()}
     width = max(len("split parts (the rest on every rank)"), *(len(p) for p in parts.values()))
     lines = [
@@ -299,22 +375,73 @@ def _tp_lines(plan: Plan) -> list[str]:
     return [*lines, ""]
 
 
-def _split_lines(plan: Plan) -> list[str]:
+def _split_lines(plan: Plan, recommended: Split) -> list[str]:
+    """Every split of the recommended packet size and levers (its packets, anchors and slots per packet)."""
+    spp, app, slots = plan.samples_per_packet, plan.anchors_per_packet, plan.slots_per_packet
     lines = [
-        f"Splits of {plan.world_size} GPUs: packets/s = min(N / t_target, M / t_drafter, link); NxK:M = N replicas "
-        "of K GPUs",
-        "  split          packets/s  samples/s  bound      link GB/s (busiest GPU)",
+        f"Splits of {plan.world_size} GPUs at these packets: packets/s = min(N / t_target, M / t_drafter, link); "
+        "NxK:M = N replicas of K GPUs; slots/s = supervised block slots per second (the training signal)",
+        "  split          packets/s  samples/s  anchors/s    slots/s  bound      link GB/s (busiest GPU)",
     ]
     for s in [*plan.splits, plan.colocated]:
         marks = [
-            m for m, hit in (("recommended", s is plan.best), ("configured", s is plan.configured)) if hit
+            m
+            for m, hit in (
+                ("recommended", s.label == recommended.label),
+                ("configured", s is plan.configured),
+            )
+            if hit
         ]
         if not s.fits:
             marks.append("does not fit")
         lines.append(
-            f"  {s.label:<14} {s.packets_per_s:9.3f} {s.packets_per_s * plan.samples_per_packet:10.2f}  "
-            f"{s.bound:<9}  {link_gbps(plan, s):8.2f}   {' '.join(f'<- {m}' for m in marks)}"
+            f"  {s.label:<14} {s.packets_per_s:9.3f} {s.packets_per_s * spp:10.2f} {s.packets_per_s * app:10,.0f} "
+            f"{s.packets_per_s * slots:10,.0f}  {s.bound:<9}  {link_gbps(plan, s):8.2f}   "
+            f"{' '.join(f'<- {m}' for m in marks)}"
         )
+    return [*lines, ""]
+
+
+CHOICE_ROWS = 8
+"""Rows of the search's table: the best choices by signal (and the configured one)."""
+
+
+def _choice_text(c: Choice) -> str:
+    levers = _levers(c).settings
+    lever = f"{levers.block_chunks} chunk{'s' if levers.block_chunks > 1 else ''}" + (
+        ", checkpointed" if levers.checkpoint else ""
+    )
+    cap = c.cfg.drafter.max_anchors_per_packet
+    return (
+        f"  {c.cfg.data.token_budget:>7} {'null' if cap is None else cap:>7} {str(c.cfg.drafter.shard):<9} "
+        f"{lever:<17} {c.split.label:<14} {c.samples_per_s:9.2f} {c.anchors_per_sample:7.0f}/{c.recipe_per_sample:<5.0f} "
+        f"{c.anchors_per_s:10,.0f} {c.signal_per_s:11,.0f}"
+    )
+
+
+def _choice_lines(found: Search) -> list[str]:
+    """The best split of each packet size, anchor cap and sharding the search tried (the best first)."""
+    best_of: dict[tuple, Choice] = {}
+    for c in found.choices:
+        if c.split.mode != found.best.split.mode or not c.fits:
+            continue
+        key = (c.cfg.data.token_budget, c.cfg.drafter.max_anchors_per_packet, str(c.cfg.drafter.shard))
+        if key not in best_of or c.signal_per_s > best_of[key].signal_per_s:
+            best_of[key] = c
+    ranked = sorted(best_of.values(), key=_signal, reverse=True)[:CHOICE_ROWS]
+    held = f"; held as given: {', '.join(sorted(found.pinned))}" if found.pinned else ""
+    lines = [
+        f"Packet sizes, anchor caps and sharding (each at its best split; levers auto; slots/s = supervised "
+        f"block slots per second, what the recommendation maximises{held}):",
+        "   budget     cap shard     levers            split          samples/s anchors/sample  anchors/s     slots/s",
+    ]
+    for c in ranked:
+        mark = (
+            "  <- recommended" if c.cfg == found.best.cfg and c.split.label == found.best.split.label else ""
+        )
+        lines.append(_choice_text(c) + mark)
+    if found.configured.cfg not in [c.cfg for c in ranked]:
+        lines.append(_choice_text(found.configured) + "  <- configured")
     return [*lines, ""]
 
 
@@ -329,45 +456,112 @@ def override(split: Split) -> str:
 _ROLE_WORDS = {"target": "a target", "drafter": "a drafter", "colocated": "a co-located rank"}
 
 
-def _verdict_lines(plan: Plan, cfg: Config, overrides: Sequence[str], fixes: dict[str, str]) -> list[str]:
-    b, spp = plan.best, plan.samples_per_packet
-    fit = [f"To fit {_ROLE_WORDS[role]}: {fix}" for role, fix in fixes.items()]
-    gpn = plan.inputs.gpu.gpus_per_node
-    command = f"  {launch_command(b, cfg.topology, overrides, plan.world_size, gpn)}"
-    anchors = plan.inputs.packet.num_anchors
+def _rates(c: Choice) -> str:
+    return (
+        f"{c.signal_per_s:,.0f} supervised slots/s = {c.anchors_per_s:,.0f} anchors/s ({c.anchors_per_sample:.0f} per "
+        f"sample of the recipe's {c.recipe_per_sample:.0f}), {c.samples_per_s:.2f} samples/s"
+    )
+
+
+def anchors_lines(found: Search, cfg: Config) -> list[str]:
+    """Anchors per sample trained against the recipe's, and, when the recommendation cuts them, why and
+    what restores them at what cost."""
+    best = found.best
+    lines = [
+        f"Anchors per sample: {best.anchors_per_sample:.0f} trained of the recipe's {best.recipe_per_sample:.0f} "
+        f"(drafter.num_anchors={cfg.drafter.num_anchors}, fewer in samples with fewer eligible positions; on "
+        f"{best.plan.inputs.packets.lengths})"
+    ]
+    if not best.cut:
+        return lines
+    cap = best.cfg.drafter.max_anchors_per_packet
+    keep = found.restore
+    if "drafter.max_anchors_per_packet" in found.pinned:
+        why = f"drafter.max_anchors_per_packet={cap} as asked"
+    elif keep is None:
+        why = f"memory: no packet size and lever fits the recipe's anchors on {best.plan.gpu.name}"
+    else:
+        why = (
+            f"drafter.max_anchors_per_packet={cap} trains more per second than the recipe's cap (padding every "
+            "packet to the largest packet's anchors costs more than the cut)"
+        )
+    restore = (
+        f"{' '.join(keep.changes) or 'the configured packets'} on {keep.split.label} ({_lever_words(keep)}) trains "
+        f"them all at {keep.anchors_per_s:,.0f} anchors/s ({keep.signal_per_s / best.signal_per_s:.2f}x the signal, "
+        f"{keep.samples_per_s / best.samples_per_s:.2f}x the samples/s)"
+        if keep is not None
+        else "a GPU with more memory, or fewer anchors per sample (drafter.num_anchors), restores the recipe"
+    )
+    lines.append(
+        f"  NOTE: the recommendation trains {best.anchors_per_sample:.0f} anchors per sample, not the recipe's "
+        f"{best.recipe_per_sample:.0f} ({why}); {restore}"
+    )
+    return lines
+
+
+def _verdict_lines(found: Search, cfg: Config, overrides: Sequence[str], fixes: dict[str, str]) -> list[str]:
+    best, plan = found.best, found.best.plan
+    b = best.split
+    fit = [f"To fit {_ROLE_WORDS[role]} as configured: {fix}" for role, fix in fixes.items()]
+    gpn = plan.gpu.gpus_per_node
+    command = f"  {launch_command(b, cfg.topology, overrides, plan.world_size, gpn, best.changes)}"
     if not cfg.data.path:
         command += "  # + data.path=<your data>"
-    if b is plan.colocated and not plan.splits:
-        return [
-            f"One GPU: co-located only (topology=colocated): {b.packets_per_s * spp:.2f} "
-            f"samples/s{'' if b.fits else ' (does not fit: see below)'}",
-            command,
-            *fit,
-        ]
-    return [
-        f"Recommended split: {b.label} ({override(b)}): {b.packets_per_s * spp:.2f} samples/s "
-        f"({b.packets_per_s * anchors:,.0f} anchors/s)"
-        f"{'' if b.fits else ' (a role does not fit: see below)'}",
+    hours = epoch_hours(cfg, best)
+    samples, source = epoch_samples(cfg, plan)
+    epoch = (
+        f"One epoch of {samples:,} samples ({source}): {hours['epoch_hours']:.1f} h; data.num_epochs="
+        f"{cfg.data.num_epochs}: {hours['run_hours']:.1f} h = {hours['gpu_hours']:,.0f} GPU-hours"
+    )
+    changed = f" with {' '.join(best.changes)}" if best.changes else ""
+    head = (
+        f"One GPU: co-located only (topology=colocated){changed}"
+        if not plan.splits
+        else f"Recommended: {b.label}{changed} ({override(b)})"
+    )
+    lines = [
+        f"{head}: {_rates(best)}{'' if best.fits else ' (a role does not fit: see below)'}",
         command,
         *(f"  {line}" for line in placement(b, gpn)),
-        f"Co-located (topology=colocated, the whole target on every GPU): "
-        f"{plan.colocated.packets_per_s * spp:.2f} samples/s ({plan.colocated.packets_per_s * anchors:,.0f} "
-        f"anchors/s){'' if plan.colocated.fits else ' (does not fit)'}; "
-        f"faster here: {plan.mode}",
-        *fit,
+        *anchors_lines(found, cfg),
+        epoch,
     ]
+    conf = found.configured
+    if conf.cfg != best.cfg or conf.split.label != b.label:
+        gain = best.signal_per_s / conf.signal_per_s if conf.signal_per_s > 0 else math.inf
+        lines.append(
+            f"As configured ({conf.split.label}, data.token_budget={cfg.data.token_budget}, "
+            f"drafter.max_anchors_per_packet={cfg.drafter.max_anchors_per_packet}): {_rates(conf)}"
+            f"{'' if conf.fits else ' (does not fit)'}; the recommendation trains {gain:.2f}x its signal"
+        )
+    if found.other is not None:
+        o = found.other
+        words = (
+            "Co-located (topology=colocated, the whole target on every GPU)"
+            if o.split.mode == "colocated"
+            else f"Disaggregated ({o.split.label})"
+        )
+        changes = f" with {' '.join(o.changes)}" if o.changes else ""
+        faster = o.split.mode if o.fits and o.signal_per_s > best.signal_per_s else b.mode
+        lines.append(
+            f"{words}{changes}: {_rates(o)}{'' if o.fits else ' (does not fit)'}; faster here: {faster}"
+        )
+    return [*lines, *fit]
 
 
 def render(
-    plan: Plan, cfg: Config, fixes: dict[str, str] | None = None, overrides: Sequence[str] = ()
+    found: Search, cfg: Config, fixes: dict[str, str] | None = None, overrides: Sequence[str] = ()
 ) -> str:
-    """The table of ``cfg``'s plan: inputs, per-packet FLOPs and bytes, memory per role, the
-    tensor-parallel replicas, every split, the verdict with the launch command (``overrides``: the
-    command line the plan was asked with, :func:`dflash.plan.launch.launch_command`); ``fixes``
-    (:func:`fitting_overrides`): with which value each role that does not fit would."""
-    lines = _inputs_lines(plan, cfg.name) + _packet_lines(plan) + _memory_lines(plan) + _tp_lines(plan)
-    lines += _split_lines(plan) + _verdict_lines(plan, cfg, overrides, fixes or {})
-    lines += [f"WARNING: {w}" for w in plan.warnings]
+    """The table of ``cfg``'s plan at the search's recommendation: inputs, per-packet FLOPs and bytes,
+    memory per role, the tensor-parallel replicas, every split, the packet sizes and caps tried, the
+    verdict with the launch command (``overrides``: the command line the plan was asked with,
+    :func:`dflash.plan.launch.launch_command`); ``fixes`` (:func:`fitting_overrides`): with which
+    value each role that does not fit would."""
+    plan = found.best.plan
+    lines = _inputs_lines(plan, cfg.name, found.best.split) + _packet_lines(plan) + _memory_lines(plan)
+    lines += _tp_lines(plan) + _split_lines(plan, found.best.split) + _choice_lines(found)
+    lines += _verdict_lines(found, cfg, overrides, fixes or {})
+    lines += [f"WARNING: {w}" for w in plan.warnings_for(found.best.split.mode)]
     return "\n".join(lines)
 
 

@@ -54,6 +54,7 @@ COUNTERS = (
     "target_flop",
     "drafter_flop",
     "anchors_offered",
+    "packets_cut",
 )
 """Per-drafter counters summed per step (``stop``: stop requests seen; ``target_s``: the forward
 time of the step's packets; ``wall_s``: the drafter's own step time up to the reduction; ``busy_s``: ``wall_s`` minus its
@@ -61,6 +62,7 @@ waits; the ``*_frac`` metrics divide by the summed ``wall_s``, so drafters that 
 different moments never share more than all of it; ``*_flop``:
 the planner's cost model (``dflash.plan.packet_costs``) of the step's packets; ``anchors_offered``:
 what ``drafter.num_anchors`` per document offers before ``drafter.max_anchors_per_packet``;
+``packets_cut``: the packets that cap took anchors from;
 ``oom_splits`` / ``oom_samples``: the target forwards split after running out of memory, and the
 samples dropped because one alone did not fit)."""
 
@@ -141,11 +143,14 @@ def step_metrics(
         "train/num_blocks": float(o["num_blocks"]),
         "train/anchors_per_sample": _ratio(blocks, c["seqs"]),
         "train/anchors_offered_per_sample": _ratio(c["anchors_offered"], c["seqs"]),
+        "train/packets_cut": c["packets_cut"],
         "train/supervised_slots": float(o["slot_count"].sum()),
         "train/slot_weight_mean": _ratio(w, supervised),
         "perf/step_s": step_s,
         "perf/tokens_per_s": c["tokens"] / step_s,
         "perf/samples_per_s": c["seqs"] / step_s,
+        "perf/anchors_per_s": blocks / step_s,
+        "perf/slots_per_s": supervised / step_s,
         "comm/recv_wait_s": c["wait_s"] / num_drafters,
         "comm/recv_wait_frac": _ratio(c["wait_s"], c["wall_s"]),
         "perf/drafter_busy_frac": _ratio(c["busy_s"], c["wall_s"]),

@@ -204,22 +204,22 @@ def _split(n: int, m: int, k: int = 1) -> str:
 
 
 def anchors_line(rows: list[dict[str, float]], cap: int | None) -> str | None:
-    """The anchors trained per sample (mean over the logged steps) and, when the per-packet cap
-    took some away, what ``drafter.num_anchors`` offered."""
+    """The anchors trained per sample (mean over the logged steps) against the recipe's (what
+    ``drafter.num_anchors`` offers per sample) and, when the per-packet cap took some away, that it did."""
     got = [
         r["train/anchors_per_sample"]
         for r in rows
         if math.isfinite(r.get("train/anchors_per_sample", math.nan))
     ]
-    offered = [r["train/anchors_offered_per_sample"] for r in rows if "train/anchors_offered_per_sample" in r]
     if not got:
         return None
-    line = f"{sum(got) / len(got):.0f} per sample trained"
-    if offered and sum(offered) / len(offered) > sum(got) / len(got) * 1.001:
-        line += (
-            f" of {sum(offered) / len(offered):.0f} that drafter.num_anchors offers: "
-            f"drafter.max_anchors_per_packet={cap} binds"
-        )
+    offered = [r["train/anchors_offered_per_sample"] for r in rows if "train/anchors_offered_per_sample" in r]
+    trained = sum(got) / len(got)
+    recipe = sum(offered) / len(offered) if offered else trained
+    line = f"{trained:.0f} per sample trained of the recipe's {recipe:.0f}"
+    if recipe > trained * 1.001:
+        cut = sum(r.get("train/packets_cut", 0.0) for r in rows)
+        line += f" (drafter.max_anchors_per_packet={cap} cut {cut:.0f} logged packets: python -m dflash.plan)"
     return line
 
 

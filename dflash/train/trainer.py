@@ -14,7 +14,6 @@ sums, links, checkpoints); the pieces that stand alone live beside it (``step_st
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import signal
@@ -28,7 +27,7 @@ from transformers import PreTrainedModel
 
 from dflash.cli import log_to_files
 from dflash.config import EXIT_STOPPED, STOP_SIGNALS, Config, plain_dict
-from dflash.config.resolve import resolve_path, torch_dtype
+from dflash.config.resolve import drafter_sharded, resolve_path, torch_dtype
 from dflash.distributed.collectives import (
     agree_on_start,
     all_reduce_max,
@@ -44,7 +43,7 @@ from dflash.drafter.families import build_drafter
 from dflash.drafter.model import DFlashDraftModel, num_parameters
 from dflash.drafter.objective import ObjectiveOutput, selector_coefficient
 from dflash.drafter.optim import LrSchedule, build_optimizer, build_scheduler, group_lrs, peak_lrs
-from dflash.drafter.step import StepPlan, objective_step, plan_anchors
+from dflash.drafter.step import PacketAnchors, StepPlan, objective_step, plan_anchors
 from dflash.loss.terms import coefficients
 from dflash.metrics import (
     MetricLogger,
@@ -57,18 +56,11 @@ from dflash.metrics import (
     reset_peak_memory,
 )
 from dflash.plan import AttentionKind, PacketCosts, PacketShape, packet_costs
-from dflash.plan.fit import (
-    anchor_cap_note,
-    decide_block_chunks,
-    decide_checkpointing,
-    device_capacity_gib,
-    drafter_role,
-    drafter_settings,
-)
-from dflash.plan.inputs import PlanInputs, attention_kinds, resolve_inputs
+from dflash.plan.inputs import attention_kinds
 from dflash.targets.loader import load_embed_and_head, load_target, target_embed_and_head
 from dflash.train import faults
 from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint
+from dflash.train.levers import resolve_levers
 from dflash.train.packets import LocalPackets, PacketMaker, PacketSource
 from dflash.train.periodic_eval import EVAL_SUMS, PeriodicEval, eval_budget_s, eval_metrics
 from dflash.train.rng_state import capture_rng_state, restore_rng_state
@@ -111,6 +103,8 @@ class _StepLocal:
     anchors_offered: int = 0
     """The anchors ``drafter.num_anchors`` offers in these packets before ``max_anchors_per_packet``
     (counted on the host copies)."""
+    packets_cut: int = 0
+    """The packets of which ``max_anchors_per_packet`` kept fewer anchors than were offered."""
     selector_scale: float = 0.0
     """DFlash2's selector loss coefficient at this step (``selector_coefficient``)."""
 
@@ -152,12 +146,15 @@ class DrafterTrainer:
         self.faults = faults.injected()
         self._previous_handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         self.target_dtype = torch_dtype(cfg.target.dtype, self.device)
+        self._cut_warned = False
+        block_chunks, self.checkpoint_layers = self._levers()
         self.step_plan = StepPlan.for_training(
             cfg,
             setup.arch.block_size,
             device=self.device.type,
             token_budget=setup.data.token_budget,
-            block_chunks=self._block_chunks(),
+            block_chunks=block_chunks,
+            skip_empty_chunks=not drafter_sharded(str(cfg.drafter.shard), self.topology.num_drafters),
         )
         target = self._packet_source()
         self.embed, self.head = self._embed_and_head(target)
@@ -232,60 +229,27 @@ class DrafterTrainer:
             _, state = load_exported(resolve_path(self.cfg.drafter.init_from))
             load_into(model, state)
             log.info("warm start from %s", self.cfg.drafter.init_from)
-        model.checkpoint_layers = self._checkpointing()
+        model.checkpoint_layers = self.checkpoint_layers
         if self.cfg.drafter.compile and self.device.type == "cuda":
             model.compile_layers(dynamic=False if self.step_plan.attention == "flex" else None)
         return model.to(self.device)
 
-    @functools.cached_property
-    def _plan_inputs(self) -> PlanInputs:
-        """The planner's view of this run (for the memory decisions and the anchor-cap note)."""
-        return resolve_inputs(self.cfg)
-
-    def _block_chunks(self) -> int:
-        """``drafter.block_chunks`` resolved (auto: the planner's decision for this device, logged;
-        1 on a CPU); every drafter runs the same count (FSDP2's collectives are per chunk)."""
-        cfg = self.cfg
-        capacity = device_capacity_gib(self.device, cfg.plan.reserved_gib)
-        if cfg.drafter.block_chunks is not None:
-            return cfg.drafter.block_chunks
-        if not math.isfinite(capacity):
-            return 1
-        decision = decide_block_chunks(cfg, self._plan_inputs, capacity, world_size=self.topology.world_size)
-        agreed = int(
-            all_reduce_max(self.ctx, torch.tensor([float(decision.chunks)], device=self.device)).item()
-        )
-        log.info(
-            "%s%s", decision.reason, f"; another drafter needs {agreed}" if agreed > decision.chunks else ""
-        )
-        return agreed
-
-    def _checkpointing(self) -> bool:
-        """``drafter.activation_checkpointing`` resolved (the planner's decision for ``auto``, logged),
-        and, on the leader, the note that ``drafter.max_anchors_per_packet`` binds, with the cap that fits."""
-        cfg = self.cfg
-        capacity = device_capacity_gib(self.device, cfg.plan.reserved_gib)
-        if self.is_leader and cfg.drafter.max_anchors_per_packet is not None:
-            settings = drafter_settings(cfg, self._plan_inputs, capacity, self.topology.world_size)
-            note = anchor_cap_note(cfg, self._plan_inputs, capacity, drafter_role(cfg), settings)
-            if note:
-                log.warning(note)
-        if cfg.drafter.activation_checkpointing != "auto":
-            return cfg.drafter.activation_checkpointing == "layers"
-        decision = decide_checkpointing(
-            cfg,
-            self._plan_inputs,
-            capacity,
-            world_size=self.topology.world_size,
-            block_chunks=self.step_plan.block_chunks,
-        )
-        agreed = all_reduce_max(self.ctx, torch.tensor([float(decision.checkpoint)], device=self.device))
-        log.info(
-            "%s%s",
-            decision.reason,
-            "; another drafter needs it: on" if agreed.item() > decision.checkpoint else "",
-        )
-        return bool(agreed.item())
+    def _levers(self) -> tuple[int, bool]:
+        """``drafter.block_chunks`` and ``drafter.activation_checkpointing`` resolved for this rank's
+        device (:func:`dflash.train.levers.resolve_levers`, logged), the same on every drafter: the
+        most chunks any needs, checkpointing if any needs it (FSDP2's collectives are per chunk)."""
+        levers = resolve_levers(self.cfg, self.device, self.topology.world_size)
+        mine = torch.tensor([float(levers.block_chunks), float(levers.checkpoint)], device=self.device)
+        chunks, checkpoint = (int(x) for x in all_reduce_max(self.ctx, mine).cpu().tolist())
+        for reason in levers.reasons:
+            log.info("%s", reason)
+        if (chunks, bool(checkpoint)) != (levers.block_chunks, levers.checkpoint):
+            log.info(
+                "another drafter needs more: %d block chunks, checkpointing %s",
+                chunks,
+                "on" if checkpoint else "off",
+            )
+        return chunks, bool(checkpoint)
 
     def _open_run_files(self) -> None:
         """The leader's W&B run and the run's ledger and metrics files (what was written after the
@@ -381,9 +345,8 @@ class DrafterTrainer:
         host = host_fields(packet)
         anchors = plan_anchors(self.step_plan, host.seq_lens, host.loss_mask, packet.index)
         local.anchors_offered += anchors.offered
-        local.shapes.append(
-            self._packet_shape(packet, anchors.num_blocks, anchors.num_rows, anchors.verifier_rows)
-        )
+        local.packets_cut += int(anchors.num_blocks < anchors.offered)
+        local.shapes.append(self._packet_shape(packet, anchors))
         return objective_step(
             self.model,
             self.embed,
@@ -422,7 +385,32 @@ class DrafterTrainer:
         reduced = self._reduce(step, local, t0)
         grad_norm, lrs = self._apply_update(step, reduced.sums)
         self._advance(step, reduced.sums, local.trained)
-        return self._metrics(reduced, t0, lrs, grad_norm)
+        metrics = self._metrics(reduced, t0, lrs, grad_norm)
+        self._warn_cut(metrics)
+        return metrics
+
+    def _warn_cut(self, m: dict[str, float]) -> None:
+        """Leader, once per launch: the first step whose packets ``drafter.max_anchors_per_packet``
+        cut (fewer anchors per sample than the recipe's ``drafter.num_anchors``) is named, with the cap
+        and the levers that restore the recipe."""
+        if self._cut_warned or m["train/packets_cut"] <= 0:
+            return
+        self._cut_warned = True
+        if not self.is_leader:
+            return
+        d = self.cfg.drafter
+        log.warning(
+            "drafter.max_anchors_per_packet=%s cut the anchors of %d of this step's %d packets: %.0f anchors "
+            "per sample trained of the %.0f that the recipe (drafter.num_anchors=%d) offers; every cut anchor's "
+            "target forward is paid anyway. Raise drafter.max_anchors_per_packet (python -m dflash.plan names "
+            "the largest that fits, with drafter.block_chunks) or lower data.token_budget",
+            d.max_anchors_per_packet,
+            int(m["train/packets_cut"]),
+            self.topology.packets_per_step,
+            m["train/anchors_per_sample"],
+            m["train/anchors_offered_per_sample"],
+            d.num_anchors,
+        )
 
     def _accumulate(self, step: int) -> _StepLocal:
         """Receive, forward and backward this drafter's packets of the step (gradients summed)."""
@@ -485,6 +473,7 @@ class DrafterTrainer:
         c = local.sums.counters
         c["stop"] += float(self.stop_requested)
         c["anchors_offered"] = float(local.anchors_offered)
+        c["packets_cut"] = float(local.packets_cut)
         c["wall_s"] = time.perf_counter() - t0
         c["busy_s"] = c["wall_s"] - c["wait_s"] - (c["target_s"] if self.topology.self_produced else 0.0)
         if self._logged(step + 1):  # the cost model runs for the rows that are logged, not per packet
@@ -634,19 +623,20 @@ class DrafterTrainer:
         """Step ``step`` (1-based) is a row of W&B / metrics.jsonl (every drafter agrees)."""
         return step % self.cfg.train.log_every == 0 or step == self.setup.num_steps
 
-    def _packet_shape(
-        self, packet: Packet, num_anchors: int, loss_rows: int, verifier_rows: int
-    ) -> PacketShape:
+    def _packet_shape(self, packet: Packet, anchors: PacketAnchors) -> PacketShape:
         """The packet as trained (its documents, real blocks, loss rows and the distinct positions
-        their verifier rows are at), for the cost model."""
+        their verifier rows are at; under a static shape the blocks computed: the chunks run times
+        their padded size), for the cost model."""
+        static = self.step_plan.static_shape
+        size = self.step_plan.chunk_anchors(int(anchors.anchors.shape[1]))
         return PacketShape(
             tokens=packet.num_tokens,
             num_seqs=packet.num_seqs,
-            num_anchors=num_anchors,
-            loss_rows=loss_rows,
-            verifier_rows=verifier_rows,
-            drafter_context_tokens=static[0] if (static := self.step_plan.static_shape) else None,
-            drafter_blocks=static[1] if static else None,
+            num_anchors=anchors.num_blocks,
+            loss_rows=anchors.num_rows,
+            verifier_rows=anchors.verifier_rows,
+            drafter_context_tokens=static[0] if static else None,
+            drafter_blocks=len(anchors.chunks) * size if static else None,
         )
 
     def _costs(self, shape: PacketShape) -> PacketCosts:

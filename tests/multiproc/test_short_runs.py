@@ -4,7 +4,10 @@ last step trains a single sample (the data plan's last packet), with a periodic 
 - no eval at step 0; each eval keeps within ``eval.max_share`` of the training time so far (the
   prompt being decoded ends at the deadline), says its budget when it starts and shows a progress bar;
 - the end-of-run summary reports loss, tau_hat and accuracy pooled over the last 20 logged steps, with
-  that label, not the 1-sample last step.
+  that label, not the 1-sample last step;
+- a cap of blocks per packet below the recipe's anchors (issue 40, item 4) is warned about once, at
+  the first step it cuts, naming the cap and the lever; the summary and the metrics say the anchors
+  per sample trained against the recipe's; ``plan.gpu=auto`` asks nothing of the planner.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from runner import launch
 pytestmark = pytest.mark.multiproc
 
 SHARE = 0.1
+CAP = 16
 SHORT = [
     "topology=colocated",
     "logging=disabled",
@@ -27,6 +31,8 @@ SHORT = [
     "eval.num_prompts=4",
     "eval.max_new_tokens=400",  # 4 x 400 tokens: far beyond 5% of this run's training time
     f"eval.max_share={SHARE}",
+    f"drafter.max_anchors_per_packet={CAP}",  # below drafter.num_anchors=8 x a packet's samples
+    "plan.gpu=auto",
 ]
 STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]"
 
@@ -104,3 +110,27 @@ def test_the_summary_pools_the_last_20_steps_not_the_one_sample_tail(short_run):
         shown = float(m[1])
         assert shown == pytest.approx(_pooled(recent, key), abs=0.6 * 10**-digits), key
         assert round(last[key], digits) != shown, key  # not the last step's figure
+
+
+def test_a_cap_below_the_recipe_is_warned_once_and_the_summary_says_the_anchors(short_run):
+    rows = [
+        r
+        for r in map(json.loads, (short_run.dir / "metrics.jsonl").read_text().splitlines())
+        if "train/loss" in r
+    ]
+    cut = [r for r in rows if r["train/packets_cut"] > 0]
+    assert cut and all(r["train/anchors_per_sample"] < r["train/anchors_offered_per_sample"] for r in cut)
+    assert all(r["train/anchors_per_packet"] <= CAP for r in rows)
+    assert all(r["perf/anchors_per_s"] > 0 and r["perf/slots_per_s"] > r["perf/anchors_per_s"] for r in rows)
+    warned = re.findall(
+        rf"drafter.max_anchors_per_packet={CAP} cut the anchors of (\d+) of this step's", short_run.output
+    )
+    assert len(warned) == 1 and int(warned[0]) == int(cut[0]["train/packets_cut"]), short_run.output[-3000:]
+    assert "python -m dflash.plan names the largest that fits" in short_run.output
+    table = short_run.stdout[short_run.stdout.index("dflash run summary") :]
+    m = re.search(
+        r"^anchors +(\d+) per sample trained of the recipe's (\d+) \(drafter.max_anchors_per_packet=16 cut",
+        table,
+        re.M,
+    )
+    assert m and int(m[1]) < int(m[2]) <= 8, table

@@ -25,9 +25,12 @@ RECIPES = {
 }
 
 
-def _step(model, p, recipe: str, chunks: int, static: tuple[int, int] | None = None):
+def _step(
+    model, p, recipe: str, chunks: int, static: tuple[int, int] | None = None, skip: bool = False, calls=None
+):
     """Loss, output and every parameter's gradient of one packet in ``chunks`` chunks (``static``:
-    the static shape the trainer pads to for compiled flex, its context rows and blocks)."""
+    the static shape the trainer pads to for compiled flex, its context rows and blocks; ``skip``:
+    the chunks holding no anchor are not run; ``calls``: a list the chunks run are counted in)."""
     loss_cfg = dataclasses.replace(LossConfig(), **RECIPES[recipe])
     plan = StepPlan(
         loss=loss_cfg,
@@ -41,8 +44,11 @@ def _step(model, p, recipe: str, chunks: int, static: tuple[int, int] | None = N
         seed=0,
         normalizer=1.0,
         block_chunks=chunks,
+        skip_empty_chunks=skip,
     )
     anchors = packet_anchors(plan, p["positions"], p["loss_mask"], torch.tensor(CHUNK_ANCHORS), 12)
+    if calls is not None:
+        calls.append(len(anchors.chunks))
     model.zero_grad(set_to_none=True)
     out = objective_step(
         model, p["embed"], p["head"], p["aux"], p["final"], p["ids"], p["loss_mask"][0], anchors, plan
@@ -97,6 +103,20 @@ def test_chunks_of_a_full_static_shape_equal_the_whole_packet():
         _assert_same(whole, _step(model, p, "ce", chunks, static=(tokens + 6, n)))
 
 
+def test_skipping_the_empty_chunks_of_a_static_shape_changes_nothing():
+    """A replicated drafter under a static shape of many more blocks than the packet has (a cap set
+    for the epoch's largest packet) runs only the chunks holding anchors: the same loss, sums and
+    gradients as running every chunk, in fewer forwards."""
+    model, p = _model("dflash"), chunk_packet()
+    tokens = p["positions"].shape[1]
+    static = (tokens + 6, 40)  # 40 blocks: the packet's 14 (12 real) fill 3 of 8 chunks of 5
+    every, skipped = [], []
+    whole = _step(model, p, "ce", 8, static=static, calls=every)
+    _assert_same(whole, _step(model, p, "ce", 8, static=static, skip=True, calls=skipped))
+    _assert_same(_step(model, p, "ce", 1), whole)
+    assert every == [8] and skipped == [3]
+
+
 def test_a_dropped_context_gradient_of_a_chunk_fails_the_check(monkeypatch):
     """The check above sees a chunk whose gradient on the context keys/values is lost."""
     model, p = _model("dflash"), chunk_packet()
@@ -127,7 +147,7 @@ def test_the_chunks_backward_goes_through_the_callers_backward():
         StepPlan(LossConfig(), BS, "sdpa", "cpu", torch.float32, None, None, None, 0, 1.0), block_chunks=4
     )
     anchors = packet_anchors(plan, p["positions"], p["loss_mask"], torch.tensor(CHUNK_ANCHORS), 12)
-    assert [int(a.shape[1]) for a, _ in anchors.chunks] == [4, 4, 3, 3]
+    assert [int(a.shape[1]) for a, _ in anchors.chunks] == [4, 4, 4, 2]  # chunks of ceil(14 / 4)
     seen = []
     out = objective_step(
         model,

@@ -33,7 +33,7 @@ FORWARD_S = 0.004
 DRAFTER_S = 0.012
 STEPS = 8
 SPLITS = ["1:2", "1:3", "2:3", "3:5", "4:4", "7:1", "colocated:2", "2x2:1", "1x2:2", "2x3:3"]
-SHIPPED = ["2:1", "1:7", "2:6", "5:3", "6:2", "3x2:2", "3x4:4"]
+SHIPPED = ["2:1", "1:7", "2:6", "5:3", "6:2", "2x2:4", "2x4:8"]
 """The shipped splits (conf/topology, conf/experiment) not in ``SPLITS``: one case each."""
 TP_REGION = "tensor-parallel forward"
 """Where the stub forward waits for the other ranks of its replica (its own collectives, not a peer)."""

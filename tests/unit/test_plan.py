@@ -452,11 +452,14 @@ def test_one_gpu_plans_the_colocated_mode(capsys):
         )
         text = capsys.readouterr().out
         assert out["mode"] == "colocated" and (out["num_targets"], out["num_drafters"]) == (0, 1), out
-        assert (
-            out["fits"]["colocated"] is fits
-            and out["configured_samples_per_s"] == out["expected_samples_per_s"] > 0
-        )
-        assert "One GPU: co-located only" in text and ("DOES NOT FIT" in text) is not fits, text
+        assert out["configured_fits"]["colocated"] is fits and out["fits"]["colocated"], out
+        if fits:  # nothing to change: the configured run is the recommendation
+            assert not out["changes"] and out["configured_samples_per_s"] == out["expected_samples_per_s"] > 0
+        else:  # the recommendation changes the packet until it fits
+            assert out["changes"] and out["fits_with"]["colocated"].startswith(
+                "drafter.max_anchors_per_packet="
+            )
+        assert "One GPU: co-located only" in text, text
 
 
 def _plan_app(*overrides: str) -> Completed:
@@ -476,7 +479,13 @@ def test_the_app_prints_a_table_and_ends_with_one_json_line():
     assert keys <= set(out)
     assert out["num_targets"] + out["num_drafters"] == 8 and out["expected_samples_per_s"] > 0
     assert out["mode"] in ("disaggregated", "colocated")
-    assert any("Recommended split" in ln for ln in lines) and any("Memory per GPU" in ln for ln in lines)
+    assert any(ln.startswith("Recommended: ") for ln in lines) and any("Memory per GPU" in ln for ln in lines)
+    assert {"expected_anchors_per_s", "anchors_per_sample", "epoch_hours", "run_hours", "gpu_hours"} <= set(
+        out
+    )
+    assert out["anchors_per_sample"] == out["recipe_anchors_per_sample"] == 512 and not out["anchors_cut"]
+    assert any(ln.startswith("Anchors per sample: 512 trained of the recipe's 512") for ln in lines)
+    assert any(ln.startswith("One epoch of 800,000 samples") for ln in lines)
 
 
 def test_the_app_reports_a_bad_value_in_one_line():
@@ -522,21 +531,28 @@ def test_a_role_that_does_not_fit_gets_the_value_that_fits_and_the_override_trai
         "drafter.max_anchors_per_packet=4096",
         "drafter.activation_checkpointing=none",
         "drafter.block_chunks=1",
+        "data.token_budget=16384",
     ]
-    out = run(_compose(base))
+    out = run(_compose(base), base)  # as typed: the packet size and the cap are held
     text = capsys.readouterr().out
     assert "topology.colocated=true" not in text and "Co-located (topology=colocated, " in text
     fix = out["fits_with"]["drafter"]
-    assert fix.startswith("drafter.max_anchors_per_packet=") and f"To fit a drafter: {fix}" in text
+    assert (
+        fix.startswith("drafter.max_anchors_per_packet=") and f"To fit a drafter as configured: {fix}" in text
+    )
+    assert not out["configured_fits"]["drafter"]
     anchors = int(fix.split("=")[1].split()[0])
     assert anchors % 64 == 0 and 0 < anchors < 4096
     assert out["largest_anchors"]["drafter"]["none/none"] == anchors
     assert out["largest_anchors"]["drafter"]["layers/none"] > anchors  # checkpointing fits more
     assert "Largest drafter.max_anchors_per_packet that fits 70.5 GiB per GPU" in text
-    fitting = run(_compose([*base, f"drafter.max_anchors_per_packet={anchors}"]))
-    assert fitting["fits"]["drafter"] and "drafter" not in fitting["fits_with"]
-    assert not run(_compose([*base, f"drafter.max_anchors_per_packet={anchors + 64}"]))["fits"]["drafter"]
-    assert out["fits_with"]["colocated"].startswith("drafter.max_anchors_per_packet=")
+    asked = [*base, f"drafter.max_anchors_per_packet={anchors}"]
+    fitting = run(_compose(asked), asked)
+    assert fitting["configured_fits"]["drafter"] and "drafter" not in fitting["fits_with"]
+    asked = [*base, f"drafter.max_anchors_per_packet={anchors + 64}"]
+    above = run(_compose(asked), asked)
+    assert not above["configured_fits"]["drafter"]
+    assert "colocated" not in out["fits_with"]  # the configured mode's roles only
     capsys.readouterr()
 
 

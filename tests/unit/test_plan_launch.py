@@ -64,7 +64,9 @@ def test_the_printed_command_composes_the_planned_config_with_its_split(name):
     asked = ASKED[name]
     out, train_args = printed_launch(asked)
     register_configs()
-    planned = plan_config(compose_config("plan_app", free_form_overrides(asked, Config)))
+    changed = {c.split("=", 1)[0] for c in out["changes"]}  # the planner's changes replace the asked values
+    kept = [a for a in free_form_overrides(asked, Config) if a.split("=", 1)[0] not in changed]
+    planned = plan_config(compose_config("plan_app", [*kept, *out["changes"]]))
     if not any(a.startswith("data.path=") for a in asked):
         train_args.append(f"data.path={planned.data.path or 'unused'}")
         planned = dataclasses.replace(planned, data=dataclasses.replace(planned.data, path="unused"))

@@ -10,7 +10,8 @@ import pytest
 from dflash.cli import compose_config
 from dflash.config import register_configs
 from dflash.plan.app import plan_config
-from dflash.plan.inputs import DataStats, padded_packets, resolve_inputs
+from dflash.plan.inputs import resolve_inputs
+from dflash.plan.packets import DataStats, plan_packets
 from dflash.plan.planner import make_plan
 
 QWEN36 = ["experiment=qwen3_6_27b_7x1", "plan.world_size=8", "plan.gpu=h200", "data.token_budget=65536"]
@@ -22,30 +23,34 @@ def _cfg(overrides: list[str]):
 
 
 def test_padded_packets_come_from_the_data_plan_over_the_real_lengths():
-    """The worst packet of one epoch costs at most the budget in rows x longest, and the figures are
-    those of the lengths given (a cache's), not of a spread around their mean."""
+    """The target's packet is the data plan's of the most ``rows x longest`` tokens, within the budget,
+    made of the lengths given (a cache's), not of a spread around their mean; the mean packet costs
+    no more than it."""
     cfg = _cfg([*QWEN36, "target.pack=false"])
     budget = cfg.data.token_budget
     short = DataStats(500.0, 0.8, "cache", lengths=(500,) * 4000)
     mixed = DataStats(500.0, 0.8, "cache", lengths=(100, 900) * 2000)
     for stats in (short, mixed):
-        p = padded_packets(cfg, stats)
-        assert p.source == "cache"
-        assert len(p.worst) * max(p.worst) <= budget and p.mean_real <= p.mean_computed <= budget
-    equal = padded_packets(cfg, short)
-    assert equal.mean_real == equal.mean_computed  # equal lengths: no padding
-    assert set(padded_packets(cfg, mixed).worst) <= {100, 900}
-    default = padded_packets(cfg, DataStats(1000.0, 0.8, "defaults"))
-    assert "lognormal" in default.source and default.mean_computed > default.mean_real
+        p = plan_packets(cfg, stats)
+        assert "cache" in p.lengths
+        worst = p.target.doc_lengths
+        assert worst is not None and len(worst) * max(worst) <= budget
+        assert p.mean.tokens <= p.mean.target_tokens <= p.target.target_tokens <= budget
+    equal = plan_packets(cfg, short)
+    assert equal.mean.tokens == equal.mean.target_tokens  # equal lengths: no padding
+    assert set(plan_packets(cfg, mixed).target.doc_lengths or ()) <= {100, 900}
+    default = plan_packets(cfg, DataStats(1000.0, 0.8, "defaults"))
+    assert "lognormal" in default.lengths and default.mean.target_tokens > default.mean.tokens
 
 
 def test_padded_rows_plan_the_worst_packet_and_count_the_padding():
     cfg = _cfg([*QWEN36, "target.pack=false"])
     inputs = resolve_inputs(cfg)
-    assert inputs.padded is not None and inputs.packet.doc_lengths == inputs.padded.worst
+    assert inputs.packet.doc_lengths is not None
+    assert inputs.packets.mean.target_tokens > inputs.packets.mean.tokens  # the padding is computed
     assert inputs.target_attention == "sparse"  # one document per row: SDPA is_causal
     packed = resolve_inputs(_cfg(QWEN36))
-    assert packed.padded is None and packed.packet.doc_lengths is None
+    assert packed.packet.doc_lengths is None and packed.packet.target_tokens == packed.packet.tokens
 
 
 @pytest.mark.parametrize("pack", [True, False])

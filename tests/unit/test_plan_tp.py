@@ -156,7 +156,7 @@ def test_llama3_70b_on_8_h200s_by_hand():
     assert plan.tp_bytes_per_packet[2]["all_reduce"] == pytest.approx(sent)
     peak = 989e12 * 0.4
     assert plan.times.replica_s[2] == pytest.approx(plan.costs.target_flop / 2 / peak + sent / 450e9)
-    assert plan.best is plan.configured and plan.best.label == "3x2:2" and plan.best.fits
+    assert plan.best is plan.configured and plan.best.label == "2x2:4" and plan.best.fits
     assert all(not s.fits for s in plan.splits if s.target_tp == 1)
 
 
@@ -178,8 +178,11 @@ def test_qwen3_235b_on_16_h200s_by_hand():
     per_token = layers * (2 * h * (8192 + 1024) + 2 * 8192 * h + 8 * 6 * h * 1536 + 2 * h * 128)
     t = inputs.packet.tokens
     assert plan.costs.target_flop - plan.costs.target_attention_flop == pytest.approx(per_token * t)
-    assert plan.best is plan.configured and plan.best.label == "3x4:4"
-    assert placement(plan.best, 8)[1] == "node 1: GPUs 0-3 replica 2, GPUs 4-7 drafters"
+    assert plan.best is plan.configured and plan.best.label == "2x4:8"
+    assert placement(plan.best, 8) == [
+        "node 0: GPUs 0-3 replica 0, GPUs 4-7 replica 1",
+        "node 1: GPUs 0-7 drafters",
+    ]
 
 
 def test_the_app_prints_the_replica_override(capsys):
@@ -188,7 +191,7 @@ def test_the_app_prints_the_replica_override(capsys):
         compose_config("plan_app", ["experiment=llama3_70b_8gpu", "plan.world_size=8", "plan.gpu=h200"])
     )
     text = capsys.readouterr().out
-    assert (out["num_targets"], out["target_tp"], out["num_drafters"]) == (3, 2, 2)
-    assert "topology.num_targets=3 topology.target_tp=2 topology.num_drafters=2" in text
-    assert "node 0: GPUs 0-1 replica 0, GPUs 2-3 replica 1, GPUs 4-5 replica 2, GPUs 6-7 drafters" in text
+    assert (out["num_targets"], out["target_tp"], out["num_drafters"]) == (2, 2, 4)
+    assert "topology.num_targets=2 topology.target_tp=2 topology.num_drafters=4" in text
+    assert "node 0: GPUs 0-1 replica 0, GPUs 2-3 replica 1, GPUs 4-7 drafters" in text
     assert "tensor-parallel replicas fit: topology.target_tp=2" in text

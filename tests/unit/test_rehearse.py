@@ -19,7 +19,6 @@ from dflash.config import register_configs
 from dflash.plan.app import plan_config, run
 from dflash.plan.fake import LiveBytes, RealSmall
 from dflash.plan.fit import (
-    anchor_cap_note,
     decide_checkpointing,
     largest_anchors,
     need_gib,
@@ -276,12 +275,3 @@ def test_largest_anchors_that_fit_is_the_fitting_cap():
     assert 0 < best < 2048 and best % 64 == 0
     assert need_gib(*with_anchor_cap(cfg, inputs, best), "drafter", settings) <= 60.0
     assert need_gib(*with_anchor_cap(cfg, inputs, best + 64), "drafter", settings) > 60.0
-
-
-def test_a_binding_anchor_cap_is_named_with_the_cap_that_fits():
-    cfg, inputs = _inputs(["experiment=qwen3_8b_8gpu", "drafter.max_anchors_per_packet=2048"])
-    note = anchor_cap_note(cfg, inputs, 60.0, "drafter", DrafterSettings())
-    fits = largest_anchors(cfg, inputs, 60.0, "drafter", DrafterSettings())
-    assert note is not None and "2048 anchors per packet of the 8192" in note and f"{fits} would fit" in note
-    cfg, inputs = _inputs(["experiment=qwen3_8b_8gpu", "drafter.max_anchors_per_packet=8192"])
-    assert anchor_cap_note(cfg, inputs, 60.0, "drafter", DrafterSettings()) is None

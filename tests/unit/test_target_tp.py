@@ -90,9 +90,14 @@ def test_config_problems_name_target_tp_before_anything_loads(monkeypatch):
         assert cfg.target.shape is not None
         return mine + tp_shape_problems(cfg.target.shape, cfg.topology.target_tp)
 
-    assert problems() == []  # the shipped 3 x TP=4 + 4 drafters
+    assert problems() == []  # the shipped 2 x TP=4 + 8 drafters
     bad = problems(
-        "topology.target_tp=8", "topology.num_targets=1", "eval.every=100", local_world_size=4, world=12
+        "topology.target_tp=8",
+        "topology.num_targets=1",
+        "topology.num_drafters=4",
+        "eval.every=100",
+        local_world_size=4,
+        world=12,
     )
     assert len(bad) == 3 and all("topology.target_tp=8" in p for p in bad)
     assert "LOCAL_WORLD_SIZE=4" in bad[0] and "eval.every=100" in bad[1] and "4 key-value heads" in bad[2]

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from dflash.config import DataConfig
 from dflash.data.cache import build_or_load_dataset
 from dflash.plan.costs import PacketShape, target_keys_per_query
-from dflash.plan.inputs import DataStats, packed_lengths, typical_packet
+from dflash.plan.packets import DataStats, packed_lengths, plan_packets
 from dflash.targets.loader import read_target_meta
 
 HUB_ID = "acme/chat-7b"
@@ -94,7 +94,7 @@ def test_prepare_and_plan_from_a_tokenizer_and_config_only(tmp_path, tiny_target
     # the packet the plan prices is drawn from the prepared lengths
     stats = DataStats(1.0, 0.5, "cache", lengths=tuple(_lengths(meta.parent)))
     want = packed_lengths(stats.lengths, 4096, 512)
-    assert f"Per packet: {len(want)} samples, {sum(want)} tokens" in plan.stdout
+    assert f"most target work (a packed row): {len(want)} samples, {sum(want)} tokens" in plan.stdout
     # training, with the weights wherever they are, tokenizes the same way: it finds this cache
     cfg = DataConfig(
         path=str(data), cache_dir=str(tmp_path / "cache" / "data"), max_length=512, num_eval_prompts=0
@@ -129,7 +129,7 @@ def test_a_packed_packet_follows_the_length_distribution_not_only_its_mean(tmp_p
     )
     spread = DataStats(500.0, 0.7, "cache", lengths=(100, 900) * 2000)
     mean_only = DataStats(500.0, 0.7, "defaults")
-    real, flat = typical_packet(cfg, spread), typical_packet(cfg, mean_only)
+    real, flat = plan_packets(cfg, spread).target, plan_packets(cfg, mean_only).target
     assert sorted(real.doc_lengths) == [100] * 16 + [900] * 16 and flat.doc_lengths is None
     assert real.tokens == flat.tokens == 16000
     assert flat.num_anchors == 32 * min(512, 349) and real.num_anchors == 16 * 69 + 16 * 512
