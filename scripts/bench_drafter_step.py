@@ -30,7 +30,7 @@ GPU); ``peak_extra_gib``, the memory the steps add (warm-up included): on CUDA
 process peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` at that point) minus the RSS
 then; the loss and two figures of the parameters' gradient (``grad_norm``; ``grad_probe``, its dot
 product with a fixed random tensor) that agree across the variants up to the summation order;
-``tflop``, the step's FLOPs as the planner counts them (``dflash.plan.costs.packet_costs``; the
+``tflop``, the step's FLOPs as the planner counts them (``dflash.sizing.costs.packet_costs``; the
 attention and the loss summed chunk by chunk, and a third of the layers again when checkpointed, as
 the planner models recompute). The driver (no ``--case``) first prints a ``shape`` line (the packet,
 and the step's FLOPs split into the layers, their attention part and the loss;
@@ -79,7 +79,7 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.step import PacketAnchors, StepPlan, objective_step, plan_anchors
 from dflash.gpu_check.planner import training_config
 from dflash.metrics import memory_gib, peak_memory_gib, reset_peak_memory, sync_current_stream
-from dflash.plan.costs import AttentionKind, PacketCosts, PacketShape, packet_costs
+from dflash.sizing.costs import AttentionKind, PacketCosts, PacketShape, packet_costs
 
 CASES = ("checkpointed", "whole", "chunked")
 PROMPT_FRACTION = 8

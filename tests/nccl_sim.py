@@ -35,8 +35,10 @@ The model (torch 2.13's ``ProcessGroupNCCL``, torch/csrc/distributed/c10d/Proces
 - Host reads wait for their stream: ``Tensor.cpu()``/``.to(cpu)`` (a device-to-host copy on the
   current stream), ``current_stream().synchronize()`` and CUDA events wait for what the stream was
   made to wait for and for its queued compute; ``torch.cuda.synchronize()`` for every pending op and
-  stream of the rank. ``timeline`` records, per rank, when each queued compute ends and when each
-  payload receive could start (the drafter's overlap of receive and compute).
+  stream of the rank. ``timeline`` records, per rank and in host order, each queued compute (a
+  number), each payload receive with the last compute queued ahead of it on its stream, and each
+  host wait with the last compute it waits for: the drafter's overlap of receive and compute, by
+  events, not by wall-clock times (which load on the machine moves).
 - ``Work.wait(timeout)`` blocks until the op completes and raises once ``timeout`` has passed since
   the op was created (``WorkNCCL::checkTimeout`` counts from ``workStartTime_``); every such wait
   is checked against the op's group timeout (the watchdog's, from the op's creation too): a wait
@@ -202,15 +204,18 @@ class SimEvent:
         self.sim = sim
         self.t: float | None = None
         self.deps: list[Op] = []
+        self.last_compute = 0
 
     def record(self, stream: Any = None) -> None:
         s = stream if isinstance(stream, SimStream) else self.sim.current_stream()
         with self.sim.cv:
             self.deps = list(s.deps)
+            self.last_compute = s.last_compute
         self.t = max(time.monotonic(), s.busy_until)
 
     def synchronize(self) -> None:
         assert self.t is not None, "synchronize of an event that was never recorded"
+        self.sim._host_waits(self.sim._rank(), "CUDA event synchronize", self.last_compute)
         self.sim._block(self.sim._rank(), "CUDA event synchronize", self.deps, None)
         self.sim._sleep_until(self.t)
 
@@ -229,6 +234,8 @@ class SimStream:
         self.sim, self.rank = sim, rank
         self.deps: list[Op] = []
         self.busy_until = 0.0
+        self.last_compute = 0
+        """The number of the last compute queued on this stream or on one it was made to wait for."""
 
     def synchronize(self) -> None:
         self.sim._sync_stream(self, "stream.synchronize()")
@@ -237,6 +244,7 @@ class SimStream:
         with self.sim.cv:
             self.deps.extend(other.deps)
             self.busy_until = max(self.busy_until, other.busy_until)
+            self.last_compute = max(self.last_compute, other.last_compute)
 
 
 @dataclass
@@ -259,9 +267,12 @@ class NcclSim:
         self.local = threading.local()
         self.queues: dict[tuple[int, tuple], deque[Op]] = {}
         self.default_streams: dict[int, SimStream] = {}
-        self.timeline: dict[int, list[tuple[str, str, float]]] = {}
-        """Per rank, in host order: ("compute", "", when it ends) for each ``compute`` and
-        ("payload", op label, when it can start) for each payload receive."""
+        self.timeline: dict[int, list[tuple[str, str, int]]] = {}
+        """Per rank, in host order: ("compute", "", its number) for each ``compute`` (numbered from 1
+        over the whole simulation), ("payload", op label, the last compute queued ahead of it on its
+        stream) for each payload receive, ("host_wait", what, the last compute it waits for) for each
+        host wait on a stream, an event or the device."""
+        self.computes = 0
         self.groups: list[SimGroup] = []
         self.world: SimGroup | None = None
         self.eager: bool | None = None
@@ -373,7 +384,13 @@ class NcclSim:
         self._block(self._rank(), "compute waits for its stream", list(s.deps), None)
         with self.cv:
             s.busy_until = max(time.monotonic(), s.busy_until) + seconds
-            self.timeline.setdefault(s.rank, []).append(("compute", "", s.busy_until))
+            self.computes += 1
+            s.last_compute = self.computes
+            self.timeline.setdefault(s.rank, []).append(("compute", "", self.computes))
+
+    def _host_waits(self, rank: int, what: str, last_compute: int) -> None:
+        with self.cv:
+            self.timeline.setdefault(rank, []).append(("host_wait", what, last_compute))
 
     def host_read(self) -> None:
         """A device-to-host copy on the current stream: the host waits for the stream."""
@@ -383,6 +400,7 @@ class NcclSim:
     def _sync_stream(self, s: SimStream, what: str) -> None:
         with self.cv:
             deps = list(s.deps)
+        self._host_waits(s.rank, what, s.last_compute)
         self._block(s.rank, f"{what} on its stream", deps, None)
         self._sleep_until(s.busy_until)
 
@@ -569,7 +587,8 @@ class NcclSim:
         )
         if kind == "recv" and label.startswith("recv payload"):
             with self.cv:
-                self.timeline.setdefault(rank, []).append(("payload", label, max(op.created, op.ready_at)))
+                last = self.current_stream().last_compute
+                self.timeline.setdefault(rank, []).append(("payload", label, last))
         self._enqueue(op)
         return SimWork(self, op)
 
@@ -743,6 +762,7 @@ class NcclSim:
                 self.default_stream(rank),
                 *([s] if (s := getattr(self.local, "stream", None)) else []),
             ]
+        self._host_waits(rank, "torch.cuda.synchronize()", max(s.last_compute for s in streams))
         self._block(rank, "torch.cuda.synchronize() (every stream of the device)", pending, None)
         self._sleep_until(max(s.busy_until for s in streams))
 

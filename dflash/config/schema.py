@@ -283,7 +283,7 @@ if not OmegaConf.has_resolver("dflash.tiny_dir"):
 @dataclass
 class TargetShape:
     """The target's shape as its ``config.json`` (text config) gives it: what the planner needs
-    without a download (``python -m dflash.plan``, ``dflash.plan.costs``). When the checkpoint's
+    without a download (``python -m dflash.plan``, ``dflash.sizing.costs``). When the checkpoint's
     config.json is readable the planner reads it and reports any field that disagrees."""
 
     num_layers: int = field(default=MISSING, metadata=FREE)

@@ -136,10 +136,6 @@ class DrafterArch:
             max_window_layers=self.num_layers,
         )
 
-    @property
-    def conv_groups(self) -> int:
-        return self.hidden_size // self.conv_group_size
-
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict, without the fields of another family (a DFlash-1 arch reads as it did
         before families existed, so its run contract and checkpoints are unchanged)."""

@@ -7,7 +7,7 @@ DFlash-1 the argmax, DFlash2 the selector chain), the ``architectures`` entry of
 the rehearsal beyond the shared DFlash-1 stack (:class:`FamilyCosts`). Pure Python, no torch (the
 planner reads the costs): the model class is imported when a drafter is built.
 
-Units of :mod:`dflash.plan.costs` (a multiply-add is 2 FLOP; only GEMM-like work). DFlash2, with
+Units of :mod:`dflash.sizing.costs` (a multiply-add is 2 FLOP; only GEMM-like work). DFlash2, with
 ``K`` taps, ``G = H / conv_group_size`` groups, ``r`` selector rank, ``k`` candidates, ``V`` vocabulary:
 
 - per layer and block token: two kernel projections, ``2 * 2*H*(2*K*G)`` forward (3x with the

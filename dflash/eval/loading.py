@@ -313,7 +313,7 @@ def load_for_eval(cfg: EvalAppConfig) -> EvalSetup:
 
     from dflash.data.sources import Source
     from dflash.drafter.export import load_exported
-    from dflash.plan.memory import drafter_weights_problem
+    from dflash.sizing.memory import drafter_weights_problem
     from dflash.targets.loader import (
         device_capacity,
         load_embed_and_head,

@@ -41,10 +41,11 @@ def planner_figures(
     replica (``topology.target_tp`` > 1) the target's figures are one rank's: its share of the
     FLOPs (``target_rank_flop``; the all-reduces are not counted) and its memory (``target_rank``)."""
     from dflash.config.modes import mode_of
-    from dflash.plan.costs import packet_costs, target_rank_flop, target_seconds
-    from dflash.plan.inputs import VERIFIER_METRICS, attention_kinds, resolve_inputs
+    from dflash.plan.gpus import resolve_inputs
     from dflash.plan.links import link_for
     from dflash.plan.planner import make_plan
+    from dflash.sizing.costs import packet_costs, target_rank_flop, target_seconds
+    from dflash.sizing.inputs import VERIFIER_METRICS, attention_kinds
     from dflash.targets.tp import shape_layout
 
     cfg = training_config([*overrides, *([f"plan.gpu={gpu}"] if gpu else [])])
@@ -126,9 +127,9 @@ def planner_figures(
 
 def probe_planner_activations(overrides: list[str], tokens: int, docs: int, num_taps: int) -> float:
     """The memory model's activations of the target's headless forward on the probe's packet (GiB)."""
-    from dflash.plan.costs import PacketShape
-    from dflash.plan.inputs import attention_kinds, planned_target, run_dtypes
-    from dflash.plan.memory import target_memory
+    from dflash.sizing.costs import PacketShape
+    from dflash.sizing.inputs import attention_kinds, planned_target, run_dtypes
+    from dflash.sizing.memory import target_memory
 
     cfg = training_config(overrides)
     packet = PacketShape(tokens=tokens, num_seqs=docs, num_anchors=0)
@@ -146,9 +147,9 @@ def colocated_anchor_cap(overrides: list[str], spec: GpuSpec) -> tuple[int, int]
     GPU (``spec``, minus ``plan.reserved_gib``) with activation checkpointing, when that is less: the
     check runs the shipped experiment on one GPU whatever its memory (the co-located Qwen3-8B at the
     recipe's 8,192 anchors fits an H200, not an H100)."""
-    from dflash.plan.fit import gpu_capacity_gib, largest_anchors
-    from dflash.plan.inputs import resolve_inputs
-    from dflash.plan.memory import DrafterSettings
+    from dflash.plan.gpus import resolve_inputs
+    from dflash.sizing.fit import gpu_capacity_gib, largest_anchors
+    from dflash.sizing.memory import DrafterSettings
 
     cfg = training_config([*overrides, "topology=colocated"])
     shipped = cfg.drafter.max_anchors_per_packet

@@ -92,10 +92,6 @@ TERM_FIELD = "loss_term"
 """The ``LossConfig`` field metadata key that marks a term's coefficient."""
 
 
-def term_names() -> tuple[str, ...]:
-    return tuple(t.name for t in TERMS)
-
-
 def coefficients(loss: Any) -> dict[str, float]:
     """``name -> coefficient`` of every term from a ``LossConfig`` (or any object with the fields)."""
     return {t.name: float(getattr(loss, t.name, t.default)) for t in TERMS}

@@ -24,9 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import Config, PlanConfig, register_configs, to_config
 from dflash.config.checks import raise_problems
-from dflash.plan.fit import anchor_caps
-from dflash.plan.gpus import gpu_problems
-from dflash.plan.inputs import resolve_inputs
+from dflash.plan.gpus import gpu_problems, resolve_inputs
 from dflash.plan.search import pinned_fields, search
 from dflash.plan.tables import (
     anchor_caps_summary,
@@ -37,6 +35,7 @@ from dflash.plan.tables import (
     render_measured,
     summary,
 )
+from dflash.sizing.fit import anchor_caps
 
 register_configs()
 

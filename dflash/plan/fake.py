@@ -298,13 +298,6 @@ class LiveBytes(TorchDispatchMode):
         alloc.died = self.event
         self.live -= alloc.nbytes
 
-    def relabel(self, tensors: list[torch.Tensor], term: str) -> None:
-        """Move the storages of ``tensors`` (already counted) to ``term`` (e.g. gradients made by backward)."""
-        for t in tensors:
-            slot = self._by_storage.get(t.untyped_storage())
-            if slot is not None and slot[0] is not None:
-                slot[0].term = term
-
     def live_by_term(self) -> dict[str, int]:
         """Bytes alive now, by term."""
         out: dict[str, int] = defaultdict(int)

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dflash.config import GpuFields, GpuSpec, PlanConfig
+from dflash.config import Config, GpuFields, GpuSpec, PlanConfig
 from dflash.plan.links import link_problems
+from dflash.sizing.inputs import PlanInputs, model_inputs
 
 GPU_DIR = Path(__file__).resolve().parent.parent.parent / "conf" / "gpu"
 AUTO = "auto"
@@ -168,3 +169,9 @@ def _copy_gbps(src: int, dst: int, numel: int = 128 * 2**20) -> float:
         seconds = _timed(lambda: y.copy_(x, non_blocking=True), 5)
     torch.cuda.synchronize(dst)
     return x.nbytes / seconds / 1e9
+
+
+def resolve_inputs(cfg: Config) -> PlanInputs:
+    """:func:`dflash.sizing.inputs.model_inputs` and the GPU of ``plan.gpu`` (``auto`` probes this host's)."""
+    gpu, gpu_source = plan_gpu(cfg.plan)
+    return dataclasses.replace(model_inputs(cfg), gpu=gpu, gpu_source=gpu_source)

@@ -9,22 +9,8 @@ from typing import TYPE_CHECKING
 
 from dflash.config import Config, GpuSpec, TargetShape
 from dflash.config.modes import layout_of, mode_of
-from dflash.plan.costs import AttentionKind, PacketCosts, PacketShape, packet_costs, tp_bytes_per_token
-from dflash.plan.fit import (
-    MAX_AUTO_CHUNKS,
-    CheckpointDecision,
-    ChunkDecision,
-    LeverDecisions,
-    decide_levers,
-    drafter_role,
-    gpu_capacity_gib,
-    role_memory,
-)
-from dflash.plan.inputs import VERIFIER_METRICS, PlanInputs, plan_device
 from dflash.plan.links import link_for
-from dflash.plan.memory import PLAIN, DrafterSettings, drafter_num_params, target_memory
 from dflash.plan.nccl import nccl_gib_per_role
-from dflash.plan.packets import computed_blocks
 from dflash.plan.throughput import (
     RoleTimes,
     Split,
@@ -34,6 +20,20 @@ from dflash.plan.throughput import (
     muon_flop,
     role_times,
 )
+from dflash.sizing.costs import AttentionKind, PacketCosts, PacketShape, packet_costs, tp_bytes_per_token
+from dflash.sizing.fit import (
+    MAX_AUTO_CHUNKS,
+    CheckpointDecision,
+    ChunkDecision,
+    LeverDecisions,
+    decide_levers,
+    drafter_role,
+    gpu_capacity_gib,
+    role_memory,
+)
+from dflash.sizing.inputs import VERIFIER_METRICS, PlanInputs, plan_device
+from dflash.sizing.memory import PLAIN, DrafterSettings, drafter_num_params, target_memory
+from dflash.sizing.packets import computed_blocks
 from dflash.targets.tp import TpLayout, shape_layout, tp_shape_problems
 
 if TYPE_CHECKING:
@@ -140,12 +140,12 @@ class Plan:
 
     @property
     def gpu(self) -> GpuSpec:
-        assert self.inputs.gpu is not None, "a plan needs plan.gpu (dflash.plan.inputs.resolve_inputs)"
+        assert self.inputs.gpu is not None, "a plan needs plan.gpu (dflash.sizing.inputs.resolve_inputs)"
         return self.inputs.gpu
 
     @property
     def samples_per_packet(self) -> float:
-        """Samples per packet over one epoch of the data plan (:class:`dflash.plan.packets.PacketMix`)."""
+        """Samples per packet over one epoch of the data plan (:class:`dflash.sizing.packets.PacketMix`)."""
         return self.inputs.packets.mix.samples
 
     @property
@@ -252,7 +252,7 @@ def _cross_document_flop(cfg: Config, inputs: PlanInputs, costs: PacketCosts) ->
 
 def computed_mean_packet(inputs: PlanInputs, settings: DrafterSettings) -> PacketShape:
     """The epoch's mean packet with the blocks a static shape makes the drafter compute with
-    ``settings`` (:func:`dflash.plan.packets.computed_blocks`)."""
+    ``settings`` (:func:`dflash.sizing.packets.computed_blocks`)."""
     mean = inputs.packets.mean
     if mean.drafter_blocks is None:
         return mean
@@ -266,8 +266,8 @@ def _costs(
     cfg: Config, inputs: PlanInputs, target_attention: AttentionKind, settings: DrafterSettings
 ) -> PacketCosts:
     """The target's FLOPs on its packet of the most work; the drafter's and the wire's on the epoch's
-    mean packet (:class:`dflash.plan.packets.Packets`), whose blocks under a static shape are what the
-    step computes with ``settings`` (:func:`dflash.plan.packets.computed_blocks`)."""
+    mean packet (:class:`dflash.sizing.packets.Packets`), whose blocks under a static shape are what the
+    step computes with ``settings`` (:func:`dflash.sizing.packets.computed_blocks`)."""
 
     def of(packet: PacketShape) -> PacketCosts:
         return packet_costs(
@@ -324,7 +324,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
     """Costs, memory and throughput of ``cfg`` on ``plan.world_size`` GPUs of ``plan.gpu``."""
     p, world = cfg.plan, cfg.plan.world_size
     gpu = inputs.gpu
-    assert gpu is not None, "make_plan needs plan.gpu (dflash.plan.inputs.resolve_inputs)"
+    assert gpu is not None, "make_plan needs plan.gpu (dflash.sizing.inputs.resolve_inputs)"
     capacity = gpu_capacity_gib(gpu, p.reserved_gib)
     # one GPU runs the co-located mode whatever the topology says (the plan's one-GPU table)
     role = "colocated" if world == 1 else drafter_role(cfg)

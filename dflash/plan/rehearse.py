@@ -1,7 +1,7 @@
 """The real-size rehearsal: each role's training step on CPU fake tensors, GPU code paths, peak memory.
 
 What runs is the library code the job runs, at the config's real shapes, on the packet the planner
-assumes (:func:`dflash.plan.inputs.typical_packet`: ``num_seqs`` samples of the mean length, or with
+assumes (:func:`dflash.sizing.inputs.typical_packet`: ``num_seqs`` samples of the mean length, or with
 padded rows the data plan's own packet of the most target work, the last ``supervised_fraction`` of
 each under the loss mask):
 
@@ -71,11 +71,11 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.optim import build_optimizer
 from dflash.drafter.step import StepPlan, objective_step, plan_anchors
 from dflash.loss.device import as_cuda
-from dflash.plan.costs import PacketShape
 from dflash.plan.fake import Allocation, LiveBytes, Peak, RealSmall, uncounted_by
-from dflash.plan.fit import with_anchor_cap
-from dflash.plan.inputs import PlanInputs, local_config_dir, plan_device
-from dflash.plan.memory import GIB, PLAIN, DrafterSettings
+from dflash.sizing.costs import PacketShape
+from dflash.sizing.fit import with_anchor_cap
+from dflash.sizing.inputs import PlanInputs, local_config_dir, plan_device
+from dflash.sizing.memory import GIB, PLAIN, DrafterSettings
 from dflash.targets.families import fake_config, family_of
 from dflash.targets.forward import build_batch, gather_tokens, target_forward
 from dflash.targets.linear_attention import install_varlen, whole_row_delta_rule
@@ -122,9 +122,6 @@ class RoleMeasurement:
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
-
-    def terms_gib(self) -> dict[str, float]:
-        return {k: v / GIB for k, v in sorted(self.by_term.items(), key=lambda kv: -kv[1])}
 
 
 class _CudaCasts(TorchFunctionMode):

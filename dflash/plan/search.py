@@ -7,9 +7,9 @@ and the anchors of one sample share its target forward, which is paid once howev
 the drafter trains. Ranking splits by samples/s makes every cut of the recipe's anchors per sample
 (``drafter.num_anchors``; the published tau was measured at 512) look faster, while it throws away
 supervision the target already paid for. So a choice is scored by ``packets/s x supervised slots per
-packet`` over one epoch of the data plan (:class:`dflash.plan.packets.PacketMix`), samples/s beside
+packet`` over one epoch of the data plan (:class:`dflash.sizing.packets.PacketMix`), samples/s beside
 it. The block chunks and activation checkpointing follow each choice (``auto``: the fewest chunks that
-fit, then checkpointing; :func:`dflash.plan.fit.decide_levers`), so recompute costs what it costs.
+fit, then checkpointing; :func:`dflash.sizing.fit.decide_levers`), so recompute costs what it costs.
 
 Choices within :data:`SIGNAL_TIE` of the best signal are equal; among them the one that keeps the
 recipe's anchors wins, then the one that changes the config least (so a re-plan of a shipped
@@ -27,11 +27,11 @@ from typing import Any
 
 from dflash.config import Config
 from dflash.config.modes import mode_of
-from dflash.plan.inputs import PlanInputs, with_packets
 from dflash.plan.launch import SPLIT_FIELDS, override_key
-from dflash.plan.packets import static_shape
 from dflash.plan.planner import Plan, make_plan
 from dflash.plan.throughput import Split
+from dflash.sizing.inputs import PlanInputs, with_packets
+from dflash.sizing.packets import static_shape
 
 SIGNAL_TIE = 0.02
 """Choices whose training signal per second is within this share of the best are equally good (the

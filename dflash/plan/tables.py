@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 from dflash.config import Config, TargetShape
 from dflash.metrics import human_count
-from dflash.plan.costs import verifier_positions
-from dflash.plan.fit import LEVERS, MAX_AUTO_CHUNKS, AnchorCaps, LeverDecisions
-from dflash.plan.inputs import with_packets
 from dflash.plan.launch import launch_command
 from dflash.plan.links import intranode_link, link_for
-from dflash.plan.memory import EVAL_ITEMS, DrafterSettings
 from dflash.plan.planner import ROLES, Plan, computed_mean_packet, make_plan
 from dflash.plan.search import Choice, Search
 from dflash.plan.throughput import Split, placement
+from dflash.sizing.costs import verifier_positions
+from dflash.sizing.fit import LEVERS, MAX_AUTO_CHUNKS, AnchorCaps, LeverDecisions
+from dflash.sizing.inputs import with_packets
+from dflash.sizing.memory import EVAL_ITEMS, DrafterSettings
 from dflash.targets.families import active_params, num_params
 
 if TYPE_CHECKING:  # the rehearsal imports torch; the plain planner does not
@@ -269,7 +269,7 @@ def _delta_rule_text(plan: Plan) -> str:
 
 
 def _modelled_lines(plan: Plan) -> list[str]:
-    """The packets the memory model takes when they differ from the mean one (:mod:`dflash.plan.packets`)."""
+    """The packets the memory model takes when they differ from the mean one (:mod:`dflash.sizing.packets`)."""
     packets = plan.inputs.packets
     if packets.target is packets.mean:
         return []
@@ -601,7 +601,7 @@ LEVER_TEXT = {
 
 def anchor_caps_summary(caps: AnchorCaps) -> dict[str, dict[str, int]]:
     """The JSON key ``largest_anchors``: ``{role: {"<lever>/<shard>": anchors}}`` (levers ``none``,
-    ``chunks``, ``layers``: :data:`dflash.plan.fit.LEVERS`)."""
+    ``chunks``, ``layers``: :data:`dflash.sizing.fit.LEVERS`)."""
     return {
         role: {f"{lever}/{shard}": n for (lever, shard), n in by.items()} for role, by in caps.caps.items()
     }

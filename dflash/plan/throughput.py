@@ -27,7 +27,7 @@ packet while the previous one is on the wire (up to ``transport.max_in_flight`` 
 
 Tensor-parallel replicas ``NxK:M`` (``N`` replicas of ``K`` GPUs, world ``N*K + M``): ``t_target`` is
 a replica's time per packet, ``t_replica = t(rank_flop) + tp_bytes / link``:
-the FLOPs of one rank (the split parts ``1/K``, the rest whole; :func:`dflash.plan.costs.target_rank_flop`)
+the FLOPs of one rank (the split parts ``1/K``, the rest whole; :func:`dflash.sizing.costs.target_rank_flop`)
 plus its all-reduces and gathers over one direction of the host's link, not overlapped with compute
 (transformers' TP runs them on the compute stream). A replica stays inside a node (``K`` divides
 ``gpus_per_node``), so its collectives never use the network; one rank of it sends each packet.
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dflash.config import GpuSpec
-from dflash.plan.costs import PacketCosts, target_seconds
 from dflash.plan.links import intranode_link, link_for
+from dflash.sizing.costs import PacketCosts, target_seconds
 from dflash.targets.tp import TpLayout
 
 if TYPE_CHECKING:

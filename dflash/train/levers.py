@@ -1,8 +1,8 @@
 """A drafter rank's memory levers, resolved once before its model is built.
 
 ``drafter.block_chunks=null`` and ``drafter.activation_checkpointing=auto`` are decided by the
-planner's memory model (:mod:`dflash.plan.fit`) on this rank's own device: the packets of the
-config's data (:func:`dflash.plan.inputs.model_inputs`, which reads no ``plan.gpu``, so ``auto``
+planner's memory model (:mod:`dflash.sizing.fit`) on this rank's own device: the packets of the
+config's data (:func:`dflash.sizing.inputs.model_inputs`, which reads no ``plan.gpu``, so ``auto``
 probes nothing on a training rank) against the device's memory minus ``plan.reserved_gib``. The
 trainer then makes every drafter agree (the largest count, checkpointing if any needs it).
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash.config import Config
-from dflash.plan.fit import decide_block_chunks, decide_checkpointing, device_capacity_gib
-from dflash.plan.inputs import model_inputs
+from dflash.sizing.fit import decide_block_chunks, decide_checkpointing, device_capacity_gib
+from dflash.sizing.inputs import model_inputs
 
 
 @dataclass(frozen=True)

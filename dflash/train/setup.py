@@ -28,7 +28,7 @@ from dflash.distributed.protocol import PacketSpec
 from dflash.distributed.topology import Topology
 from dflash.drafter.arch import DrafterArch
 from dflash.drafter.resolve import resolve_drafter
-from dflash.plan.memory import drafter_weights_problem, trained_bytes_per_param
+from dflash.sizing.memory import drafter_weights_problem, trained_bytes_per_param
 from dflash.targets.families import TargetMeta
 from dflash.targets.info import TargetInfo, resolve_target, weights_fingerprint
 from dflash.targets.loader import device_capacity, target_size_problems

@@ -60,7 +60,7 @@ COUNTERS = (
 time of the step's packets; ``wall_s``: the drafter's own step time up to the reduction; ``busy_s``: ``wall_s`` minus its
 waits; the ``*_frac`` metrics divide by the summed ``wall_s``, so drafters that start a step at
 different moments never share more than all of it; ``*_flop``:
-the planner's cost model (``dflash.plan.packet_costs``) of the step's packets; ``anchors_offered``:
+the cost model (``dflash.sizing.packet_costs``) of the step's packets; ``anchors_offered``:
 what ``drafter.num_anchors`` per document offers before ``drafter.max_anchors_per_packet``;
 ``packets_cut``: the packets that cap took anchors from;
 ``oom_splits`` / ``oom_samples``: the target forwards split after running out of memory, and the

@@ -55,8 +55,8 @@ from dflash.metrics import (
     progress_bar,
     reset_peak_memory,
 )
-from dflash.plan import AttentionKind, PacketCosts, PacketShape, packet_costs
-from dflash.plan.inputs import attention_kinds
+from dflash.sizing import AttentionKind, PacketCosts, PacketShape, packet_costs
+from dflash.sizing.inputs import attention_kinds
 from dflash.targets.loader import load_embed_and_head, load_target, target_embed_and_head
 from dflash.train import faults
 from dflash.train.checkpoint import LoadedCheckpoint, TrainState, latest_checkpoint, save_checkpoint

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dflash.targets",),
     ("dflash.drafter",),
     ("dflash.distributed",),
+    ("dflash.sizing",),
     ("dflash.plan",),
     ("dflash.eval",),
     ("dflash.cli",),
@@ -151,6 +152,22 @@ def test_imports_follow_the_layer_order_and_never_circle():
     assert found == [], "import circles (the modules of each):\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_training_imports_nothing_of_the_planner():
+    """The training job reads the cost and memory models (:mod:`dflash.sizing`), never the planner:
+    the planner's search, tables and GPU probe change without touching training, and no training
+    rank can run ``plan.gpu=auto``'s probe."""
+    graph = graph_of(package_sources(PACKAGE.rglob("*.py")))
+    train = {name: edges for name, edges in graph.items() if name.startswith("dflash.train")}
+    assert len(train) > 10
+    planner = [
+        f"{name}:{line} imports {t}"
+        for name, edges in train.items()
+        for line, t in edges
+        if t.startswith("dflash.plan")
+    ]
+    assert planner == []
+
+
 def test_the_rules_catch_an_upward_import_and_a_circle():
     """An import inside a function of a library up to the training job, to an app, and a circle of
     two libraries of one layer (even through ``TYPE_CHECKING``)."""
@@ -163,8 +180,8 @@ def test_the_rules_catch_an_upward_import_and_a_circle():
     }
     graph = graph_of(sources)
     assert upward_imports(graph) == [
-        "dflash.targets.lazy:2 imports dflash.train.setup (layer 11 above 5)",
-        "dflash.targets.lazy:3 imports dflash.eval.app (layer 12 above 5)",
+        "dflash.targets.lazy:2 imports dflash.train.setup (layer 12 above 5)",
+        "dflash.targets.lazy:3 imports dflash.eval.app (layer 13 above 5)",
     ]
     assert circles(graph) == [["dflash.plan.a", "dflash.plan.b"]]
     assert upward_imports(graph_of({"dflash.newpkg.mod": ""})) == ["dflash.newpkg.mod: in no layer of LAYERS"]

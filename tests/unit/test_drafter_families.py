@@ -11,7 +11,7 @@ from tiny_drafter import tiny_arch
 from dflash.config.schema import DrafterFamilyName
 from dflash.drafter.families import FAMILIES, build_drafter
 from dflash.drafter.model import num_parameters
-from dflash.plan.memory import drafter_num_params
+from dflash.sizing.memory import drafter_num_params
 
 
 def test_every_config_choice_has_a_record():

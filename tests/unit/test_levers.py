@@ -1,19 +1,19 @@
 """A drafter rank resolves its memory levers without the planner's GPU probe (issue 40, item 5): with
 ``plan.gpu=auto``, ``drafter.block_chunks=null`` and ``activation_checkpointing=auto`` it decides
 from its own device's memory alone; nothing reads ``plan.gpu``, so ``detect_gpu`` (CUDA contexts and
-a device-wide sync on GPUs 0 and 1) never runs on a training rank."""
+a device-wide sync on GPUs 0 and 1) never runs on a training rank (and training imports nothing of
+the planner: ``tests/unit/test_architecture.py``)."""
 
 from __future__ import annotations
 
 import torch
 
 import dflash.plan.gpus as gpus
-import dflash.plan.inputs as plan_inputs
 import dflash.train.levers as levers
 from dflash.cli import compose_config
 from dflash.config import register_configs, to_config
-from dflash.plan.fit import decide_block_chunks
-from dflash.plan.inputs import model_inputs
+from dflash.sizing.fit import decide_block_chunks
+from dflash.sizing.inputs import model_inputs
 
 
 def _cfg(*overrides: str):
@@ -28,7 +28,6 @@ def _no_probe(*_args, **_kwargs):
 def test_auto_levers_on_a_gpu_rank_read_only_its_own_memory(monkeypatch):
     monkeypatch.setattr(gpus, "detect_gpu", _no_probe)
     monkeypatch.setattr(gpus, "plan_gpu", _no_probe)
-    monkeypatch.setattr(plan_inputs, "plan_gpu", _no_probe)
     monkeypatch.setattr(torch.cuda, "get_device_properties", _no_probe)
     monkeypatch.setattr(torch.cuda, "synchronize", _no_probe)
     seen = []

@@ -22,7 +22,7 @@ from dflash.drafter.families import build_drafter
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.muon import MuonAdamW, split_matrices
 from dflash.drafter.optim import build_optimizer, build_scheduler, group_lrs, peak_lrs
-from dflash.plan.memory import GIB, DrafterSettings, drafter_num_params, drafter_state
+from dflash.sizing.memory import GIB, DrafterSettings, drafter_num_params, drafter_state
 from dflash.train.run_dir import check_contract
 
 MUON = OptimConfig(name="muon", lr=1e-3, muon_lr=2e-2, weight_decay=0.01, warmup_ratio=0.2, min_lr_ratio=0.1)

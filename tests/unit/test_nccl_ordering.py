@@ -349,17 +349,25 @@ def _td(seconds: float):
     return timedelta(seconds=seconds)
 
 
-def _overlapped(timeline: list[tuple[str, str, float]]) -> list[bool]:
-    """For each packet after the first (in the order received; one compute each): could its payload
-    start before the previous packet's compute ended on the GPU?"""
-    computes = [t for kind, _, t in timeline if kind == "compute"]
-    starts: dict[str, float] = {}
-    for kind, label, t in timeline:
+def _overlapped(timeline: list[tuple[str, str, int]]) -> list[bool]:
+    """For each packet after the first (in the order received; one compute each): was its payload
+    receive posted while the previous packet's compute was still queued? By events, not the wall
+    clock (which load moves): none of its receives is queued behind that compute on its stream, and
+    the host waited for that compute nowhere before its last receive was posted."""
+    computes = [n for kind, _, n in timeline if kind == "compute"]
+    last_post: dict[str, int] = {}
+    behind: dict[str, int] = {}
+    for i, (kind, label, n) in enumerate(timeline):
         if kind == "payload":
-            starts[label] = max(starts.get(label, 0.0), t)
-    payloads = list(starts.values())
-    assert len(payloads) == len(computes), (len(payloads), len(computes))
-    return [p < c for p, c in zip(payloads[1:], computes[:-1], strict=True)]
+            last_post[label] = i
+            behind[label] = max(behind.get(label, 0), n)
+    labels = sorted(last_post, key=last_post.__getitem__)
+    assert len(labels) == len(computes), (len(labels), len(computes))
+    return [
+        behind[label] < previous
+        and not any(kind == "host_wait" and n >= previous for kind, _, n in timeline[: last_post[label]])
+        for label, previous in zip(labels[1:], computes[:-1], strict=True)
+    ]
 
 
 @pytest.mark.parametrize("split", ["2:1", "7:1", "2:3"])

@@ -22,18 +22,12 @@ from dflash.drafter.blocks import sample_anchors
 from dflash.drafter.model import DFlashDraftModel
 from dflash.drafter.objective import dflash_loss
 from dflash.plan.app import plan_config, run
-from dflash.plan.costs import PacketShape, packet_costs
-from dflash.plan.gpus import load_gpu
-from dflash.plan.inputs import (
-    VERIFIER_METRICS,
-    attention_kinds,
-    data_stats,
-    resolve_inputs,
-    shape_problems,
-)
-from dflash.plan.memory import drafter_num_params
+from dflash.plan.gpus import load_gpu, resolve_inputs
 from dflash.plan.planner import make_plan
 from dflash.plan.throughput import RoleTimes, best_split, colocated, disaggregated
+from dflash.sizing.costs import PacketShape, packet_costs
+from dflash.sizing.inputs import VERIFIER_METRICS, attention_kinds, data_stats, shape_problems
+from dflash.sizing.memory import drafter_num_params
 from dflash.targets.forward import build_batch, target_forward
 from dflash.targets.loader import load_embed_and_head, load_target, read_target_meta, resolve_layer_ids
 from dflash.targets.packing import doc_ids_from_positions

@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM
 from dflash.cli import compose_config
 from dflash.config import register_configs
 from dflash.plan.app import plan_config
-from dflash.plan.fit import role_memory
-from dflash.plan.inputs import resolve_inputs
-from dflash.plan.memory import EVAL_ITEMS, DrafterSettings, target_cache_bytes
+from dflash.plan.gpus import resolve_inputs
 from dflash.plan.planner import make_plan
 from dflash.plan.tables import measured_summary
+from dflash.sizing.fit import role_memory
+from dflash.sizing.memory import EVAL_ITEMS, DrafterSettings, target_cache_bytes
 from dflash.targets.loader import read_target_meta
 
 

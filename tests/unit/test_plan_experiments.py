@@ -17,7 +17,7 @@ from testpaths import REPO
 from dflash.cli import compose_config
 from dflash.config import register_configs
 from dflash.plan.app import plan_config
-from dflash.plan.inputs import resolve_inputs
+from dflash.plan.gpus import resolve_inputs
 from dflash.plan.search import CUT_TOLERANCE, search
 from dflash.plan.tables import anchors_lines
 

@@ -12,8 +12,15 @@ from testpaths import REPO
 from dflash.cli import compose_config
 from dflash.config import GpuFields, PlanConfig, register_configs
 from dflash.plan.app import plan_config, run
-from dflash.plan.gpus import GPU_DIR, gpu_problems, load_gpu, match_profile, profiles, with_fields
-from dflash.plan.inputs import resolve_inputs
+from dflash.plan.gpus import (
+    GPU_DIR,
+    gpu_problems,
+    load_gpu,
+    match_profile,
+    profiles,
+    resolve_inputs,
+    with_fields,
+)
 from dflash.plan.links import intranode_link, link_for
 from dflash.plan.planner import make_plan
 from dflash.plan.throughput import RoleTimes, disaggregated

@@ -10,9 +10,9 @@ import pytest
 from dflash.cli import compose_config
 from dflash.config import register_configs
 from dflash.plan.app import plan_config
-from dflash.plan.inputs import resolve_inputs
-from dflash.plan.packets import DataStats, plan_packets
+from dflash.plan.gpus import resolve_inputs
 from dflash.plan.planner import make_plan
+from dflash.sizing.packets import DataStats, plan_packets
 
 QWEN36 = ["experiment=qwen3_6_27b_7x1", "plan.world_size=8", "plan.gpu=h200", "data.token_budget=65536"]
 

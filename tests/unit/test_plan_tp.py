@@ -10,12 +10,12 @@ from dflash.cli import compose_config
 from dflash.config import Config, GpuSpec, LossConfig, TargetShape, register_configs
 from dflash.drafter.model import DrafterArch
 from dflash.plan.app import plan_config, run
-from dflash.plan.costs import PacketShape, packet_costs, target_rank_flop, tp_bytes_per_token
-from dflash.plan.inputs import resolve_inputs
-from dflash.plan.memory import GIB, target_memory, target_rank_params
+from dflash.plan.gpus import resolve_inputs
 from dflash.plan.planner import make_plan
 from dflash.plan.tables import override
 from dflash.plan.throughput import RoleTimes, disaggregated, placement, role_times
+from dflash.sizing.costs import PacketShape, packet_costs, target_rank_flop, tp_bytes_per_token
+from dflash.sizing.memory import GIB, target_memory, target_rank_params
 from dflash.targets.families import active_params as target_active_params
 from dflash.targets.families import num_params as target_num_params
 from dflash.targets.tp import TpLayout
@@ -105,7 +105,7 @@ def test_a_tp_rank_holds_its_split_parts_and_sends_its_all_reduces():
 
 
 def _dtypes():
-    from dflash.plan.memory import RunDtypes
+    from dflash.sizing.memory import RunDtypes
 
     return RunDtypes(target_bytes=2)
 

@@ -18,17 +18,17 @@ from dflash.cli import compose_config
 from dflash.config import register_configs
 from dflash.plan.app import plan_config, run
 from dflash.plan.fake import LiveBytes, RealSmall
-from dflash.plan.fit import (
+from dflash.plan.gpus import resolve_inputs
+from dflash.plan.planner import make_plan
+from dflash.plan.rehearse import ROLES, measured_items, rehearse, rehearse_drafter
+from dflash.sizing.fit import (
     decide_checkpointing,
     largest_anchors,
     need_gib,
     role_memory,
     with_anchor_cap,
 )
-from dflash.plan.inputs import resolve_inputs
-from dflash.plan.memory import DrafterSettings
-from dflash.plan.planner import make_plan
-from dflash.plan.rehearse import ROLES, measured_items, rehearse, rehearse_drafter
+from dflash.sizing.memory import DrafterSettings
 
 SMALL = [
     "experiment=qwen3_8b_8gpu",

@@ -1,7 +1,7 @@
 """Hostile sizes are refused before any allocation (issue 19, item 9), and a config.json without
 ``num_key_value_heads`` loads as the checkpoint it describes (item 12).
 
-The checks use the planner's weight count (``dflash.plan.memory``) against the device's memory
+The checks use the planner's weight count (``dflash.sizing.memory``) against the device's memory
 (host RAM on CPU), so a ``config.json`` asking for 10^5 layers or an FFN of 10^9 is one
 ``ValueError`` naming the file, the fields and the GiB, raised in well under a second.
 """
@@ -17,7 +17,7 @@ import torch
 
 from dflash.config import TargetConfig
 from dflash.drafter.arch import DrafterArch
-from dflash.plan.memory import GIB, drafter_weights_problem, trained_bytes_per_param
+from dflash.sizing.memory import GIB, drafter_weights_problem, trained_bytes_per_param
 from dflash.targets.families import target_weights_problem
 from dflash.targets.loader import device_capacity, load_target, read_target_meta
 

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from testpaths import REPO
 
 from dflash.config import TargetShape, TinyTargetConfig
-from dflash.plan.inputs import shape_problems
+from dflash.sizing.inputs import shape_problems
 from dflash.targets.loader import read_target_meta
 from dflash.targets.tiny import build_model
 from dflash.targets.tp import distributed_config, tp_layout, tp_problems, tp_shape_problems

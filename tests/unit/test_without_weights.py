@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from dflash.config import DataConfig
 from dflash.data.cache import build_or_load_dataset
-from dflash.plan.costs import PacketShape, target_keys_per_query
-from dflash.plan.packets import DataStats, packed_lengths, plan_packets
+from dflash.sizing.costs import PacketShape, target_keys_per_query
+from dflash.sizing.packets import DataStats, packed_lengths, plan_packets
 from dflash.targets.loader import read_target_meta
 
 HUB_ID = "acme/chat-7b"

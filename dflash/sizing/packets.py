@@ -38,7 +38,7 @@ import torch
 from dflash.config import Config
 from dflash.config.resolve import drafter_attention
 from dflash.data.plan import BUCKET_WINDOW_PACKETS, DataPlan
-from dflash.plan.costs import PacketShape
+from dflash.sizing.costs import PacketShape
 
 DEFAULT_LENGTH_SIGMA = 1.0
 """Without the prepared dataset's lengths, padded rows are planned on lognormal sample lengths of

@@ -1,8 +1,8 @@
 """What fits a GPU: the planner's memory levers of a config, ``drafter.activation_checkpointing=auto``
 decided before start-up, and the largest anchors per packet that fit.
 
-Every answer comes from the memory model (:mod:`dflash.plan.memory`) on the config's typical packet
-(:mod:`dflash.plan.packets`), against a capacity in GiB: a GPU's memory minus
+Every answer comes from the memory model (:mod:`dflash.sizing.memory`) on the config's typical packet
+(:mod:`dflash.sizing.packets`), against a capacity in GiB: a GPU's memory minus
 ``plan.reserved_gib`` (what tensors cannot use: the CUDA context, NCCL buffers, allocator slack).
 """
 
@@ -17,9 +17,9 @@ import torch
 
 from dflash.config import Config, GpuSpec
 from dflash.config.modes import layout_of, mode_of
-from dflash.plan.inputs import PlanInputs, with_packets
-from dflash.plan.memory import GIB, DrafterSettings, eval_decode_bytes, eval_memory, memory_per_role
-from dflash.plan.packets import computed_blocks
+from dflash.sizing.inputs import PlanInputs, with_packets
+from dflash.sizing.memory import GIB, DrafterSettings, eval_decode_bytes, eval_memory, memory_per_role
+from dflash.sizing.packets import computed_blocks
 
 DRAFTER_ROLES = ("drafter", "colocated")
 
@@ -45,7 +45,7 @@ def need_gib(cfg: Config, inputs: PlanInputs, role: str, settings: DrafterSettin
 def role_memory(cfg: Config, inputs: PlanInputs, settings: DrafterSettings) -> dict[str, dict[str, float]]:
     """GiB by item of every role with ``settings`` on the config's typical packet (the memory model;
     the optimizer's state is ``optim.name``'s; with ``eval.every > 0`` the periodic eval's items,
-    :func:`dflash.plan.memory.eval_memory`)."""
+    :func:`dflash.sizing.memory.eval_memory`)."""
     settings = dataclasses.replace(settings, optimizer=str(cfg.optim.name))
     memory = memory_per_role(
         inputs.target.meta,
@@ -237,13 +237,6 @@ def decide_levers(
         block_chunks=chunking.chunks,
     )
     return LeverDecisions(chunking, checkpointing, settings)
-
-
-def drafter_settings(
-    cfg: Config, inputs: PlanInputs, capacity_gib: float, world_size: int
-) -> DrafterSettings:
-    """The drafter's memory levers of ``cfg`` on ``world_size`` GPUs of ``capacity_gib`` (auto resolved)."""
-    return decide_levers(cfg, inputs, capacity_gib, world_size).settings
 
 
 def with_anchor_cap(cfg: Config, inputs: PlanInputs, cap: int) -> tuple[Config, PlanInputs]:

@@ -164,13 +164,6 @@ class PacketCosts:
         return self.drafter_layers_flop + self.drafter_loss_total
 
 
-def target_layer_flop_per_token(target: TargetShape, keys_per_query: float) -> tuple[float, float]:
-    """``(all layers, their attention part)`` FLOPs of one token through the target's decoder layers."""
-    parts = flop_by_part(target, keys_per_query)
-    total = sum(v for k, v in parts.items() if k not in KERNEL_PARTS)
-    return total, parts["attention_scores"]
-
-
 def tp_bytes_per_token(target: TargetShape, layout: TpLayout, dtype_bytes: int) -> dict[str, float]:
     """Bytes one rank of a ``layout.tp_size``-rank replica sends per token to replicate the residual
     stream, by kind (module docstring): ``all_reduce`` (every split part that ends with one, and the

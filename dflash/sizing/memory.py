@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING
 from dflash.config import TargetShape
 from dflash.config.resolve import drafter_sharded
 from dflash.drafter.families import family_costs
-from dflash.plan.costs import AttentionKind, PacketShape, loss_rows, verifier_positions
+from dflash.sizing.costs import AttentionKind, PacketShape, loss_rows, verifier_positions
 from dflash.targets.families import described_fields, params_by_part, weights_message, working_bytes_per_token
 from dflash.targets.tp import TpLayout
 
@@ -399,7 +399,7 @@ def memory_per_role(
 ) -> dict[str, dict[str, float]]:
     """GiB by item for each role: ``target``, ``drafter`` and ``colocated`` (both on one GPU);
     ``packet`` is the target's, ``drafter_packet`` (default ``packet``) the drafter step's
-    (:class:`dflash.plan.packets.Packets`)."""
+    (:class:`dflash.sizing.packets.Packets`)."""
     t = target_memory(
         target,
         packet,

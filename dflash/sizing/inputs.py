@@ -1,5 +1,6 @@
-"""What the planner reads from a composed training config: the GPU, the target's shape, the
-drafter architecture, the data statistics and the packet a run will see.
+"""What a composed training config implies for its cost and memory: the target's shape, the drafter
+architecture, the data statistics and the packets a run will see (the planner adds the GPU:
+:func:`dflash.plan.gpus.resolve_inputs`).
 
 Nothing here downloads or builds anything: the target's ``config.json`` is read when it is on
 disk (a local directory, the built tiny target, or the Hugging Face cache), else ``target.shape``
@@ -23,10 +24,9 @@ from dflash.data.sources import EMBEDDED, resolve_data_path
 from dflash.drafter.arch import DrafterArch, build_arch
 from dflash.loss.terms import coefficients, needs_verifier_logits
 from dflash.loss.verifier import default_chunk_size
-from dflash.plan.costs import AttentionKind, PacketShape
-from dflash.plan.gpus import plan_gpu
-from dflash.plan.memory import RunDtypes
-from dflash.plan.packets import MAX_PLANNED_LENGTHS, DataStats, Packets, plan_device, plan_packets
+from dflash.sizing.costs import AttentionKind, PacketShape
+from dflash.sizing.memory import RunDtypes
+from dflash.sizing.packets import MAX_PLANNED_LENGTHS, DataStats, Packets, plan_device, plan_packets
 from dflash.targets.families import TargetMeta
 from dflash.targets.loader import read_target_meta, resolve_layer_ids
 
@@ -200,7 +200,7 @@ class PlanInputs:
 
     @property
     def packet(self) -> PacketShape:
-        """The packet of the most target work (:class:`dflash.plan.packets.Packets`)."""
+        """The packet of the most target work (:class:`dflash.sizing.packets.Packets`)."""
         return self.packets.target
 
 
@@ -237,9 +237,3 @@ def model_inputs(cfg: Config) -> PlanInputs:
         loss_chunk_rows=chunk,
         verifier_logits=verifier,
     )
-
-
-def resolve_inputs(cfg: Config) -> PlanInputs:
-    """:func:`model_inputs` and the GPU of ``plan.gpu`` (``auto`` probes this host's)."""
-    gpu, gpu_source = plan_gpu(cfg.plan)
-    return dataclasses.replace(model_inputs(cfg), gpu=gpu, gpu_source=gpu_source)
