@@ -11,8 +11,9 @@ from runner import Launch
 from safetensors.torch import load_file
 from wandb_reader import read_history
 
-STEPS = ["train.max_steps=12", "train.save_every=4"]
-"""The config of the reference run (tests/faults/conftest.py) and of every run compared with it."""
+STEPS = ["train.max_steps=12", "train.save_every=4", "drafter.hidden_noise_std=0.05"]
+"""The config of the reference run (tests/faults/conftest.py) and of every run compared with it
+(with hidden-state noise: a resumed run must draw the same noise to equal it bitwise)."""
 SENTINEL = "wandb-key-sentinel-7f3e2a9c1d5b"
 """The WANDB_API_KEY of the reference run; no file it writes may contain it."""
 HANG_TIMEOUT_S = 8

@@ -10,6 +10,7 @@ does not know (``+key=...`` would otherwise be ignored silently).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -118,6 +119,10 @@ def _drafter_problems(cfg: Config, p: _Problems) -> None:
         f"block_size - 1 tokens of one sample; use a block size like the public 16",
     )
     p.need(d.num_anchors >= 1, f"drafter.num_anchors={d.num_anchors}: must be >= 1")
+    p.need(
+        math.isfinite(d.hidden_noise_std) and d.hidden_noise_std >= 0,
+        f"drafter.hidden_noise_std={d.hidden_noise_std}: must be a finite number >= 0 (0: no noise; e.g. 0.05)",
+    )
     if d.max_anchors_per_packet is not None:
         p.need(
             d.max_anchors_per_packet >= 1,

@@ -396,6 +396,11 @@ class DrafterConfig:
     """Anchors sampled per sequence every step (without replacement)."""
     max_anchors_per_packet: int | None = field(default=None, metadata=CONTRACT)
     """Cap on the anchors of one packet (all its sequences together); None = no cap."""
+    hidden_noise_std: float = field(default=0.0, metadata=CONTRACT)
+    """Training only: Gaussian noise of this standard deviation (in the hidden states' own units) added
+    to the context hidden states the drafter reads (the target's taps, never the final hidden state
+    the verifier logits come from), drawn from ``train.seed`` and the packet's index, so a resumed run
+    draws the same; never in an eval or an export. 0 = none (speculators' ``--noise-std``)."""
     mask_token_id: int | None = field(default=None, metadata=derived("drafter.arch"))
     """None = drafter checkpoint, then the tokenizer's mask token, then the first row past the vocab."""
     hidden_size: int | None = field(default=None, metadata=derived("drafter.arch"))

@@ -40,6 +40,27 @@ def anchor_generator(seed: int, packet: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + packet)
 
 
+NOISE_ROWS = 4096
+"""Rows of context hidden states one noise draw covers (bounds the temporary to ``NOISE_ROWS x n_tap*H``)."""
+NOISE_STREAM = 1 << 48
+"""Offsets the noise generator's seed from the anchors' (the same (seed, g) would correlate them)."""
+
+
+def add_hidden_noise_(aux_hidden: Tensor, std: float, seed: int, packet: int) -> Tensor:
+    """Add ``std`` x N(0, 1) to ``aux_hidden`` [T, n_tap*H] in place and return it: the noise of packet
+    g depends only on (seed, g, the device type), drawn in its dtype on its device, ``NOISE_ROWS`` rows
+    at a time, so a resumed run adds exactly what a straight run does. In place: a received packet's
+    hidden states serve its step alone (its buffer is released after the step's compute)."""
+    generator = torch.Generator(device=aux_hidden.device).manual_seed(
+        seed * 1_000_003 + packet + NOISE_STREAM
+    )
+    for start in range(0, aux_hidden.shape[0], NOISE_ROWS):
+        rows = aux_hidden[start : start + NOISE_ROWS]
+        noise = torch.randn(rows.shape, generator=generator, device=rows.device, dtype=rows.dtype)
+        rows.add_(noise, alpha=std)
+    return aux_hidden
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What every packet's step of a run shares."""
@@ -63,6 +84,9 @@ class StepPlan:
     block_chunks: int = 1
     """The packet's blocks run in this many chunks of whole blocks (:func:`objective_step`); 1: all
     at once. More needs a ``normalizer`` (a chunk's loss is then a part of the packet's sum)."""
+    hidden_noise_std: float = 0.0
+    """Training: the standard deviation of the Gaussian noise added to the context hidden states
+    (:func:`add_hidden_noise_`; ``drafter.hidden_noise_std``); 0 in the eval."""
     skip_empty_chunks: bool = False
     """Chunks holding no anchor are not run (:func:`packet_anchors`): a drafter whose step has no
     collective inside it (replicated), so that a static shape costs the blocks a packet has, rounded
@@ -115,6 +139,7 @@ class StepPlan:
             seed=cfg.train.seed,
             normalizer=1.0,
             block_chunks=block_chunks,
+            hidden_noise_std=d.hidden_noise_std,
             skip_empty_chunks=skip_empty_chunks,
         )
 
@@ -156,6 +181,8 @@ class PacketAnchors:
     chunks: list[tuple[Tensor, Tensor]]
     """Per chunk of whole blocks (``StepPlan.block_chunks``; one when unchunked): its anchors [1, n]
     (a slice of :attr:`anchors`) and the verifier positions of its supervised slots [R_c]."""
+    packet: int | None = None
+    """The packet's index g (:func:`plan_anchors`): what seeds its hidden-state noise."""
 
     @property
     def num_blocks(self) -> int:
@@ -186,11 +213,17 @@ def plan_anchors(plan: StepPlan, seq_lens: Tensor, loss_mask: Tensor, index: int
         offered = int(offered_anchors(mask, docs, plan.num_anchors))
         generator = anchor_generator(plan.seed, index)
         anchors = sample_anchors(mask, docs, plan.num_anchors, generator, plan.max_anchors)
-    return packet_anchors(plan, positions, mask, anchors, offered)
+    return packet_anchors(plan, positions, mask, anchors, offered, packet=index)
 
 
 def packet_anchors(
-    plan: StepPlan, positions: Tensor, loss_mask: Tensor, anchors: Tensor, offered: int
+    plan: StepPlan,
+    positions: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    offered: int,
+    *,
+    packet: int | None = None,
 ) -> PacketAnchors:
     """:class:`PacketAnchors` of given anchors [1, N] (-1: padding) of a packet at ``positions`` /
     ``loss_mask`` [1, T] (host tensors), cut into ``plan.block_chunks`` chunks of
@@ -204,7 +237,7 @@ def packet_anchors(
         slices = [a for a in slices if bool((a >= 0).any())] or slices[:1]
     chunks = [(a, supervised_positions(loss_mask, docs, a, plan.block_size)) for a in slices]
     whole = chunks[0][1] if len(chunks) == 1 else torch.cat([p for _, p in chunks]).sort().values
-    return PacketAnchors(positions, anchors, whole, offered, chunks)
+    return PacketAnchors(positions, anchors, whole, offered, chunks, packet)
 
 
 def objective_step(
@@ -227,6 +260,8 @@ def objective_step(
     :func:`plan_anchors` (moved without a host sync); ``embed`` / ``head`` [V, H] frozen target
     tensors. ``on_phase(name)``: called when the drafter forward and the loss end (step timing);
     ``selector_scale``: DFlash2's selector coefficient at this step (None: ``loss.selector``).
+    With ``plan.hidden_noise_std`` (training) the packet's noise is first added to ``aux_hidden``
+    in place (:func:`add_hidden_noise_`).
 
     With several chunks (``plan.block_chunks``) the context's keys and values are computed once
     and each chunk of whole blocks runs forward, loss and, when gradients are on, backward
@@ -238,6 +273,12 @@ def objective_step(
     every sum is the packet's."""
     device = input_ids.device
     positions = anchors.positions.to(device, non_blocking=True)
+    if plan.hidden_noise_std > 0:
+        if anchors.packet is None:
+            raise ValueError(
+                "hidden-state noise needs the packet's index: anchors from plan_anchors(..., index)"
+            )
+        aux_hidden = add_hidden_noise_(aux_hidden, plan.hidden_noise_std, plan.seed, anchors.packet)
     args = (
         aux_hidden.unsqueeze(0),
         final_hidden.unsqueeze(0),
