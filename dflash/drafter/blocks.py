@@ -54,6 +54,11 @@ from dflash.config import SLIDING_ATTENTION
 from dflash.drafter.attention import AttentionMask
 from dflash.loss.device import uncounted
 
+SAMPLE_FROM_ANCHOR = False
+"""Slot k of the block at anchor a predicts the token at a + k and slot 0 is the anchor's token,
+given (module docstring): ``sample_from_anchor=false`` in the engines' and speculators' terms (their
+``true`` has slot k predict a + k + 1). Exports write it; both families train it."""
+
 
 def eligible_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """[B, S] bool: loss_mask[p] and loss_mask[p+1] and doc[p] == doc[p+1] (last position never)."""

@@ -23,9 +23,15 @@ Attention layout and causality (the semantics are in ``dflash.drafter.blocks``):
   mixed layout any value would be wrong for some layers: they are left out and ``layer_types`` says it.
 - RoPE: ``rope_parameters`` (transformers 5, vLLM), ``rope_theta``/``rope_scaling`` (older readers) and
   ``partial_rotary_factor`` (top level and in ``rope_parameters``) when it is not 1.
+- The serving contract's fields (top level, where vLLM reads them off the drafter's config):
+  ``is_neox_style: true`` (the drafter's own RoPE layout, :data:`dflash.drafter.model.ROPE_IS_NEOX_STYLE`,
+  not the target's) and ``sample_from_anchor: false`` (slot k predicts the token at anchor + k,
+  :data:`dflash.drafter.blocks.SAMPLE_FROM_ANCHOR`), for both families.
 
 Import (``arch_from_export``) reads the same keys back and refuses a config whose causality keys
-contradict its layer types, or a sliding layout without ``use_sliding_window``, naming the field.
+contradict its layer types, a sliding layout without ``use_sliding_window``, or serving-contract
+fields this drafter does not train (``is_neox_style: false``, ``sample_from_anchor: true``), naming
+the field; an export without them (the published layout) reads as the defaults, which are ours.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ from safetensors.torch import load_file, save_file
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash.config.checks import tap_ids_problem
 from dflash.drafter.arch import DrafterArch, family_fields, mask_token_problem, rope_from_config
+from dflash.drafter.blocks import SAMPLE_FROM_ANCHOR
 from dflash.drafter.families import FAMILIES, build_drafter, family_of, family_of_architectures
-from dflash.drafter.model import DFlashDraftModel
+from dflash.drafter.model import ROPE_IS_NEOX_STYLE, DFlashDraftModel
 from dflash.files import atomic_directory
 
 ARCHITECTURE = FAMILIES["dflash"].architecture
@@ -88,6 +95,8 @@ def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype)
         block_size=arch.block_size,
         num_target_layers=target_num_layers,
         dflash_config=dflash_config,
+        is_neox_style=ROPE_IS_NEOX_STYLE,
+        sample_from_anchor=SAMPLE_FROM_ANCHOR,
         rope_parameters=rope,
         rope_theta=rope["rope_theta"],
         rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
@@ -139,6 +148,29 @@ def _layout_of(config: dict, num_layers: int) -> tuple[list[str], int | None]:
             )
         break  # vLLM reads is_causal first; dflash_config.causal only without it
     return types, window
+
+
+SERVING_CONTRACT = {"is_neox_style": ROPE_IS_NEOX_STYLE, "sample_from_anchor": SAMPLE_FROM_ANCHOR}
+"""The serving-contract fields of an export and the one value each may have here."""
+
+
+def _serving_contract_problem(config: dict) -> str | None:
+    """Why the export's ``is_neox_style`` / ``sample_from_anchor`` (top level or in ``dflash_config``)
+    are not what this drafter trains; None when absent (the engines' defaults are ours) or equal."""
+    dcfg = config.get("dflash_config") or {}
+    for key, ours in SERVING_CONTRACT.items():
+        for where, value in ((key, config.get(key)), (f"dflash_config.{key}", dcfg.get(key))):
+            if value is not None and value is not ours:
+                what = (
+                    "its heads' RoPE rotated in interleaved pairs; this drafter rotates halves (GPT-NeoX)"
+                    if key == "is_neox_style"
+                    else "slot k predicting the token at anchor + k + 1; this drafter's slot k predicts anchor + k"
+                )
+                return (
+                    f"{where}={json.dumps(value)}: the export says it was trained with {what}, so its weights "
+                    f"would serve and evaluate wrongly here; only {key}={json.dumps(ours)} (or no {key}) loads"
+                )
+    return None
 
 
 def _block_size_of(config: dict) -> int:
@@ -194,6 +226,8 @@ def arch_from_export(config: dict) -> DrafterArch:
         layer_ids = _tap_ids_of(config)
         rope, partial = rope_from_config(config)
         layer_types, window = _layout_of(config, num_layers)
+        if (problem := _serving_contract_problem(config)) is not None:
+            raise ValueError(problem)
         return DrafterArch(
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],

@@ -70,6 +70,13 @@ ContextKV = tuple[torch.Tensor, torch.Tensor]
 """One layer's context keys and values [B, nkv, S, hd] (:meth:`DFlashAttention.context_kv`)."""
 
 
+ROPE_IS_NEOX_STYLE = True
+"""The drafter rotates the two halves of each head (GPT-NeoX layout, :func:`_rotate_half`), never
+interleaved pairs, whatever the target does: exports write it as ``is_neox_style``, which vLLM
+reads from the drafter's own config (default true; vllm-project/vllm#54373: the layout the drafter
+was trained under must hold, not the target's)."""
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -140,6 +140,7 @@ def test_export_is_the_served_layout_and_round_trips(tmp_path):
         "selector_top_k": 5,
     }
     assert dc["mask_token_id"] == MASK_ID and dc["target_layer_ids"] == [1, 3, 5]
+    assert cfg["is_neox_style"] is True and cfg["sample_from_anchor"] is False  # as trained (vLLM reads both)
     arch, state = load_exported(out)
     assert arch == two.arch
     shapes = {k: tuple(v.shape) for k, v in state.items()}

@@ -88,6 +88,7 @@ def test_export_layout_and_bit_exact_round_trip(tmp_path):
         "causal": False,
     }
     assert cfg["is_causal"] is False and cfg["layer_types"] == ["full_attention"] * 2
+    assert cfg["is_neox_style"] is True and cfg["sample_from_anchor"] is False  # the serving contract
     assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
     assert cfg["model_type"] == "qwen3" and cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 2
     with safe_open(str(out / "model.safetensors"), "pt") as f:

@@ -491,6 +491,16 @@ def _set(section: str | None, key: str, value):
             _set(None, "block_size", 8),
             "block_size=8 (top level) and dflash_config.block_size=4 differ",
         ),
+        (
+            "interleaved",
+            _set(None, "is_neox_style", False),
+            "is_neox_style=false: the export says it was trained with its heads' RoPE rotated in interleaved pairs",
+        ),
+        (
+            "anchor",
+            _set("dflash_config", "sample_from_anchor", True),
+            "dflash_config.sample_from_anchor=true: the export says it was trained with slot k predicting",
+        ),
     ],
 )
 def test_an_export_edited_to_a_wrong_tap_order_mask_or_block_size_is_refused(

@@ -258,6 +258,9 @@ def test_a_warm_start_refuses_unsorted_taps_and_a_second_block_size(weightless_t
         ValueError, match=r"block_size=4 \(top level\) and dflash_config.block_size=16 differ"
     ):
         _resolve(weightless_target, [f"drafter.init_from={block}"])
+    anchor = _warm_start_from(tmp_path / "a", weightless_target, {"sample_from_anchor": True})
+    with pytest.raises(ValueError, match=r"dflash_config.sample_from_anchor=true: the export says"):
+        _resolve(weightless_target, [f"drafter.init_from={anchor}"])
 
 
 def test_warm_start_hints_name_only_ids_that_pass(weightless_target, tmp_path):
