@@ -154,10 +154,25 @@ SERVING_CONTRACT = {"is_neox_style": ROPE_IS_NEOX_STYLE, "sample_from_anchor": S
 """The serving-contract fields of an export and the one value each may have here."""
 
 
+HEAD_TRANSFORMS = {"final_logit_softcapping": None, "output_multiplier": 1.0}
+"""``dflash_config`` keys of published DFlash2 layouts (z-lab's fixture) that change the logits of the
+target head the drafter shares, and the value that leaves them unchanged: this pipeline's loss and
+decoder apply the target's head as it is."""
+
+
 def _serving_contract_problem(config: dict) -> str | None:
     """Why the export's ``is_neox_style`` / ``sample_from_anchor`` (top level or in ``dflash_config``)
-    are not what this drafter trains; None when absent (the engines' defaults are ours) or equal."""
+    are not what this drafter trains, or its head transforms (:data:`HEAD_TRANSFORMS`) not the plain
+    head; None when absent (the engines' defaults are ours) or equal."""
     dcfg = config.get("dflash_config") or {}
+    for key, plain in HEAD_TRANSFORMS.items():
+        value = dcfg.get(key, plain)
+        if value is not None and value != plain:
+            return (
+                f"dflash_config.{key}={json.dumps(value)}: the export's drafts go through the target head "
+                f"with this transform, which this pipeline's loss, eval and decoder do not apply (they use the "
+                "target's head as it is), so it would evaluate and fine-tune a different model"
+            )
     for key, ours in SERVING_CONTRACT.items():
         for where, value in ((key, config.get(key)), (f"dflash_config.{key}", dcfg.get(key))):
             if value is not None and value is not ours:

@@ -497,6 +497,11 @@ def _set(section: str | None, key: str, value):
             "is_neox_style=false: the export says it was trained with its heads' RoPE rotated in interleaved pairs",
         ),
         (
+            "softcap",
+            _set("dflash_config", "final_logit_softcapping", 20.0),
+            "dflash_config.final_logit_softcapping=20.0: the export's drafts go through the target head",
+        ),
+        (
             "anchor",
             _set("dflash_config", "sample_from_anchor", True),
             "dflash_config.sample_from_anchor=true: the export says it was trained with slot k predicting",
