@@ -16,6 +16,7 @@ adds ``measured_gib`` and ``estimated_gib`` to the JSON line.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import Config, PlanConfig, register_configs, to_config
-from dflash.config.checks import raise_problems
+from dflash.config.checks import raise_problems, sizing_problems
 from dflash.plan.gpus import gpu_problems, resolve_inputs
 from dflash.plan.search import pinned_fields, search
 from dflash.plan.tables import (
@@ -67,7 +68,14 @@ def plan_problems(p: PlanConfig) -> list[str]:
             p.supervised_fraction is None or 0 < p.supervised_fraction <= 1,
             f"plan.supervised_fraction={p.supervised_fraction}: must be in (0, 1] or null",
         ),
-        (p.reserved_gib >= 0, f"plan.reserved_gib={p.reserved_gib}: must be >= 0"),
+        (
+            math.isfinite(p.reserved_gib) and p.reserved_gib >= 0,
+            f"plan.reserved_gib={p.reserved_gib}: must be a finite number >= 0",
+        ),
+        (
+            p.num_samples is None or p.num_samples >= 1,
+            f"plan.num_samples={p.num_samples}: must be >= 1 or null (the prepared dataset's, else 800,000)",
+        ),
     ]
     return [msg for ok, msg in checks if not ok] + gpu_problems(p)
 
@@ -78,7 +86,7 @@ def plan_config(dcfg: DictConfig) -> Config:
     if OmegaConf.is_missing(dcfg.data, "path"):
         dcfg.data.path = ""
     cfg = to_config(dcfg)
-    raise_problems(plan_problems(cfg.plan), "plan")
+    raise_problems(plan_problems(cfg.plan) + sizing_problems(cfg), "plan")
     return cfg
 
 

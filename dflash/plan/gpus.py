@@ -12,6 +12,7 @@ errs slow). The probe takes a few seconds and allocates under 2 GiB per GPU.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -54,7 +55,33 @@ def gpu_problems(p: PlanConfig, cuda_available: bool | None = None) -> list[str]
         spec = with_fields(load_gpu(p.gpu), p.gpu_spec)
     except Exception as e:  # a YAML file with a wrong or missing field
         return [f"plan.gpu={p.gpu}: {e}".splitlines()[0]]
-    return link_problems(spec, f"plan.gpu={p.gpu}")
+    return spec_problems(spec, p) or link_problems(spec, f"plan.gpu={p.gpu}")
+
+
+POSITIVE = ("bf16_tflops", "hbm_tbps", "internode_gbps")
+"""GPU figures that must be finite and > 0 (the others finite and >= 0)."""
+
+
+def spec_problems(spec: GpuSpec, p: PlanConfig) -> list[str]:
+    """Figures no GPU has (NaN, infinite, negative, a zero rate, memory not above ``plan.reserved_gib``),
+    each naming the ``plan.gpu_spec`` field and the range."""
+    out = []
+    for f in dataclasses.fields(GpuFields):
+        value = getattr(spec, f.name)
+        if f.name in ("name", "p2p") or not isinstance(value, int | float):
+            continue
+        least = 1 if f.name == "gpus_per_node" else 0
+        strict = f.name in POSITIVE
+        if not math.isfinite(value) or value < least or (strict and value <= 0):
+            bound = "> 0" if strict else f">= {least}"
+            out.append(f"plan.gpu_spec.{f.name}={value} (plan.gpu={p.gpu}): must be a finite number {bound}")
+    hbm = spec.hbm_gb
+    if math.isfinite(hbm) and math.isfinite(p.reserved_gib) and hbm * 1e9 / 2**30 <= p.reserved_gib:
+        out.append(
+            f"plan.gpu_spec.hbm_gb={hbm} (plan.gpu={p.gpu}): {hbm * 1e9 / 2**30:.1f} GiB leaves nothing above "
+            f"plan.reserved_gib={p.reserved_gib}; give the GPU's memory in GB (e.g. plan.gpu_spec.hbm_gb=80)"
+        )
+    return out
 
 
 def load_gpu(name: str) -> GpuSpec:

@@ -135,6 +135,7 @@ def summary(found: Search, cfg: Config, fixes: dict[str, str] | None = None) -> 
         "num_targets": 0 if split.mode == "colocated" else split.num_targets,
         "num_drafters": plan.world_size if split.mode == "colocated" else split.num_drafters,
         "target_tp": split.target_tp,
+        "recommended": best.fits,
         "changes": list(best.changes),
         "token_budget": best.cfg.data.token_budget,
         "max_anchors_per_packet": best.cfg.drafter.max_anchors_per_packet,
@@ -519,13 +520,19 @@ def _verdict_lines(found: Search, cfg: Config, overrides: Sequence[str], fixes: 
         if not plan.splits
         else f"Recommended: {b.label}{changed} ({override(b)})"
     )
-    lines = [
-        f"{head}: {_rates(best)}{'' if best.fits else ' (a role does not fit: see below)'}",
-        command,
-        *(f"  {line}" for line in placement(b, gpn)),
-        *anchors_lines(found, cfg),
-        epoch,
-    ]
+    if best.fits:
+        lines = [
+            f"{head}: {_rates(best)}",
+            command,
+            *(f"  {line}" for line in placement(b, gpn)),
+            *anchors_lines(found, cfg),
+            epoch,
+        ]
+    else:  # no launch line to paste: it would run out of memory
+        lines = [
+            f"Nothing fits {plan.world_size} x {plan.gpu.name} (nearest: {b.label}{changed}, {_rates(best)}): "
+            "no split is recommended; see the memory per role above and the fixes below"
+        ]
     conf = found.configured
     if conf.cfg != best.cfg or conf.split.label != b.label:
         gain = best.signal_per_s / conf.signal_per_s if conf.signal_per_s > 0 else math.inf
