@@ -327,6 +327,14 @@ def _flush_wandb_service() -> None:
         logger.warning("wandb teardown failed", exc_info=True)
 
 
+def default_run_name(run_dir: Path) -> str:
+    """The W&B run name without ``logging.name``: the run directory's last two parts
+    (``outputs/cmp/A_base`` -> ``cmp/A_base``; the default ``outputs/<experiment>/<run id>`` ->
+    ``<experiment>/<run id>``), so runs of one experiment in several directories read apart."""
+    parts = Path(run_dir).resolve().parts
+    return "/".join(parts[-2:])
+
+
 def build_logger(
     cfg: LoggingConfig,
     is_leader: bool,

@@ -681,7 +681,7 @@ class LoggingConfig:
     entity: str | None = field(default=None, metadata=FREE)
     """W&B entity (team or user); None = the key's default."""
     name: str | None = field(default=None, metadata=FREE)
-    """W&B run name; None = the run directory's name."""
+    """W&B run name; None = the run directory's last two parts (``outputs/cmp/A_base``: ``cmp/A_base``)."""
     progress_bar: bool = field(default=True, metadata=FREE)
     """A progress bar on the drafter leader's console."""
     init_timeout_s: float = field(default=30.0, metadata=FREE)

@@ -320,6 +320,11 @@ def ensure_tiny_target(path: str | os.PathLike, spec: TinyTargetConfig) -> Path:
                 _install_prebuilt(tmp, shipped)
             else:
                 build_tiny_target(tmp, spec)
-        how = "copied the shipped build" if shipped is not None else "trained"
+        if shipped is not None:
+            how = "copied the shipped build"
+        elif spec.train_steps > 0:
+            how = f"built and trained ({spec.train_steps} steps)"
+        else:
+            how = "built untrained (target.tiny.train_steps=0: random weights)"
         log.info("tiny target at %s: %s in %.0f s", out, how, time.perf_counter() - t0)
     return out

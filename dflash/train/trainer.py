@@ -50,6 +50,7 @@ from dflash.metrics import (
     NullLogger,
     PhaseTimer,
     build_logger,
+    default_run_name,
     human_count,
     peak_memory_gib,
     progress_bar,
@@ -259,7 +260,12 @@ class DrafterTrainer:
         if self.is_leader:
             config = plain_dict(OmegaConf.structured(cfg))
             self.logger = build_logger(
-                cfg.logging, True, self.run_dir, config, cfg.name, resume_id=self.state.wandb_run_id
+                cfg.logging,
+                True,
+                self.run_dir,
+                config,
+                default_run_name(self.run_dir),
+                resume_id=self.state.wandb_run_id,
             )
             self.state.wandb_run_id = self.logger.run_id
         self.ledger = StepLog(self.run_dir / "ledger.jsonl")

@@ -270,3 +270,13 @@ def test_wandb_dying_mid_run_continues_offline_with_one_warning(tmp_path, caplog
     runs = find_wandb_files(tmp_path)  # the dead service's file, then the new one, under the same id
     assert len(runs) == 2 and read_wandb_run(runs[-1]).run_id == log.run_id
     assert [r["train/step"] for r in read_wandb_run(runs[-1]).history] == [2, 3, 4]
+
+
+def test_the_default_run_name_tells_runs_of_one_experiment_apart(tmp_path):
+    """``logging.name`` unset: the run directory's last two parts, not the experiment's name (every
+    ``hydra.run.dir=outputs/cmp/<x>`` run was called ``tiny_cpu``)."""
+    from dflash.metrics import default_run_name
+
+    assert default_run_name(tmp_path / "outputs" / "cmp" / "A_base") == "cmp/A_base"
+    assert default_run_name(tmp_path / "outputs" / "tiny_cpu" / "6c77914c") == "tiny_cpu/6c77914c"
+    assert default_run_name(tmp_path / "cmp" / "B" / ".") == "cmp/B"

@@ -79,3 +79,17 @@ def test_the_default_spec_keeps_its_shipped_build_directory_name():
         spec.cache_subdir().startswith("tiny_targets/qwen3-")
         and len(spec.cache_subdir()) == len("tiny_targets/qwen3-") + 12
     )
+
+
+def test_the_build_log_says_whether_the_target_was_trained(tmp_path, caplog):
+    """``target.tiny.train_steps=0`` builds random weights: the log says so, not "trained in 3 s"."""
+    import logging
+
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="dflash.targets.tiny"):
+        _build(_config(cache, "target.tiny.train_steps=0"))
+        _build(_config(cache))
+    lines = [r.getMessage() for r in caplog.records if "tiny target at" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "built untrained (target.tiny.train_steps=0: random weights) in" in lines[0]
+    assert "built and trained (3 steps) in" in lines[1]
