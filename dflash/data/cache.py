@@ -280,7 +280,27 @@ def build_or_load_dataset(
         final,
     )
     check_skip_fraction(ds, cfg.max_skip_fraction)
+    if (note := truncation_note(ds, cfg)) is not None:
+        log.warning("%s", note)
     return ds
+
+
+TRUNCATED_SHARE = 0.1
+"""Above this share of kept samples cut to ``data.max_length``, building or loading the dataset warns."""
+
+
+def truncation_note(ds: TokenizedDataset, cfg: DataConfig) -> str | None:
+    """One line when more than :data:`TRUNCATED_SHARE` of the kept samples were cut, naming
+    ``data.max_length`` and the chat defaults; else None."""
+    kept = len(ds)
+    if kept == 0 or ds.truncated <= TRUNCATED_SHARE * kept:
+        return None
+    return (
+        f"{ds.truncated} of {kept} samples ({ds.truncated / kept:.0%}) were cut to data.max_length="
+        f"{cfg.max_length} tokens (or data.max_record_chars): the drafter never sees their ends. For chat "
+        "data use data=chat_jsonl (max_length 3072, 16,384-token packets) or raise data.max_length and "
+        "data.token_budget"
+    )
 
 
 @contextmanager
