@@ -57,7 +57,11 @@ def eval_config_problems(cfg: EvalAppConfig) -> list[str]:
         p.append(f"num_prompts={cfg.num_prompts}: must be >= 1 or null (all prompts)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         p.append("device=cuda but CUDA is not available; set device=cpu (or auto)")
-    if (cfg.prompts is None) == (cfg.suite is None):
+    if cfg.prompts is not None and not cfg.prompts.strip():
+        p.append(
+            "prompts='': name a prompts file (prompts=<prompts.jsonl> or a datasets path), or use suite=zlab"
+        )
+    elif (cfg.prompts is None) == (cfg.suite is None):
         p.append(
             f"prompts={cfg.prompts!r} and suite={cfg.suite!r}: set exactly one (prompts=<prompts.jsonl> "
             "for a prompt file, suite=zlab or suite=[gsm8k,mt-bench] for benchmarks)"

@@ -201,6 +201,10 @@ def test_suite_names_and_the_comma_form_on_the_command_line():
     (both,) = problems("suite=gsm8k", "prompts=p.jsonl")
     assert both.startswith("prompts='p.jsonl' and suite='gsm8k': set exactly one")
     assert problems() == ["prompts=None and suite=None: " + both.split(": ", 1)[1]]
+    # an empty prompts= (it read whatever the working directory held) is refused
+    assert problems("prompts=''") == [
+        "prompts='': name a prompts file (prompts=<prompts.jsonl> or a datasets path), or use suite=zlab"
+    ]
     assert problems("suite=gsm8k", "max_samples=0") == [
         "max_samples=0: must be >= 1 or null (every row of each benchmark)"
     ]
