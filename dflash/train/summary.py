@@ -71,7 +71,11 @@ class RunSummary:
             self.recent = [*self.recent[1 - RECENT_STEPS :], dict(m)]
             self.tokens_per_s.append(m.get("perf/tokens_per_s", 0.0))
             self.rows.append(
-                {k: v for k, v in m.items() if k.startswith(("perf/", "comm/", "train/anchors"))}
+                {
+                    k: v
+                    for k, v in m.items()
+                    if k.startswith(("perf/", "comm/", "train/anchors", "train/packets_cut"))
+                }
             )
         if "eval/tau" in m:
             self.last_eval = dict(m)

@@ -129,8 +129,9 @@ def test_a_cap_below_the_recipe_is_warned_once_and_the_summary_says_the_anchors(
     assert "python -m dflash.plan names the largest that fits" in short_run.output
     table = short_run.stdout[short_run.stdout.index("dflash run summary") :]
     m = re.search(
-        r"^anchors +(\d+) per sample trained of the recipe's (\d+) \(drafter.max_anchors_per_packet=16 cut",
+        r"^anchors +(\d+) per sample trained of the recipe's (\d+) \(drafter.max_anchors_per_packet=16 cut (\d+) logged",
         table,
         re.M,
     )
     assert m and int(m[1]) < int(m[2]) <= 8, table
+    assert int(m[3]) == sum(int(r["train/packets_cut"]) for r in rows) > 0, table
