@@ -219,14 +219,23 @@ def _warnings(
     world: int,
     settings: DrafterSettings,
     colocated_settings: DrafterSettings,
+    memory: dict[str, dict[str, float]],
 ) -> dict[str, str]:
-    """A warning for every role that fits no GPU (the target: on one GPU, naming the replicas that fit)."""
+    """A warning for every role that fits no GPU (the target: on one GPU, naming the replicas that fit;
+    a drafter that the periodic eval's copy of the target pushes over: that cause and its lever first)."""
     warnings = {}
     for role in ROLES if world > 1 else ("colocated",):
         if plan_fits[role]:
             continue
         role_settings = colocated_settings if role == "colocated" else settings
         hint = fit_hint(role, role_settings, cfg.drafter.block_chunks is not None)
+        copy = memory[role].get("eval_target", 0.0)
+        if copy > 0 and need[role] - copy <= capacity:
+            hint = (
+                f"{copy:.1f} GiB of it is the periodic eval's copy of the whole target (eval.every="
+                f"{cfg.eval.every}), without which it fits: set eval.every=0 and evaluate the export with "
+                f"dflash.eval where the target fits; else {hint}"
+            )
         if role == "target":
             fitting = [k for k, ok in replica_fits.items() if ok and k > 1]
             hint = (
@@ -410,7 +419,7 @@ def make_plan(cfg: Config, inputs: PlanInputs) -> Plan:
         + ([_dense_attention_warning(costs, cross)] if cross > 0.05 * costs.target_flop else [])
         + _reserve_warnings(nccl, p.reserved_gib),
         fit_warnings=_warnings(
-            fits, replica_fits, need, capacity, cfg, gpu, world, settings, co_levers.settings
+            fits, replica_fits, need, capacity, cfg, gpu, world, settings, co_levers.settings, memory
         ),
         layouts=layouts,
         replica_memory={1: memory["target"], **replica_memory},

@@ -107,8 +107,9 @@ class Search:
     pinned: frozenset[str]
     """The searched fields the command line set (held)."""
     restore: Choice | None = None
-    """The best choice that fits and keeps the recipe's anchors per sample (None: none does), from a
-    search without the held ``drafter.max_anchors_per_packet`` when that cap cuts them."""
+    """The best choice that fits and keeps the recipe's anchors per sample, in the best's mode where
+    one does, else in the other (None: none does), from a search without the held
+    ``drafter.max_anchors_per_packet`` when that cap cuts them."""
 
     def best_on(self, label: str) -> Choice | None:
         """The best choice on the split ``label`` (``3:5``, ``2x2:4``, ``co-located x8``), if any."""
@@ -248,7 +249,7 @@ def search(cfg: Config, inputs: PlanInputs, pinned: Collection[str] = ()) -> Sea
     mine = [c for c in choices if c.split.mode == mode]
     others = [c for c in choices if c.split.mode != mode]
     best = _best_of(mine)
-    keeping = [c for c in choices if c.fits and not c.cut]
+    keeping = [c for c in mine if c.fits and not c.cut] or [c for c in choices if c.fits and not c.cut]
     restore = _best_of(keeping) if keeping else None
     held_cap = "drafter.max_anchors_per_packet"
     if best.cut and restore is None and held_cap in pinned:

@@ -58,10 +58,15 @@ def _largest_fitting(cfg: Config, plan: Plan, role: str, section: str, key: str,
         else:
             hi = mid
     if lo == 0:
-        need = sum(_replanned(cfg, plan, section, key, step).memory[role].values())
-        return (
-            f"no {section}.{key} fits ({step} still needs {need:.1f} GiB of {plan.capacity_gib:.1f} per GPU)"
+        items = _replanned(cfg, plan, section, key, step).memory[role]
+        need, copy = sum(items.values()), items.get("eval_target", 0.0)
+        why = (
+            f"; {copy:.1f} GiB of it is the periodic eval's copy of the target (eval.every={cfg.eval.every}): "
+            "set eval.every=0 and evaluate the export with dflash.eval where the target fits"
+            if copy > 0
+            else ""
         )
+        return f"no {section}.{key} fits ({step} still needs {need:.1f} GiB of {plan.capacity_gib:.1f} per GPU{why})"
     need = sum(_replanned(cfg, plan, section, key, lo * step).memory[role].values())
     return f"{section}.{key}={lo * step} ({need:.1f} GiB of {plan.capacity_gib:.1f} per GPU)"
 
@@ -477,17 +482,25 @@ def anchors_lines(found: Search, cfg: Config) -> list[str]:
         return lines
     cap = best.cfg.drafter.max_anchors_per_packet
     keep = found.restore
+    copy = best.plan.memory["drafter"].get("eval_target", 0.0) if best.split.mode != "colocated" else 0.0
     if "drafter.max_anchors_per_packet" in found.pinned:
         why = f"drafter.max_anchors_per_packet={cap} as asked"
-    elif keep is None:
-        why = f"memory: no packet size and lever fits the recipe's anchors on {best.plan.gpu.name}"
+    elif keep is None or keep.split.mode != best.split.mode:
+        mode = "co-located" if best.split.mode == "colocated" else "disaggregated"
+        why = f"memory: no packet size and lever fits the recipe's anchors {mode} on {best.plan.gpu.name}"
+        if copy > 0:
+            why += (
+                f", {copy:.1f} GiB of each drafter being the periodic eval's copy of the target "
+                f"(eval.every={cfg.eval.every}; eval.every=0 frees it)"
+            )
     else:
         why = (
             f"drafter.max_anchors_per_packet={cap} trains more per second than the recipe's cap (padding every "
             "packet to the largest packet's anchors costs more than the cut)"
         )
+    where = f"{keep.split.label}, topology=colocated" if keep and keep.split.mode != best.split.mode else ""
     restore = (
-        f"{' '.join(keep.changes) or 'the configured packets'} on {keep.split.label} ({_lever_words(keep)}) trains "
+        f"{' '.join(keep.changes) or 'the configured packets'} on {where or keep.split.label} ({_lever_words(keep)}) trains "
         f"them all at {keep.anchors_per_s:,.0f} anchors/s ({keep.signal_per_s / best.signal_per_s:.2f}x the signal, "
         f"{keep.samples_per_s / best.samples_per_s:.2f}x the samples/s)"
         if keep is not None

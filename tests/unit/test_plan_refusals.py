@@ -98,3 +98,14 @@ def test_nothing_fits_recommends_nothing_and_prints_no_launch_line(capsys):
     assert not out["recommended"] and not any(out["fits"].values())
     assert "Nothing fits 8 x NVIDIA H200" in text and "no split is recommended" in text
     assert "torchrun" not in text and not [ln for ln in text.splitlines() if ln.startswith("Recommended")]
+
+
+def test_a_drafter_the_eval_copy_pushes_over_is_told_that_cause_and_its_lever(capsys):
+    """With ``eval.every`` each drafter holds the whole target to verify with (50.1 GiB of Qwen3.6-27B
+    on a 96 GB card): the configured run's fix names it and ``eval.every=0``, not sharding alone."""
+    out = run(_compose("experiment=qwen3_6_27b_rtx6000", "plan.gpu=rtx_pro_6000", "eval.every=500"))
+    text = capsys.readouterr().out
+    assert out["memory_gib"]["drafter"] <= 85.4 and not out["configured_fits"]["drafter"]
+    fix = out["fits_with"]["drafter"]
+    assert "50.1 GiB of it is the periodic eval's copy of the target (eval.every=500)" in fix
+    assert "set eval.every=0" in fix and f"To fit a drafter as configured: {fix}" in text
