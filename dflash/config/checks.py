@@ -286,15 +286,6 @@ def config_problems(cfg: Config, world_size: int) -> list[str]:
     return list(p)
 
 
-def sizing_problems(cfg: Config) -> list[str]:
-    """The problems of what the planner prices without a topology: the drafter's and the data's
-    numbers (``python -m dflash.plan`` refuses them as training does)."""
-    p = _Problems()
-    _drafter_problems(cfg, p)
-    _data_problems(cfg, p)
-    return list(p)
-
-
 def layout_problems(d: DrafterConfig) -> list[str]:
     """Problems of ``drafter.layer_types`` / ``sliding_window`` / ``partial_rotary_factor`` alone."""
     p: list[str] = []

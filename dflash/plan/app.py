@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config import Config, PlanConfig, register_configs, to_config
-from dflash.config.checks import raise_problems, sizing_problems
+from dflash.config.checks import raise_problems
 from dflash.plan.gpus import gpu_problems, resolve_inputs
 from dflash.plan.search import pinned_fields, search
 from dflash.plan.tables import (
@@ -37,6 +37,7 @@ from dflash.plan.tables import (
     summary,
 )
 from dflash.sizing.fit import anchor_caps
+from dflash.sizing.inputs import DEFAULT_MEAN_SAMPLE_TOKENS
 
 register_configs()
 
@@ -86,8 +87,22 @@ def plan_config(dcfg: DictConfig) -> Config:
     if OmegaConf.is_missing(dcfg.data, "path"):
         dcfg.data.path = ""
     cfg = to_config(dcfg)
-    raise_problems(plan_problems(cfg.plan) + sizing_problems(cfg), "plan")
+    raise_problems(plan_problems(cfg.plan) + packet_problems(cfg), "plan")
     return cfg
+
+
+def packet_problems(cfg: Config) -> list[str]:
+    """A packet size that holds no sample the plan would price (the mean sample, or ``data.max_length``
+    when shorter); a budget below ``data.max_length`` is allowed here (training refuses it), so small
+    shapes can be planned."""
+    sample = min(cfg.data.max_length, cfg.plan.mean_sample_tokens or DEFAULT_MEAN_SAMPLE_TOKENS)
+    if cfg.data.token_budget >= sample:
+        return []
+    return [
+        f"data.token_budget={cfg.data.token_budget}: a packet must hold at least one sample, and the planned "
+        f"ones have {sample} tokens (plan.mean_sample_tokens, or data.max_length when shorter); set "
+        f"data.token_budget={cfg.data.max_length} or more (training needs data.max_length)"
+    ]
 
 
 def run(dcfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:

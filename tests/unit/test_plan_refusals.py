@@ -54,9 +54,12 @@ def _compose(*more: str):
         ("plan.num_samples=0", "plan.num_samples=0: must be >= 1 or null"),
         (
             "data.token_budget=1",
-            "data.token_budget=1 < data.max_length=3072: a packet must hold the longest sample",
+            "data.token_budget=1: a packet must hold at least one sample, and the planned ones have 1024 tokens",
         ),
-        ("drafter.hidden_noise_std=nan", "drafter.hidden_noise_std=nan: must be a finite number >= 0"),
+        (
+            "data.token_budget=512",
+            "data.token_budget=512: a packet must hold at least one sample, and the planned ones have 1024 tokens",
+        ),
     ],
 )
 def test_an_impossible_figure_is_refused_in_one_line_naming_the_field(override, needle):
