@@ -95,8 +95,7 @@ def export_config(arch: DrafterArch, target_num_layers: int, dtype: torch.dtype)
         block_size=arch.block_size,
         num_target_layers=target_num_layers,
         dflash_config=dflash_config,
-        is_neox_style=ROPE_IS_NEOX_STYLE,
-        sample_from_anchor=SAMPLE_FROM_ANCHOR,
+        **{key: ours for key, (ours, _) in SERVING_CONTRACT.items()},
         rope_parameters=rope,
         rope_theta=rope["rope_theta"],
         rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
@@ -150,9 +149,18 @@ def _layout_of(config: dict, num_layers: int) -> tuple[list[str], int | None]:
     return types, window
 
 
-SERVING_CONTRACT = {"is_neox_style": ROPE_IS_NEOX_STYLE, "sample_from_anchor": SAMPLE_FROM_ANCHOR}
-"""The serving-contract fields of an export and the one value each may have here."""
-
+SERVING_CONTRACT = {
+    "is_neox_style": (
+        ROPE_IS_NEOX_STYLE,
+        "its heads' RoPE rotated in interleaved pairs; this drafter rotates halves (GPT-NeoX)",
+    ),
+    "sample_from_anchor": (
+        SAMPLE_FROM_ANCHOR,
+        "slot k predicting the token at anchor + k + 1; this drafter's slot k predicts anchor + k",
+    ),
+}
+"""The serving-contract fields of an export: the one value each may have here, and what another
+value would say the drafter was trained with."""
 
 HEAD_TRANSFORMS = {"final_logit_softcapping": None, "output_multiplier": 1.0}
 """``dflash_config`` keys of published DFlash2 layouts (z-lab's fixture) that change the logits of the
@@ -160,10 +168,9 @@ target head the drafter shares, and the value that leaves them unchanged: this p
 decoder apply the target's head as it is."""
 
 
-def _serving_contract_problem(config: dict) -> str | None:
-    """Why the export's ``is_neox_style`` / ``sample_from_anchor`` (top level or in ``dflash_config``)
-    are not what this drafter trains, or its head transforms (:data:`HEAD_TRANSFORMS`) not the plain
-    head; None when absent (the engines' defaults are ours) or equal."""
+def _head_transform_problem(config: dict) -> str | None:
+    """Why the export's head transforms (:data:`HEAD_TRANSFORMS`) are not the plain head; None when
+    absent or plain."""
     dcfg = config.get("dflash_config") or {}
     for key, plain in HEAD_TRANSFORMS.items():
         value = dcfg.get(key, plain)
@@ -173,14 +180,16 @@ def _serving_contract_problem(config: dict) -> str | None:
                 f"with this transform, which this pipeline's loss, eval and decoder do not apply (they use the "
                 "target's head as it is), so it would evaluate and fine-tune a different model"
             )
-    for key, ours in SERVING_CONTRACT.items():
+    return None
+
+
+def _serving_contract_problem(config: dict) -> str | None:
+    """Why the export's ``is_neox_style`` / ``sample_from_anchor`` (top level or in ``dflash_config``)
+    are not what this drafter trains; None when absent (the engines' defaults are ours) or equal."""
+    dcfg = config.get("dflash_config") or {}
+    for key, (ours, what) in SERVING_CONTRACT.items():
         for where, value in ((key, config.get(key)), (f"dflash_config.{key}", dcfg.get(key))):
             if value is not None and value is not ours:
-                what = (
-                    "its heads' RoPE rotated in interleaved pairs; this drafter rotates halves (GPT-NeoX)"
-                    if key == "is_neox_style"
-                    else "slot k predicting the token at anchor + k + 1; this drafter's slot k predicts anchor + k"
-                )
                 return (
                     f"{where}={json.dumps(value)}: the export says it was trained with {what}, so its weights "
                     f"would serve and evaluate wrongly here; only {key}={json.dumps(ours)} (or no {key}) loads"
@@ -241,7 +250,7 @@ def arch_from_export(config: dict) -> DrafterArch:
         layer_ids = _tap_ids_of(config)
         rope, partial = rope_from_config(config)
         layer_types, window = _layout_of(config, num_layers)
-        if (problem := _serving_contract_problem(config)) is not None:
+        if (problem := _head_transform_problem(config) or _serving_contract_problem(config)) is not None:
             raise ValueError(problem)
         return DrafterArch(
             hidden_size=config["hidden_size"],

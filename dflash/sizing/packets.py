@@ -29,7 +29,6 @@ static shape).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -202,7 +201,7 @@ def _shape(
     rows = float((per.offered * per.slots_per_anchor).sum()) * thinned
     positions = float(per.positions(torch.tensor(thinned), d.block_size).sum())
     static = static_shape(cfg)
-    tokens = int(docs.sum())
+    tokens = round(float(docs.sum()))  # samples of a fractional mean length: their rounded total
     return PacketShape(
         tokens=tokens,
         num_seqs=int(docs.numel()),
@@ -241,7 +240,6 @@ def plan_packets(cfg: Config, stats: DataStats) -> Packets:
         docs = torch.full((n,), length, dtype=torch.float64)
         total = round(n * length)
         one = _shape(cfg, stats, docs, computed=total, row=total, equal=True, cap=cap)
-        one = _with_tokens(one, total)
         offered = float(_SampleAnchors.of(docs, cfg, stats.supervised_fraction).offered.sum())
         mix = PacketMix(
             num_packets=1,
@@ -317,10 +315,6 @@ def plan_packets(cfg: Config, stats: DataStats) -> Packets:
         trained_by_packet=tuple(int(x) for x in kept.floor().tolist()),
     )
     return Packets(target, drafter, mean, mix, source)
-
-
-def _with_tokens(packet: PacketShape, tokens: int) -> PacketShape:
-    return dataclasses.replace(packet, tokens=tokens)
 
 
 def computed_blocks(mix: PacketMix, cap: int | None, chunks: int, skip_empty: bool) -> float:
